@@ -1,0 +1,203 @@
+"""The one decoding loop. Every strategy, `mtp generate`, streaming, the server's continuous batching,
+the pipeline and the benchmarks run `decode_step`; nothing else decodes.
+
+A sequence carries three lists of tokens that are not yet in its KV cache:
+- pending: decided tokens (the prompt, on the first pass; afterwards the tokens emitted last pass);
+- drafts:  proposals to be checked by this pass (`verify` only);
+- masks:   `<mtp_mask>` tokens appended to obtain guesses (mask proposer only).
+One step, for a batch of sequences (ragged rows, right-padded):
+  1. build each row's block: pending + drafts + masks, at positions cache_len, cache_len+1, ...
+  2. one forward pass over the batch; logits at the last pending position and every later one
+  3. accept: check the drafts against the model's own predictions (sampling.verify_drafts) ->
+     a accepted drafts and the model's own token after them
+  4. propose: the proposer's guesses for the tokens after that one (mask logits, heads, lookup)
+  5. emit by strategy: ntp -> the model's token; static -> it + all guesses; conf_adapt -> the
+     confident prefix of [it, guesses...]; verify -> accepted drafts + it, guesses become next drafts
+  6. commit pending + accepted drafts to the cache (rejected drafts and masks are simply not
+     committed: rollback is not advancing the length), stop on EOS / stop string / length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .cache import KVCache
+from .metrics import DecodeStats
+from .proposers import Guesses, MaskProposer, PassView, Proposer
+from .sampling import SamplingParams, verify_drafts
+from .strategy import Strategy
+
+
+@dataclass
+class Sequence:
+    """One request being decoded: its strategy, sampling settings and decoding state."""
+    prompt_ids: list[int]
+    strategy: Strategy
+    params: SamplingParams
+    proposer: Proposer
+    slot: int = 0  # its row in the KV cache
+    eos_ids: tuple[int, ...] = ()
+    decode_text: Callable[[list[int]], str] | None = None  # needed for stop strings
+    output: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(drafts), V]
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    text: str | None = None  # set when a stop string cut the output
+    gen: torch.Generator | None = None
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("empty prompt")
+        if not self.pending:
+            self.pending = list(self.prompt_ids)
+        if self.gen is None and self.params.seed is not None:
+            self.gen = torch.Generator().manual_seed(self.params.seed)
+        if self.strategy.kind == "conf_adapt" and not self.proposer.has_confidence:
+            raise ValueError(f"conf_adapt needs a proposer with confidences, not {self.proposer.name!r}")
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def n_appended(self) -> int:
+        return self.proposer.n_appended(self.strategy.k) if self.strategy.k > 1 else 0
+
+
+def emit_count(strategy: Strategy, confidences: list[float]) -> int:
+    """How many of [model token, guess 1, guess 2, ...] the strategy emits unverified."""
+    if strategy.kind == "static":
+        return len(confidences)
+    if strategy.kind == "conf_adapt":
+        n = 0
+        while n < len(confidences) and confidences[n] >= strategy.tau:
+            n += 1
+        return max(n, 1)
+    return 1  # ntp, verify: only the model's own token
+
+
+def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None) -> list[list[int]]:
+    """Advance every sequence by one forward pass; return the tokens each one emitted."""
+    # 1. blocks: pending + drafts + masks, right-padded to a common length T
+    blocks, starts = [], []
+    for s in seqs:
+        n_mask = s.n_appended()
+        if n_mask and mask_id is None:
+            raise ValueError("this strategy needs a model with the <mtp_mask> token (an adapter)")
+        blocks.append(s.pending + s.drafts + [mask_id] * n_mask)
+        starts.append(cache.lengths[s.slot])
+    B, T = len(seqs), max(len(b) for b in blocks)
+    dev = model.device
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    for i, b in enumerate(blocks):
+        tokens[i, : len(b)] = torch.tensor(b)
+    positions = torch.tensor(starts).view(B, 1) + torch.arange(T).view(1, T)  # [B, T]
+    # logits needed from the last pending token on: e.g. pending=[a,b], drafts=[c], masks=[M,M]
+    # -> block [a,b,c,M,M], out rows 1..4 (predictions after b, after c, and the two masks)
+    first = [len(s.pending) - 1 for s in seqs]
+    N = max(len(b) - f for b, f in zip(blocks, first))
+    out_index = torch.tensor([[min(f + j, len(b) - 1) for j in range(N)] for b, f in zip(blocks, first)])
+    slots = torch.tensor([s.slot for s in seqs])
+    if slots.tolist() == list(range(B)):
+        slots = None
+    need_hidden = any(s.proposer.needs_hidden for s in seqs)
+
+    # 2. one forward pass
+    out = model(tokens.to(dev), positions.to(dev), cache=cache, slots=None if slots is None else slots.to(dev),
+                out_index=out_index.to(dev), return_hidden=need_hidden)
+    logits, hidden = out if need_hidden else (out, None)
+    logits = logits.float().cpu()
+    if mask_id is not None and mask_id < logits.shape[-1]:
+        logits[..., mask_id] = float("-inf")  # the mask token is never a prediction
+    if hidden is not None:
+        hidden = hidden.cpu()
+
+    emitted_all = []
+    for i, s in enumerate(seqs):
+        D = len(s.drafts)
+        lg = logits[i]  # [N, V]: row j predicts the token after block position first+j
+        # 3. accept drafts against the model's own predictions
+        a, own = verify_drafts(lg[: D + 1], s.drafts, s.draft_probs, s.params, s.gen)
+        own_conf = float(torch.softmax(lg[a], -1).max())
+        # 4. guesses for what follows `own`
+        context = s.prompt_ids + s.output + s.drafts[:a] + [own]
+        view = PassView(context=context, mask_logits=lg[D + 1: D + 1 + s.n_appended()],
+                        hidden=hidden[i, a] if hidden is not None else None,
+                        all_drafts_accepted=a == D)
+        guesses = s.proposer.propose(view, s.strategy.k, s.params, s.gen) if s.strategy.k > 1 else Guesses.none()
+        # 5. emit by strategy
+        preds, confs = [own] + guesses.tokens, [own_conf] + guesses.confidences
+        n = emit_count(s.strategy, confs)
+        new = preds[:n]
+        emitted = s.drafts[:a] + new
+        confs_emitted = [1.0] * a + confs[:n]
+        # 6. commit: pending tokens and accepted drafts now hold valid KV; the rest is dropped
+        cache.commit(s.slot, len(s.pending) + a)
+        s.pending = new
+        if s.strategy.kind == "verify":
+            s.drafts, s.draft_probs = guesses.tokens, guesses.probs
+        else:
+            s.drafts, s.draft_probs = [], None
+        emitted, produced = _append_output(s, emitted)
+        s.stats.record_pass(produced, confs_emitted)
+        emitted_all.append(emitted)
+    return emitted_all
+
+
+def _append_output(s: Sequence, tokens: list[int]) -> tuple[list[int], int]:
+    """Add tokens to the output, stopping exactly at EOS, a stop string or max_new_tokens.
+
+    Returns (tokens delivered, tokens the pass produced: the delivered ones plus an EOS it hit)."""
+    room = s.params.max_new_tokens - len(s.output)
+    tokens = tokens[:room]
+    produced = len(tokens)
+    for j, t in enumerate(tokens):
+        if t in s.eos_ids:
+            tokens = tokens[:j]
+            produced = j + 1
+            s.finish_reason = "stop"
+            break
+    s.output.extend(tokens)
+    if s.params.stop and s.decode_text is not None and tokens:
+        text = s.decode_text(s.output)
+        hits = [text.find(x) for x in s.params.stop if x and x in text]
+        if hits:
+            cut = min(hits)
+            s.text = text[:cut]
+            keep = len(s.output)
+            while keep > 0 and len(s.decode_text(s.output[:keep])) > cut:
+                keep -= 1
+            dropped = len(s.output) - keep
+            del s.output[keep:]
+            tokens = tokens[: max(0, len(tokens) - dropped)]
+            s.finish_reason = "stop"
+    if not s.finished and len(s.output) >= s.params.max_new_tokens:
+        s.finish_reason = "length"
+    return tokens, produced
+
+
+def stream(model, seq: Sequence, mask_id: int | None, cache: KVCache | None = None) -> Iterator[list[int]]:
+    """Decode one sequence to the end, yielding the tokens of each forward pass as they come."""
+    if cache is None:
+        extra = max(seq.strategy.k, 1) * 2 + 2
+        cache = KVCache.for_model(model, 1, len(seq.prompt_ids) + seq.params.max_new_tokens + extra)
+        seq.slot = 0
+    cache.reset(seq.slot)
+    seq.stats = DecodeStats()
+    with torch.inference_mode():
+        while not seq.finished:
+            yield decode_step(model, cache, [seq], mask_id)[0]
+
+
+def generate(model, prompt_ids: list[int], strategy: Strategy | str = "ntp", params: SamplingParams | None = None,
+             proposer: Proposer | None = None, mask_id: int | None = None, eos_ids=(), decode_text=None) -> Sequence:
+    """Decode one prompt to the end and return the finished Sequence (output, stats, finish reason)."""
+    strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+    seq = Sequence(list(prompt_ids), strategy, params or SamplingParams(), proposer or MaskProposer(),
+                   eos_ids=tuple(eos_ids), decode_text=decode_text)
+    for _ in stream(model, seq, mask_id if mask_id is not None else model.config.mask_token_id):
+        pass
+    return seq

@@ -1,0 +1,172 @@
+"""Engine: a loaded model with its tokenizer, adapter and proposer, ready to decode text.
+
+The glue every front end shares (CLI, server, benchmarks, pipeline): prompt encoding with the chat
+template, context-window checks, proposer construction, and turning a finished `decode.Sequence`
+into a result with the metrics of `mtp.metrics`. The decoding itself is `mtp.decode`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import loading
+from .decode import Sequence, stream
+from .proposers import Proposer, make_proposer
+from .sampling import SamplingParams
+from .strategy import Strategy
+
+ASSETS = Path(__file__).parent / "assets"
+SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads per embedded model
+
+
+@dataclass
+class EngineConfig:
+    model: str = loading.DEFAULT_MODEL
+    adapter: str | None = "auto"  # directory, 'auto' (shipped, if any) or 'none'
+    proposer: str = "mask"  # mask | heads | lookup
+    heads: str | None = "auto"
+    threads: int = 0
+    device: str = "cpu"
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    strategy: str
+    summary: dict
+    chunks: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "strategy": self.strategy, **self.summary, "chunks": self.chunks}
+
+
+class Engine:
+    def __init__(self, loaded: loading.Loaded, config: EngineConfig):
+        self.loaded, self.config = loaded, config
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.adapter_dir: Path | None = None
+        self.heads_dir: Path | None = None
+        self._heads_proposer: Proposer | None = None
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> "Engine":
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        if config.proposer not in ("mask", "heads", "lookup"):
+            raise ValueError(f"unknown proposer {config.proposer!r}; choose from heads, lookup, mask")
+        engine = cls(loading.load(config.model, device=config.device), config)
+        adapter = engine._resolve_asset(config.adapter, "adapter")
+        if adapter is not None:
+            from .adapter import load_adapter
+            load_adapter(engine.model, adapter)
+            engine.adapter_dir = adapter
+        if config.proposer == "heads":
+            heads = engine._resolve_asset(config.heads, "heads")
+            if heads is None:
+                raise ValueError("--proposer heads needs --heads DIR (no shipped heads for this model)")
+            from .heads import load_heads_proposer
+            engine._heads_proposer = load_heads_proposer(engine.model, heads)
+            engine.heads_dir = heads
+        return engine
+
+    def _resolve_asset(self, value: str | None, kind: str) -> Path | None:
+        if value in (None, "none", ""):
+            return None
+        if value == "auto":
+            shipped = SHIPPED.get(self.config.model)
+            path = shipped / kind if shipped else None
+            return path if path is not None and (path / "config.json").exists() else None
+        path = Path(value)
+        if not path.is_dir():
+            raise ValueError(f"{kind} directory not found: {value}")
+        return path
+
+    @property
+    def mask_id(self) -> int | None:
+        return self.model.config.mask_token_id
+
+    @property
+    def context_window(self) -> int:
+        return self.model.config.max_seq_len
+
+    def proposer(self) -> Proposer:
+        if self.config.proposer == "heads":
+            return self._heads_proposer
+        return make_proposer(self.config.proposer)
+
+    @staticmethod
+    def sampling(args) -> SamplingParams:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              max_new_tokens=args.max_new_tokens, stop=list(args.stop or []))
+
+    def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
+        """Text (or chat messages) -> token ids, with the model's chat template when asked."""
+        if isinstance(prompt, list) or (chat and getattr(self.tokenizer, "chat_template", None)):
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        if not ids:
+            raise ValueError("empty prompt")
+        return ids
+
+    def decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def new_sequence(self, prompt_ids: list[int], strategy: str | Strategy, params: SamplingParams) -> Sequence:
+        strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+        n = len(prompt_ids)
+        if n >= self.context_window:
+            raise ValueError(f"prompt of {n} tokens does not fit the context window of {self.context_window}")
+        if n + params.max_new_tokens > self.context_window:
+            raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                             f"context window of {self.context_window}")
+        if strategy.k > 1 and self.config.proposer == "mask" and self.mask_id is None:
+            raise ValueError(f"strategy {strategy} needs an MTP adapter (the model has no <mtp_mask> token); "
+                             "pass --adapter DIR or use ntp / --proposer lookup")
+        return Sequence(list(prompt_ids), strategy, params, self.proposer(), eos_ids=self.loaded.eos_ids,
+                        decode_text=self.decode_text)
+
+    def stream(self, seq: Sequence, cache=None):
+        return stream(self.model, seq, self.mask_id, cache)
+
+    def result(self, seq: Sequence) -> Result:
+        text = seq.text if seq.text is not None else self.decode_text(seq.output)
+        return Result(text=text, token_ids=list(seq.output), finish_reason=seq.finish_reason or "length",
+                      strategy=str(seq.strategy), summary=seq.stats.summary(seq.strategy.k),
+                      chunks=list(seq.stats.chunks), confidences=list(seq.stats.confidences),
+                      prompt_tokens=len(seq.prompt_ids))
+
+    def generate(self, prompt, strategy: str | Strategy = "ntp", params: SamplingParams | None = None,
+                 chat: bool = True) -> Result:
+        ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.encode(prompt, chat)
+        seq = self.new_sequence(ids, strategy, params or SamplingParams())
+        for _ in self.stream(seq):
+            pass
+        return self.result(seq)
+
+    def render_chunks(self, result: Result, html: bool = False) -> str:
+        """The text with each forward pass's tokens on one background colour (terminal or HTML)."""
+        colours = ["44", "42", "45", "46", "43", "41"]
+        pieces, i = [], 0
+        for j, n in enumerate(result.chunks):
+            ids = result.token_ids[i:i + n]
+            i += n
+            if not ids:
+                continue
+            # decode with the preceding text so multi-token characters come out whole
+            text = self.decode_text(result.token_ids[:i])[len(self.decode_text(result.token_ids[:i - n])):]
+            if html:
+                import html as h
+                pieces.append(f'<span class="c{j % 6}" title="pass {j}: {n} tokens">{h.escape(text)}</span>')
+            else:
+                pieces.append(f"\x1b[{colours[j % 6]}m{text}\x1b[0m")
+        return "".join(pieces)

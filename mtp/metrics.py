@@ -1,0 +1,103 @@
+"""Every decoding metric, defined once; the CLI, server, benchmarks and trainer all use these.
+
+Definitions (one forward pass = one call of the model on one block, the prompt's pass included):
+- tokens_per_forward: tokens emitted / forward passes ("Eff. k"; exactly 1.0 for `ntp`).
+- acceptance_by_position[i]: fraction of passes that emitted more than i tokens, i = 0..k_max-1
+  (position 0 is always 1.0; position 1 is how often the first proposal was kept, and so on).
+- time to first token (ttft_s): from the start of decoding to the end of the first pass.
+- tokens_per_s: tokens emitted / wall time.
+- oracle_tokens_per_forward(confidences, tau): the tokens per pass a ConfAdapt would reach if every
+  prediction were the model's own next-token prediction with its own top-1 probability: the emitted
+  sequence is cut into blocks greedily, each block the longest run with confidence >= tau (at
+  least one token, at most k_max).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    chunks: list[int] = field(default_factory=list)  # tokens emitted by each forward pass
+    confidences: list[float] = field(default_factory=list)  # top-1 prob of each emitted token
+    t_start: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_end: float | None = None
+
+    def record_pass(self, n_emitted: int, confidences: list[float]) -> None:
+        self.chunks.append(n_emitted)
+        self.confidences.extend(confidences[:n_emitted])
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        self.t_end = now
+
+    @property
+    def forward_passes(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.chunks)
+
+    @property
+    def wall_s(self) -> float:
+        return (self.t_end or time.perf_counter()) - self.t_start
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.t_first or time.perf_counter()) - self.t_start
+
+    def summary(self, k_max: int | None = None) -> dict:
+        return {
+            "forward_passes": self.forward_passes,
+            "tokens_per_forward": tokens_per_forward(self.chunks),
+            "acceptance_by_position": acceptance_by_position(self.chunks, k_max),
+            "ttft_s": round(self.ttft_s, 4),
+            "wall_s": round(self.wall_s, 4),
+            "tokens_per_s": tokens_per_s(self.tokens, self.wall_s),
+        }
+
+
+def tokens_per_forward(chunks: list[int]) -> float:
+    return sum(chunks) / len(chunks) if chunks else 0.0
+
+
+def tokens_per_s(tokens: int, wall_s: float) -> float:
+    return tokens / wall_s if wall_s > 0 else 0.0
+
+
+def acceptance_by_position(chunks: list[int], k_max: int | None = None) -> list[float]:
+    if not chunks:
+        return []
+    k = k_max or max(chunks)
+    return [sum(1 for c in chunks if c > i) / len(chunks) for i in range(k)]
+
+
+def oracle_tokens_per_forward(confidences: list[float], tau: float, k_max: int = 16) -> float:
+    if not confidences:
+        return 0.0
+    passes, i = 0, 0
+    while i < len(confidences):
+        n = 0
+        while n < k_max and i + n < len(confidences) and confidences[i + n] >= tau:
+            n += 1
+        i += max(n, 1)
+        passes += 1
+    return len(confidences) / passes
+
+
+def merge(stats: list[DecodeStats], k_max: int | None = None) -> dict:
+    """Aggregate over several runs: pooled passes and tokens, summed wall time."""
+    chunks = [c for s in stats for c in s.chunks]
+    wall = sum(s.wall_s for s in stats)
+    return {
+        "forward_passes": len(chunks),
+        "tokens": sum(chunks),
+        "tokens_per_forward": tokens_per_forward(chunks),
+        "acceptance_by_position": acceptance_by_position(chunks, k_max),
+        "wall_s": wall,
+        "tokens_per_s": tokens_per_s(sum(chunks), wall),
+        "ttft_s": sum(s.ttft_s for s in stats) / len(stats) if stats else 0.0,
+    }

@@ -1,0 +1,330 @@
+"""The lean Llama-family transformer every part of mtp runs on.
+
+Why our own model code instead of wrapping `transformers` modules: decoding needs a preallocated KV
+cache whose rollback is moving a position pointer (mtp.cache), training needs arbitrary attention
+masks with explicit RoPE position ids, and the mask-token adapters must act on mask positions only.
+Logits match `transformers` for every supported architecture (tests/test_model.py).
+
+Supported: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM/SmolLM2, Mistral, Qwen2/2.5 (q/k/v bias),
+Qwen3 (per-head q/k RMSNorm).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MASK_TOKEN = "<mtp_mask>"
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0 -> dim // n_heads
+    arch: str = "llama"
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_seq_len: int = 2048
+    mask_token_id: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Map a Hugging Face `config.json` dict onto our config; unsupported scope fails loudly."""
+        archs = hf.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+                hf.get("model_type", ""))
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
+                + ", ".join(sorted(SUPPORTED_ARCHITECTURES)))
+        n_heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            dim=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            intermediate_size=hf["intermediate_size"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            arch=arch,
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_scaling=hf.get("rope_scaling"),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+            mask_token_id=hf.get("mtp_mask_token_id"),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that accepts (and ignores) the adapter gate, so adapters can replace it in place."""
+
+    def forward(self, x, gate=None):
+        return super().forward(x)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind == "llama3":  # Llama 3.1 frequency-dependent scaling
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind not in (None, "default"):
+        raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r}")
+    return inv.float()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.q_proj = Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps)
+
+    def forward(self, x, cos, sin, mask, kv, gate):
+        # x: [B, T, dim]; cos/sin: [B, 1, T, hd]; mask: [B, 1, T, S] bool (True = attend)
+        B, T, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.q_proj(x, gate).view(B, T, -1, hd)
+        k = self.k_proj(x, gate).view(B, T, -1, hd)
+        v = self.v_proj(x, gate).view(B, T, -1, hd)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if kv is not None:  # write this block into the cache, then attend over the cache prefix
+            k, v = kv(k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1), gate)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x, gate):
+        return self.down_proj(F.silu(self.gate_proj(x, gate)) * self.up_proj(x, gate), gate)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, kv=None, gate=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, gate)
+        return x + self.mlp(self.post_attention_layernorm(x), gate)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. One `forward` serves decoding (with a KV cache) and training (with a mask)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.adapters_enabled = True  # False = the frozen base model (the teacher)
+        self.gated_adapters = True  # adapters act on mask positions only (see mtp.adapter)
+        self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    def rope(self, positions: torch.Tensor):
+        # positions: [B, T] -> cos, sin: [B, 1, T, head_dim]
+        need = int(positions.max()) + 1
+        if self._rope_cache is None or self._rope_cache[0] < need or self._rope_cache[1].device != positions.device:
+            n = max(need, self.config.max_seq_len, 64)
+            inv = rope_inv_freq(self.config).to(positions.device)
+            freqs = torch.outer(torch.arange(n, device=positions.device, dtype=torch.float32), inv)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_cache = (n, emb.cos(), emb.sin())
+        _, cos, sin = self._rope_cache
+        dtype = self.embed_tokens.weight.dtype
+        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+
+    @contextlib.contextmanager
+    def base_only(self):
+        """Run as the original model: adapters switched off (the teacher, without a second copy)."""
+        prev = self.adapters_enabled
+        self.adapters_enabled = False
+        try:
+            yield self
+        finally:
+            self.adapters_enabled = prev
+
+    def adapter_gate(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """[B, T] float gate for adapters: 1 at mask-token positions (gated) or everywhere (plain)."""
+        if not self.adapters_enabled or not getattr(self, "has_adapters", False):
+            return None
+        if not self.gated_adapters:
+            return torch.ones(tokens.shape, dtype=self.embed_tokens.weight.dtype, device=tokens.device)
+        mid = self.config.mask_token_id
+        is_mask = tokens == mid if mid is not None else torch.zeros_like(tokens, dtype=torch.bool)
+        if not bool(is_mask.any()):
+            return None  # plain passes skip adapter work entirely
+        return is_mask.to(self.embed_tokens.weight.dtype)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T]
+        positions: torch.Tensor | None = None,  # [B, T] RoPE positions (and cache slots)
+        cache=None,  # mtp.cache.KVCache; writes this block at `positions`
+        slots: torch.Tensor | None = None,  # [B] cache rows used by this batch (default: 0..B-1)
+        attn_mask: torch.Tensor | None = None,  # [B, T, T] bool (True = attend); default causal
+        out_index: torch.Tensor | None = None,  # [B, N] positions in the block whose logits we need
+        return_hidden: bool = False,
+    ):
+        """Returns logits [B, N or T, vocab] (and the last layer's hidden states at the same rows)."""
+        B, T = tokens.shape
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope(positions)
+        gate = self.adapter_gate(tokens)
+        if gate is not None:
+            gate = gate.unsqueeze(-1)  # [B, T, 1]
+        if cache is not None:
+            S = int(positions.max()) + 1
+            # query at position p sees cache slots 0..p: committed prefix + this block, causally.
+            # Stale slots beyond p (rejected drafts, old masks) are never visible.
+            mask = torch.arange(S, device=tokens.device).view(1, 1, S) <= positions.unsqueeze(-1)
+            mask = mask.unsqueeze(1)  # [B, 1, T, S]
+        elif attn_mask is not None:
+            mask = attn_mask.unsqueeze(1)
+        else:
+            mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, 1, T, T)
+        for i, layer in enumerate(self.layers):
+            kv = cache.writer(i, positions, slots) if cache is not None else None
+            x = layer(x, cos, sin, mask, kv, gate)
+        if out_index is not None:
+            x = x.gather(1, out_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        logits = self.lm_head(self.norm(x))
+        return (logits, x) if return_hidden else logits
+
+
+def add_mask_token(model: Transformer, n_used_tokens: int | None = None, seed: int = 0) -> int:
+    """Give the model the special `<mtp_mask>` token; return its id.
+
+    Reuses an unused padded vocabulary row when the embedding matrix has one (rows beyond the
+    tokenizer's `n_used_tokens`), else grows input and output embeddings by one row. The row is
+    initialised from the mean and standard deviation of the existing rows (per dimension).
+    """
+    cfg = model.config
+    if cfg.mask_token_id is not None:
+        return cfg.mask_token_id
+    emb = model.embed_tokens.weight
+    gen = torch.Generator().manual_seed(seed)
+    n_used = n_used_tokens if n_used_tokens is not None else cfg.vocab_size
+    with torch.no_grad():
+        def init_row(w):
+            ref = w[:n_used].float()
+            return (ref.mean(0) + ref.std(0) * torch.randn(w.shape[1], generator=gen)).to(w.dtype)
+
+        if n_used < cfg.vocab_size:
+            mid = n_used
+            emb[mid] = init_row(emb)
+            if not cfg.tie_embeddings:
+                model.lm_head.weight[mid] = init_row(model.lm_head.weight)
+        else:
+            mid = cfg.vocab_size
+            new_emb = nn.Embedding(cfg.vocab_size + 1, cfg.dim, dtype=emb.dtype, device=emb.device)
+            new_emb.weight[:-1] = emb
+            new_emb.weight[-1] = init_row(emb)
+            old_head = model.lm_head.weight
+            model.embed_tokens = new_emb
+            model.lm_head = nn.Linear(cfg.dim, cfg.vocab_size + 1, bias=False, dtype=emb.dtype, device=emb.device)
+            if cfg.tie_embeddings:
+                model.lm_head.weight = model.embed_tokens.weight
+            else:
+                model.lm_head.weight[:-1] = old_head
+                model.lm_head.weight[-1] = init_row(old_head)
+            cfg.vocab_size += 1
+    cfg.mask_token_id = mid
+    return mid

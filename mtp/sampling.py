@@ -1,0 +1,104 @@
+"""Turning logits into tokens: greedy, temperature/top-k/top-p, and lossless rejection sampling.
+
+Rejection sampling (Leviathan et al. 2023; Chen et al. 2023), for a draft token d proposed with
+probability q(d) where the target model gives p(d):
+- accepted: d is kept with probability min(1, p(d) / q(d));
+- recovered: at the first rejection a token is drawn from norm(max(0, p - q)) and the block ends;
+- bonus: when every draft is accepted, one more token is drawn from p at the position after them.
+The emitted sequence is then distributed exactly as plain sampling from p. With greedy decoding
+(temperature 0) this reduces to "accept while the draft equals the argmax", and the bonus or
+recovered token is the argmax itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[N, V] logits -> [N, V] probabilities after temperature, top-k and top-p filtering."""
+    logits = logits.float() / max(params.temperature, 1e-6)
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """[N, V] probabilities -> [N] tokens."""
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
+    """[N, V] logits -> ([N] tokens, [N, V] probs or None under greedy)."""
+    if params.greedy:
+        return logits.argmax(-1), None
+    probs = probs_from_logits(logits, params)
+    return sample(probs, gen), probs
+
+
+def verify_drafts(
+    target_logits: torch.Tensor,  # [D+1, V] the model's logits at the last committed token and each draft
+    drafts: list[int],  # D proposed tokens
+    draft_probs: torch.Tensor | None,  # [D, V] proposal distributions; None = deterministic drafts
+    params: SamplingParams,
+    gen: torch.Generator | None,
+) -> tuple[int, int]:
+    """Return (number of drafts accepted a, the model's own token after them: bonus or recovered)."""
+    D = len(drafts)
+    if params.greedy:
+        model_tokens = target_logits.argmax(-1).tolist()  # [D+1]
+        a = 0
+        while a < D and drafts[a] == model_tokens[a]:
+            a += 1
+        return a, model_tokens[a]
+    p = probs_from_logits(target_logits, params)  # [D+1, V]
+    for i, d in enumerate(drafts):
+        q = draft_probs[i] if draft_probs is not None else None
+        qd = float(q[d]) if q is not None else 1.0
+        pd = float(p[i, d])
+        u = float(torch.rand((), generator=gen))
+        if u < min(1.0, pd / max(qd, 1e-20)):
+            continue
+        if q is not None:
+            residual = torch.clamp(p[i] - q, min=0.0)
+        else:
+            residual = p[i].clone()
+            residual[d] = 0.0
+        s = residual.sum()
+        residual = residual / s if s > 0 else p[i]
+        return i, int(sample(residual.unsqueeze(0), gen))
+    return D, int(sample(p[D:D + 1], gen))
