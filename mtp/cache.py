@@ -23,6 +23,8 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, rows: int, capacity: int) -> "KVCache":
+        if hasattr(model, "new_cache"):  # a pipeline stage caches only its own layers (mtp.pipeline)
+            return model.new_cache(rows, capacity)
         cfg = model.config
         w = model.embed_tokens.weight
         return cls(cfg.n_layers, rows, cfg.n_kv_heads, capacity, cfg.head_dim, w.dtype, w.device)
@@ -45,6 +47,15 @@ class KVCache:
 
     def reset(self, row: int) -> None:
         self.lengths[row] = 0
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row `src`'s committed prefix into row `dst` (the server keeps active rows contiguous,
+        so a batch pass reads a view of the cache instead of gathering rows)."""
+        n = self.lengths[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
 
     def writer(self, layer: int, positions: torch.Tensor, slots: torch.Tensor | None):
         """A function (k, v) -> (keys, values) for one layer's attention.

@@ -48,6 +48,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     text: str | None = None  # set when a stop string cut the output
     gen: torch.Generator | None = None
+    k_override: int | None = None  # a scheduler's cap on K for the next pass (mtp.scheduler); None = strategy.k
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -63,8 +64,14 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def k(self) -> int:
+        """Block size for the next pass: the strategy's K, or less when a scheduler capped it."""
+        k = self.strategy.k
+        return k if self.k_override is None else max(1, min(k, self.k_override))
+
     def n_appended(self) -> int:
-        return self.proposer.n_appended(self.strategy.k) if self.strategy.k > 1 else 0
+        return self.proposer.n_appended(self.k) if self.k > 1 else 0
 
 
 def emit_count(strategy: Strategy, confidences: list[float]) -> int:
@@ -84,6 +91,9 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
     # 1. blocks: pending + drafts + masks, right-padded to a common length T
     blocks, starts = [], []
     for s in seqs:
+        if len(s.drafts) > s.k - 1:  # a capped K checks fewer drafts (still lossless)
+            s.drafts = s.drafts[: s.k - 1]
+            s.draft_probs = None if s.draft_probs is None else s.draft_probs[: s.k - 1]
         n_mask = s.n_appended()
         if n_mask and mask_id is None:
             raise ValueError("this strategy needs a model with the <mtp_mask> token (an adapter)")
@@ -127,7 +137,7 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         view = PassView(context=context, mask_logits=lg[D + 1: D + 1 + s.n_appended()],
                         hidden=hidden[i, a] if hidden is not None else None,
                         all_drafts_accepted=a == D)
-        guesses = s.proposer.propose(view, s.strategy.k, s.params, s.gen) if s.strategy.k > 1 else Guesses.none()
+        guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 else Guesses.none()
         # 5. emit by strategy
         preds, confs = [own] + guesses.tokens, [own_conf] + guesses.confidences
         n = emit_count(s.strategy, confs)
@@ -142,7 +152,7 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         else:
             s.drafts, s.draft_probs = [], None
         emitted, produced = _append_output(s, emitted)
-        s.stats.record_pass(produced, confs_emitted)
+        s.stats.record_pass(produced, confs_emitted, len(blocks[i]))
         emitted_all.append(emitted)
     return emitted_all
 

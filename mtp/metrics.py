@@ -6,6 +6,12 @@ Definitions (one forward pass = one call of the model on one block, the prompt's
   (position 0 is always 1.0; position 1 is how often the first proposal was kept, and so on).
 - time to first token (ttft_s): from the start of decoding to the end of the first pass.
 - tokens_per_s: tokens emitted / wall time.
+- mean_block_tokens: tokens fed to the model per pass (pending + drafts + masks), the q of the
+  cost model t(q) in mtp.costmodel; prompt passes excluded by the caller when it wants steady state.
+- speedup (vs a reference): tokens_per_s / reference tokens_per_s, both from the same run.
+- match_rate: fraction of items equal to their reference (exact_match of whole outputs against the
+  `ntp` output, answer_agreement of extracted answers, accuracy against gold answers).
+- rougeL: mean ROUGE-L F1 of outputs against references (the `rouge-score` package).
 - oracle_tokens_per_forward(confidences, tau): the tokens per pass a ConfAdapt would reach if every
   prediction were the model's own next-token prediction with its own top-1 probability: the emitted
   sequence is cut into blocks greedily, each block the longest run with confidence >= tau (at
@@ -21,12 +27,15 @@ from dataclasses import dataclass, field
 class DecodeStats:
     chunks: list[int] = field(default_factory=list)  # tokens emitted by each forward pass
     confidences: list[float] = field(default_factory=list)  # top-1 prob of each emitted token
+    blocks: list[int] = field(default_factory=list)  # tokens in each pass's block (pending+drafts+masks)
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_end: float | None = None
 
-    def record_pass(self, n_emitted: int, confidences: list[float]) -> None:
+    def record_pass(self, n_emitted: int, confidences: list[float], block_tokens: int | None = None) -> None:
         self.chunks.append(n_emitted)
+        if block_tokens is not None:
+            self.blocks.append(block_tokens)
         self.confidences.extend(confidences[:n_emitted])
         now = time.perf_counter()
         if self.t_first is None:
@@ -73,6 +82,44 @@ def acceptance_by_position(chunks: list[int], k_max: int | None = None) -> list[
         return []
     k = k_max or max(chunks)
     return [sum(1 for c in chunks if c > i) / len(chunks) for i in range(k)]
+
+
+def mean_block_tokens(blocks: list[int]) -> float:
+    return sum(blocks) / len(blocks) if blocks else 0.0
+
+
+def speedup(tokens_per_s_run: float, tokens_per_s_reference: float) -> float | None:
+    return tokens_per_s_run / tokens_per_s_reference if tokens_per_s_reference > 0 else None
+
+
+def match_rate(values: list, references: list) -> float | None:
+    """Fraction of positions where value == reference (None values never match); None if empty."""
+    if len(values) != len(references):
+        raise ValueError(f"match_rate: {len(values)} values against {len(references)} references")
+    if not values:
+        return None
+    return sum(1 for v, r in zip(values, references) if v is not None and v == r) / len(values)
+
+
+def rouge_l(predictions: list[str], references: list[str]) -> float | None:
+    """Mean ROUGE-L F1 (rouge-score, with stemming) of each prediction against its reference."""
+    if len(predictions) != len(references):
+        raise ValueError(f"rouge_l: {len(predictions)} predictions against {len(references)} references")
+    if not predictions:
+        return None
+    from rouge_score import rouge_scorer
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return sum(scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references)) / len(predictions)
+
+
+def median_spread(values: list[float]) -> tuple[float, float, float] | None:
+    """(median, min, max) of repeated measurements; None if there are none."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    n = len(vals)
+    med = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
+    return med, vals[0], vals[-1]
 
 
 def oracle_tokens_per_forward(confidences: list[float], tau: float, k_max: int = 16) -> float:

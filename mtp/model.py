@@ -68,6 +68,10 @@ class ModelConfig:
                 f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
                 + ", ".join(sorted(SUPPORTED_ARCHITECTURES)))
         n_heads = hf["num_attention_heads"]
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # transformers 5 / 4 names
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        if rope.get("rope_type", rope.get("type")) in (None, "default"):
+            rope = {}
         return cls(
             vocab_size=hf["vocab_size"],
             dim=hf["hidden_size"],
@@ -77,8 +81,8 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
             arch=arch,
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=hf.get("rope_scaling"),
+            rope_theta=theta,
+            rope_scaling=rope or None,
             norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", arch == "qwen2")),
@@ -216,8 +220,8 @@ class Transformer(nn.Module):
     def device(self):
         return self.embed_tokens.weight.device
 
-    def rope(self, positions: torch.Tensor):
-        # positions: [B, T] -> cos, sin: [B, 1, T, head_dim]
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype | None = None):
+        # positions: [B, T] -> cos, sin: [B, 1, T, head_dim] (in `dtype`, default the embeddings')
         need = int(positions.max()) + 1
         if self._rope_cache is None or self._rope_cache[0] < need or self._rope_cache[1].device != positions.device:
             n = max(need, self.config.max_seq_len, 64)
@@ -226,7 +230,7 @@ class Transformer(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             self._rope_cache = (n, emb.cos(), emb.sin())
         _, cos, sin = self._rope_cache
-        dtype = self.embed_tokens.weight.dtype
+        dtype = dtype or self.embed_tokens.weight.dtype
         return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
 
     @contextlib.contextmanager
@@ -266,23 +270,38 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         x = self.embed_tokens(tokens)
-        cos, sin = self.rope(positions)
         gate = self.adapter_gate(tokens)
         if gate is not None:
             gate = gate.unsqueeze(-1)  # [B, T, 1]
+        x = self.forward_layers(x, positions, cache, slots, attn_mask, gate)
+        return self.forward_head(x, out_index, return_hidden)
+
+    def forward_layers(self, x, positions, cache=None, slots=None, attn_mask=None, gate=None):
+        """Run every block of `self.layers` over hidden states x [B, T, dim] -> [B, T, dim].
+
+        Split out of `forward` so a pipeline stage (mtp.pipeline), whose `layers` is its slice of the
+        model, runs the same code on hidden states it received; its `cache` holds just those layers.
+        gate: [B, T, 1] adapter gate or None."""
+        B, T = x.shape[:2]
+        cos, sin = self.rope(positions, x.dtype)
         if cache is not None:
             S = int(positions.max()) + 1
             # query at position p sees cache slots 0..p: committed prefix + this block, causally.
             # Stale slots beyond p (rejected drafts, old masks) are never visible.
-            mask = torch.arange(S, device=tokens.device).view(1, 1, S) <= positions.unsqueeze(-1)
+            mask = torch.arange(S, device=x.device).view(1, 1, S) <= positions.unsqueeze(-1)
             mask = mask.unsqueeze(1)  # [B, 1, T, S]
         elif attn_mask is not None:
             mask = attn_mask.unsqueeze(1)
         else:
-            mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, 1, T, T)
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, 1, T, T)
         for i, layer in enumerate(self.layers):
             kv = cache.writer(i, positions, slots) if cache is not None else None
             x = layer(x, cos, sin, mask, kv, gate)
+        return x
+
+    def forward_head(self, x, out_index=None, return_hidden: bool = False):
+        """Hidden states [B, T, dim] -> logits [B, N or T, vocab] at rows `out_index` [B, N] (and the
+        hidden states at those rows when `return_hidden`)."""
         if out_index is not None:
             x = x.gather(1, out_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         logits = self.lm_head(self.norm(x))

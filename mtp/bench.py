@@ -1,0 +1,450 @@
+"""`mtp bench`: speed and quality of decoding strategies side by side, against peers, on one machine.
+
+Protocol (so that the numbers can be trusted):
+1. every row (a strategy, or a peer) decodes every prompt; `ntp` always runs and is the reference;
+2. rows alternate prompt by prompt, with their order rotated each time, so machine drift (other
+   jobs, thermal state) falls on all rows alike; one short untimed warm-up per row comes first;
+3. each prompt is decoded `--repeats` times per row; tokens/s is computed per repeat over all
+   prompts, reported as median and spread, and `speedup_vs_ntp` is the per-repeat ratio against the
+   `ntp` row on the same prompts (its median and spread);
+4. quality compares the first repeat's outputs with `ntp`'s (greedy decoding, so repeats agree);
+5. with `--profile`, the cost model of mtp.costmodel predicts each row's speedup from its block
+   sizes and acceptance, printed beside the measured one.
+Decoding goes through the engine (mtp.decode's loop); every number comes from mtp.metrics.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import gsm8k, metrics
+from .peers import PEERS, make_peer, parse_baselines
+from .sampling import SamplingParams
+from .strategy import Strategy, expand_sweep
+
+WARMUP_TOKENS = 8
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+def load_data(spec: str, limit: int | None = None) -> tuple[str, list[dict]]:
+    """`gsm8k:PATH` or `prompts:PATH` -> (kind, [{"prompt", "gold"?}]) of the first `limit` items."""
+    kind, sep, path = (spec or "").partition(":")
+    if not sep or kind not in ("gsm8k", "prompts") or not path:
+        raise ValueError(f"bad --data {spec!r}; expected gsm8k:PATH or prompts:PATH")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"data not found: {path}")
+    if kind == "gsm8k":
+        items = gsm8k.load(p, limit)
+    else:
+        items = []
+        for n, line in enumerate(gsm8k.read_lines(p), 1):
+            row = gsm8k.parse_json_line(line, p, n)
+            prompt = row.get("prompt")
+            if prompt is None and isinstance(row.get("turns"), list) and row["turns"]:
+                first = row["turns"][0]  # MT-Bench / Spec-Bench style: the first turn is the prompt
+                prompt = first.get("content") if isinstance(first, dict) else first
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"{p}:{n}: needs a non-empty 'prompt' string or a 'turns' list")
+            items.append({"prompt": prompt})
+            if limit is not None and len(items) >= limit:
+                break
+    if not items:
+        raise ValueError(f"no items in {path}")
+    return kind, items
+
+
+def parse_strategies(text: str) -> list[Strategy]:
+    """The sweep list with `ntp` first (always run: it is the reference), duplicates dropped."""
+    out = [Strategy.parse("ntp")]
+    for s in expand_sweep(text or "ntp"):
+        if s not in out:
+            out.append(s)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+@dataclass
+class Run:
+    """One row's decoding of one prompt: the first repeat's output, every repeat's wall time."""
+    text: str
+    token_ids: list[int]
+    chunks: list[int] = field(default_factory=list)  # tokens emitted per pass (engine rows)
+    blocks: list[int] = field(default_factory=list)  # tokens fed per pass (engine rows)
+    confidences: list[float] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
+    result: object = None  # engine.Result, kept for the chunk view
+
+
+@dataclass
+class Row:
+    name: str
+    strategy: Strategy | None = None  # engine rows
+    peer: object = None  # peers.Peer
+    runs: dict[int, Run] = field(default_factory=dict)  # prompt index -> run
+    error: str | None = None
+    skipped: str | None = None
+
+    @property
+    def is_peer(self) -> bool:
+        return self.strategy is None
+
+    @property
+    def active(self) -> bool:
+        return self.error is None and self.skipped is None
+
+
+@dataclass
+class BenchConfig:
+    strategies: list[Strategy]
+    baselines: list[str] = field(default_factory=list)
+    repeats: int = 1
+    max_new_tokens: int = 256
+    warmup: bool = True
+    chat: bool = True
+    profile: bool = False
+    profile_cache_len: int = 300
+    profile_repeats: int = 5
+    profile_qs: tuple[int, ...] = tuple(range(1, 33))
+
+
+@dataclass
+class BenchResult:
+    kind: str
+    items: list[dict]
+    rows: list[Row]
+    records: list[dict]  # one per row, as written to results.jsonl
+    env: dict
+    cost: object = None  # costmodel.CostModel with --profile
+    advice: list[str] = field(default_factory=list)
+
+
+def environment(engine=None) -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    env = {"cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
+    for pkg in ("transformers", "llama_cpp"):
+        try:
+            env[pkg] = __import__(pkg).__version__
+        except Exception:
+            pass
+    if engine is not None:
+        env.update(model=engine.loaded.name, adapter=str(engine.adapter_dir) if engine.adapter_dir else None,
+                   proposer=engine.config.proposer, device=str(engine.model.device))
+    return env
+
+
+def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=None) -> BenchResult:
+    """Run every row on every prompt (interleaved, rotated), then aggregate. `on_step(label)` ticks."""
+    tick = on_step or (lambda label: None)
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+    prompts = [engine.encode(it["prompt"], chat=cfg.chat) for it in items]
+    for j, ids in enumerate(prompts):
+        if len(ids) + cfg.max_new_tokens > engine.context_window:
+            raise ValueError(f"prompt {j} ({len(ids)} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the "
+                             f"context window of {engine.context_window}")
+    for s in cfg.strategies:  # an impossible strategy (no adapter, no confidences) fails before any work
+        engine.new_sequence(prompts[0], s, params)
+    rows = [Row(str(s), strategy=s) for s in cfg.strategies]
+    for name in cfg.baselines:
+        peer = make_peer(name)
+        row = Row(name, peer=peer, skipped=peer.missing())
+        if row.active:
+            try:
+                peer.setup(engine)
+            except Exception as e:  # a broken peer is reported in its row; the others go on
+                row.error = f"setup failed: {type(e).__name__}: {e}"
+        rows.append(row)
+
+    def decode(row: Row, ids: list[int], max_new: int) -> Run:
+        t0 = time.perf_counter()
+        if row.is_peer:
+            out = row.peer.generate(ids, max_new)
+            wall = time.perf_counter() - t0
+            return Run(engine.decode_text(out), out, walls=[wall])
+        seq = engine.new_sequence(ids, row.strategy, SamplingParams(max_new_tokens=max_new))
+        for _ in engine.stream(seq):
+            pass
+        wall = time.perf_counter() - t0
+        res = engine.result(seq)
+        return Run(res.text, res.token_ids, list(seq.stats.chunks), list(seq.stats.blocks),
+                   list(seq.stats.confidences), [wall], res)
+
+    if cfg.warmup:
+        for row in rows:
+            if row.active:
+                tick(f"warm-up {row.name}")
+                try:
+                    decode(row, prompts[0], min(WARMUP_TOKENS, cfg.max_new_tokens))
+                except Exception as e:
+                    row.error = f"{type(e).__name__}: {e}"
+    step = 0
+    for j, ids in enumerate(prompts):
+        for r in range(cfg.repeats):
+            order = rows[step % len(rows):] + rows[:step % len(rows)]
+            step += 1
+            for row in order:
+                if not row.active:
+                    continue
+                tick(f"prompt {j + 1}/{len(prompts)} · {row.name}")
+                try:
+                    run = decode(row, ids, cfg.max_new_tokens)
+                except Exception as e:  # record, stop this row, keep everything measured so far
+                    row.error = f"prompt {j}: {type(e).__name__}: {e}"
+                    row.runs.pop(j, None)
+                    continue
+                if r == 0:
+                    row.runs[j] = run
+                else:
+                    row.runs[j].walls.append(run.walls[0])
+    cost = None
+    if cfg.profile:
+        from .costmodel import measure
+        tick("profile t(q)")
+        cache_len = min(cfg.profile_cache_len, engine.context_window - max(cfg.profile_qs))
+        cost = measure(engine.model, cfg.profile_qs, cache_len, 1, cfg.profile_repeats)
+    env = environment(engine)
+    env.update(repeats=cfg.repeats, max_new_tokens=cfg.max_new_tokens)
+    records = aggregate(rows, kind, items, cfg.repeats, cost)
+    for rec in records:
+        rec["env"] = env
+    advice = cost_advice(cost, rows, records) if cost is not None else []
+    return BenchResult(kind, items, rows, records, env, cost, advice)
+
+
+# ---------------------------------------------------------------------------------------------- aggregate
+
+def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=None) -> list[dict]:
+    """One results.jsonl record per row; quality and speedup are against the `ntp` row."""
+    ref = rows[0]
+    assert ref.strategy is not None and ref.strategy.kind == "ntp", "the first row must be ntp"
+    golds = [it.get("gold") for it in items]
+    out = []
+    for row in rows:
+        rec = {"strategy": row.name, "peer": row.is_peer, "n_prompts": len(row.runs),
+               "tokens_per_forward": None, "acceptance_by_position": None, "tokens_per_s": None,
+               "tokens_per_s_spread": None, "speedup_vs_ntp": None, "speedup_spread": None,
+               "exact_match": None, "answer_agreement": None, "accuracy": None, "rougeL": None,
+               "oracle_tokens_per_forward": None, "mean_block_tokens": None, "predicted_speedup": None,
+               "tokens": 0, "error": row.error or row.skipped}
+        if row.peer is not None:
+            rec["params"] = row.peer.params()
+        idx = sorted(row.runs)
+        if idx:
+            runs = [row.runs[j] for j in idx]
+            rec["tokens"] = sum(len(r.token_ids) for r in runs)
+            tps = _tokens_per_s_by_repeat(runs, repeats)
+            ms = metrics.median_spread(tps)
+            rec["tokens_per_s"], rec["tokens_per_s_spread"] = ms[0], [ms[1], ms[2]]
+            common = [j for j in idx if j in ref.runs]
+            if common:
+                ref_tps = _tokens_per_s_by_repeat([ref.runs[j] for j in common], repeats)
+                own_tps = _tokens_per_s_by_repeat([row.runs[j] for j in common], repeats)
+                ratios = [metrics.speedup(a, b) for a, b in zip(own_tps, ref_tps)]
+                sp = metrics.median_spread(ratios)
+                if sp is not None:
+                    rec["speedup_vs_ntp"], rec["speedup_spread"] = sp[0], [sp[1], sp[2]]
+                texts = [row.runs[j].text for j in common]
+                ref_texts = [ref.runs[j].text for j in common]
+                rec["exact_match"] = metrics.match_rate([t.strip() for t in texts], [t.strip() for t in ref_texts])
+                rec["rougeL"] = metrics.rouge_l(texts, ref_texts)
+                if kind == "gsm8k":
+                    rec["answer_agreement"] = metrics.match_rate([gsm8k.extract_answer(t) for t in texts],
+                                                                 [gsm8k.extract_answer(t) for t in ref_texts])
+            if kind == "gsm8k":
+                rec["accuracy"] = metrics.match_rate([gsm8k.extract_answer(r.text) for r in runs],
+                                                     [golds[j] for j in idx])
+            if row.is_peer:
+                rec["tokens_per_forward"] = row.peer.tokens_per_forward
+            else:
+                chunks = [c for r in runs for c in r.chunks]
+                rec["tokens_per_forward"] = metrics.tokens_per_forward(chunks)
+                rec["acceptance_by_position"] = metrics.acceptance_by_position(chunks, row.strategy.k)
+                steady_blocks = [b for r in runs for b in r.blocks[1:]]  # prompt passes excluded
+                rec["mean_block_tokens"] = metrics.mean_block_tokens(steady_blocks)
+                if row.strategy.kind == "conf_adapt" and common:
+                    rec["oracle_tokens_per_forward"] = _oracle(ref, common, row.strategy)
+                if cost is not None and steady_blocks:
+                    from .costmodel import predict_speedup
+                    steady_chunks = [c for r in runs for c in r.chunks[1:]]
+                    rec["predicted_speedup"] = predict_speedup(cost, metrics.tokens_per_forward(steady_chunks),
+                                                               steady_blocks)
+        out.append(rec)
+    return out
+
+
+def _tokens_per_s_by_repeat(runs: list[Run], repeats: int) -> list[float]:
+    """Per repeat r: all prompts' tokens / all prompts' wall time in that repeat."""
+    out = []
+    for r in range(repeats):
+        pairs = [(len(run.token_ids), run.walls[r]) for run in runs if len(run.walls) > r]
+        if pairs:
+            out.append(metrics.tokens_per_s(sum(p[0] for p in pairs), sum(p[1] for p in pairs)))
+    return out
+
+
+def _oracle(ref: Row, idx: list[int], strategy: Strategy) -> float | None:
+    """Oracle ConfAdapt tokens/pass on the ntp outputs, pooled over prompts (tokens / passes)."""
+    tokens, passes = 0, 0.0
+    for j in idx:
+        conf = ref.runs[j].confidences
+        if conf:
+            tokens += len(conf)
+            passes += len(conf) / metrics.oracle_tokens_per_forward(conf, strategy.tau, strategy.k)
+    return tokens / passes if passes else None
+
+
+def cost_advice(cost, rows: list[Row], records: list[dict]) -> list[str]:
+    """Best K for verify and the K cap for conf_adapt on this machine, from measured acceptance."""
+    from .costmodel import best_k
+    lines = []
+    for row, rec in zip(rows, records):
+        if row.is_peer or not rec["acceptance_by_position"] or row.strategy.kind not in ("verify", "conf_adapt"):
+            continue
+        acc, k = rec["acceptance_by_position"], row.strategy.k
+        if row.strategy.kind == "verify":
+            kb, rate = best_k(cost, acc, k)
+            lines.append(f"{row.name}: best K for verify on this machine = {kb} (of 1..{k} measured; "
+                         f"{rate:.1f} expected tokens/s); use verify:{kb}")
+        else:
+            kb, rate = best_k(cost, acc, k, masks=True)
+            lines.append(f"{row.name}: cap conf_adapt's K at {kb} on this machine "
+                         f"({rate:.1f} expected tokens/s); use conf_adapt:{row.strategy.tau:g}:{kb}")
+    if not lines:
+        lines.append("run a verify:K or conf_adapt strategy to get the best K for this machine")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+def write_outputs(res: BenchResult, out: Path, engine=None, command: str = "", chunk_examples: int = 2) -> None:
+    from . import report
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "w") as f:
+        for rec in res.records:
+            f.write(json.dumps(rec) + "\n")
+    with open(out / "outputs.jsonl", "w") as f:
+        for row in res.rows:
+            for j, run in sorted(row.runs.items()):
+                f.write(json.dumps({"strategy": row.name, "prompt_index": j, "text": run.text,
+                                    "chunks": run.chunks, "walls": run.walls}) + "\n")
+    if res.cost is not None:
+        res.cost.save(out / "profile.json")
+    report.pareto_png(res, out / "pareto.png")
+    report.acceptance_png(res, out / "acceptance.png")
+    report.write_html(res, out / "report.html", engine, command, chunk_examples)
+
+
+def print_summary(res: BenchResult, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console()
+    t = Table(title=f"mtp bench · {res.kind} · {len(res.items)} prompts · {res.env.get('threads')} threads")
+    cols = ["strategy", "n", "tok/pass", "tok/s (min–max)", "speedup", "exact", "agree", "acc", "rougeL", "oracle",
+            "error"]
+    if res.cost is not None:
+        cols.insert(5, "predicted")
+    for c in cols:
+        t.add_column(c, overflow="fold")
+    for rec in res.records:
+        cells = {"strategy": rec["strategy"] + (" (peer)" if rec["peer"] else ""), "n": str(rec["n_prompts"]),
+                 "tok/pass": _f(rec["tokens_per_forward"]),
+                 "tok/s (min–max)": _f(rec["tokens_per_s"], 1) + (
+                     f" ({rec['tokens_per_s_spread'][0]:.1f}–{rec['tokens_per_s_spread'][1]:.1f})"
+                     if rec["tokens_per_s_spread"] else ""),
+                 "speedup": _f(rec["speedup_vs_ntp"]), "predicted": _f(rec["predicted_speedup"]),
+                 "exact": _f(rec["exact_match"]), "agree": _f(rec["answer_agreement"]), "acc": _f(rec["accuracy"]),
+                 "rougeL": _f(rec["rougeL"]), "oracle": _f(rec["oracle_tokens_per_forward"]),
+                 "error": rec["error"] or ""}
+        t.add_row(*[cells[c] for c in cols])
+    console.print(t)
+    if res.cost is not None:
+        a, b = res.cost.linear_fit()
+        pts = res.cost.points
+        console.print(f"t(q) at cache {res.cost.meta.get('cache_len')}: t(1) = {pts[min(pts)] * 1e3:.1f} ms, "
+                      f"t({max(pts)}) = {pts[max(pts)] * 1e3:.1f} ms; linear fit {a * 1e3:.1f} ms + "
+                      f"{b * 1e3:.2f} ms/token")
+        for line in res.advice:
+            console.print(line)
+
+
+def _f(x, digits=2) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+def add_cli(sub) -> None:
+    from .generate_cmd import add_model_args
+    p = sub.add_parser("bench", help="benchmark strategies and peers: speed, quality, cost model, report",
+                       description="Greedy decoding of every prompt by every strategy and peer, interleaved; "
+                                   "writes results.jsonl, pareto.png, acceptance.png and report.html to --out.")
+    add_model_args(p)
+    p.add_argument("--data", required=True, help="gsm8k:PATH (GSM8K JSONL or its folder) or prompts:PATH (JSONL "
+                                                 "with 'prompt' or 'turns')")
+    p.add_argument("--strategies", default="ntp",
+                   help="comma list and sweeps, e.g. 'verify:4,conf_adapt:0.99,0.9,static:1..8' (ntp always runs)")
+    p.add_argument("--baselines", default="", help=f"peers to run alongside: {','.join(PEERS)}")
+    p.add_argument("--limit", type=int, default=None, help="use the first N items")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=1, help="timed repeats per prompt (median and spread)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--profile", action="store_true", help="measure t(q), predict speedups, advise K")
+    p.add_argument("--profile-cache-len", type=int, default=300)
+    p.add_argument("--profile-repeats", type=int, default=5)
+    p.add_argument("--chunk-examples", type=int, default=2, help="prompts shown in the report's chunk view")
+    p.add_argument("--out", default="bench-out", help="output directory")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import sys
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from .engine import Engine
+    from .generate_cmd import engine_config
+    # every input check before the model loads
+    for flag in ("limit", "repeats", "max_new_tokens"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    strategies = parse_strategies(args.strategies)
+    baselines = parse_baselines(args.baselines)
+    kind, items = load_data(args.data, args.limit)
+    cfg = BenchConfig(strategies, baselines, args.repeats, args.max_new_tokens, args.warmup, args.chat,
+                      args.profile, args.profile_cache_len, args.profile_repeats)
+    console = Console(stderr=True)
+    engine = Engine.load(engine_config(args))
+    n_rows = len(strategies) + len(baselines)
+    total = len(items) * args.repeats * n_rows + (n_rows if args.warmup else 0) + (1 if args.profile else 0)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("bench", total=total)
+        res = run_bench(engine, kind, items, cfg,
+                        on_step=lambda label: progress.update(task, advance=1, description=label))
+    out = Path(args.out)
+    write_outputs(res, out, engine, "mtp " + " ".join(sys.argv[1:]), args.chunk_examples)
+    print_summary(res, Console())
+    console.print(f"wrote {out}/results.jsonl, pareto.png, acceptance.png, report.html"
+                  + (", profile.json" if res.cost is not None else ""))
+    return 0

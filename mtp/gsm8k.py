@@ -1,0 +1,87 @@
+"""GSM8K: the zero-shot chat prompt, and final-answer extraction and normalisation.
+
+Gold answers end in `#### N`; model answers are read, in order of trust, from `#### N`, then
+"the answer is N", then the last number in the text. Numbers are compared after normalising:
+commas, `$` and spaces stripped, a trailing `.0`/`.00` dropped, a final `.` removed
+("1,200.00" == "$1200" == "1200.").
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+PROMPT = "{question}\nSolve the problem step by step, then finish with: The answer is N."
+
+_NUMBER = r"-?[$]?\s?\d[\d,]*(?:\.\d+)?"
+_HASHES = re.compile(r"####\s*(" + _NUMBER + ")")
+_THE_ANSWER = re.compile(r"answer\s*(?:is|:)\s*[:=]?\s*\**\s*(" + _NUMBER + ")", re.IGNORECASE)
+_ANY = re.compile(_NUMBER)
+
+
+def normalize(text: str | None) -> str | None:
+    """'$1,200.00' -> '1200'; '-3.50' -> '-3.5'; None or no digits -> None."""
+    if text is None:
+        return None
+    s = text.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    if not re.fullmatch(r"-?\d+(?:\.\d+)?", s):
+        return None
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    if s in ("-0", ""):
+        s = "0"
+    return s
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a solution text, normalised (None when it has no number)."""
+    for pattern in (_HASHES, _THE_ANSWER):
+        hits = pattern.findall(text)
+        if hits:
+            return normalize(hits[-1])
+    hits = _ANY.findall(text)
+    return normalize(hits[-1]) if hits else None
+
+
+def gold_answer(answer_field: str) -> str | None:
+    """The normalised number after `####` in a GSM8K `answer` field."""
+    hits = _HASHES.findall(answer_field)
+    return normalize(hits[-1]) if hits else None
+
+
+def load(path: str | Path, limit: int | None = None) -> list[dict]:
+    """GSM8K JSONL -> [{"prompt", "gold", "question"}]; a directory means its test.jsonl."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "test.jsonl"
+    items = []
+    for n, line in enumerate(read_lines(path), 1):
+        row = parse_json_line(line, path, n)
+        if "question" not in row or "answer" not in row:
+            raise ValueError(f"{path}:{n}: a GSM8K line needs 'question' and 'answer' fields")
+        items.append({"prompt": PROMPT.format(question=row["question"].strip()), "question": row["question"],
+                      "gold": gold_answer(row["answer"])})
+        if limit is not None and len(items) >= limit:
+            break
+    return items
+
+
+def parse_json_line(line: str, path, n: int) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        raise ValueError(f"{path}:{n}: not a JSON line") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{n}: expected a JSON object")
+    return row
+
+
+def read_lines(path: Path):
+    """Non-empty lines of a text file; an unreadable file is a one-line ValueError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield line
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None

@@ -1,0 +1,145 @@
+"""Peers for `mtp bench`: what a user would run instead, measured in the same run on the same prompts.
+
+- hf:              transformers `generate`, greedy, on the converted HF directory of the same weights;
+- hf-lookup:       the same with prompt-lookup decoding (`prompt_lookup_num_tokens`);
+- llamacpp:        llama-cpp-python on the same GGUF file, greedy;
+- llamacpp-lookup: the same with its prompt-lookup draft (`LlamaPromptLookupDecoding`).
+
+Each peer takes the prompt's token ids (already chat-formatted by the engine) and returns the ids it
+generated, without the EOS. A missing package is reported with its install hint (`missing()`), never
+silently dropped; a peer that fails is recorded by the bench and the run goes on.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+HF_LOOKUP_TOKENS = 10  # transformers' documented example value
+LLAMACPP_LOOKUP_TOKENS = 2  # llama-cpp-python's advice for CPU-only machines (10 on GPU)
+
+
+class Peer:
+    name = "peer"
+    package = ""
+    hint = ""
+    tokens_per_forward: float | None = None  # known exactly for plain greedy peers (1.0)
+
+    def missing(self) -> str | None:
+        """None when the peer's package imports; else the reason with the install hint."""
+        try:
+            found = importlib.util.find_spec(self.package) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"skipped: package {self.package!r} missing ({self.hint})"
+
+    def setup(self, engine) -> None:
+        raise NotImplementedError
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        raise NotImplementedError
+
+    def params(self) -> dict:
+        return {}
+
+
+class HFPeer(Peer):
+    name = "hf"
+    package = "transformers"
+    hint = "pip install transformers"
+    tokens_per_forward = 1.0
+    lookup = 0
+
+    def setup(self, engine) -> None:
+        from transformers import AutoModelForCausalLM
+        src = engine.loaded.source
+        if not os.path.isdir(src):
+            raise ValueError(f"{self.name} needs a HF model directory, not {src!r}")
+        self.model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        self.eos = list(engine.loaded.eos_ids)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt_ids])  # [1, T]
+        kw = {"prompt_lookup_num_tokens": self.lookup} if self.lookup else {}
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      do_sample=False, temperature=None, top_p=None, top_k=None,
+                                      eos_token_id=self.eos or None, pad_token_id=(self.eos or [0])[0], **kw)
+        return _cut_at_eos(out[0, len(prompt_ids):].tolist(), self.eos)
+
+    def params(self) -> dict:
+        return {"prompt_lookup_num_tokens": self.lookup} if self.lookup else {}
+
+
+class HFLookupPeer(HFPeer):
+    name = "hf-lookup"
+    tokens_per_forward = None
+    lookup = HF_LOOKUP_TOKENS
+
+
+class LlamaCppPeer(Peer):
+    name = "llamacpp"
+    package = "llama_cpp"
+    hint = "pip install llama-cpp-python (compiles llama.cpp, ~10 min on 2 cores)"
+    tokens_per_forward = 1.0
+    lookup = 0
+
+    def setup(self, engine) -> None:
+        from llama_cpp import Llama
+        from . import loading
+        path = loading.resolve(engine.loaded.name)
+        if not (path.is_file() and path.suffix == ".gguf"):
+            raise ValueError(f"{self.name} needs a .gguf model (the default smollm2-135m is one), not {path.name!r}")
+        kw = {}
+        if self.lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+            kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=self.lookup)
+        threads = engine.config.threads or torch.get_num_threads()
+        self.llm = Llama(model_path=str(path), n_ctx=engine.context_window, n_threads=threads,
+                         n_threads_batch=threads, verbose=False, **kw)
+        self.eos = set(engine.loaded.eos_ids) | {self.llm.token_eos()}
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        self.llm.reset()  # no prefix reuse between prompts or repeats: every run pays its prefill
+        out: list[int] = []
+        for tok in self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                     reset=True):
+            if tok in self.eos:
+                break
+            out.append(int(tok))
+            if len(out) >= max_new_tokens:
+                break
+        return out
+
+    def params(self) -> dict:
+        return {"num_pred_tokens": self.lookup} if self.lookup else {}
+
+
+class LlamaCppLookupPeer(LlamaCppPeer):
+    name = "llamacpp-lookup"
+    tokens_per_forward = None
+    lookup = LLAMACPP_LOOKUP_TOKENS
+
+
+PEERS = {p.name: p for p in (HFPeer, HFLookupPeer, LlamaCppPeer, LlamaCppLookupPeer)}
+
+
+def parse_baselines(text: str | None) -> list[str]:
+    """'hf,llamacpp' -> ['hf', 'llamacpp']; an unknown name is a ValueError listing the known ones."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    for n in names:
+        if n not in PEERS:
+            raise ValueError(f"unknown baseline {n!r}; choose from {', '.join(PEERS)}")
+    return list(dict.fromkeys(names))
+
+
+def make_peer(name: str) -> Peer:
+    return PEERS[name]()
+
+
+def _cut_at_eos(ids: list[int], eos) -> list[int]:
+    for j, t in enumerate(ids):
+        if t in eos:
+            return ids[:j]
+    return ids

@@ -1,0 +1,376 @@
+"""Continuous batching for `mtp serve`: one engine thread, one KV cache, `decode.decode_step` per pass.
+
+Layout (ragged rows, right-padded): the cache has `max_batch` rows; every admitted request (a
+`decode.Sequence`) owns one row with its own length, and its own block per pass (pending + drafts +
+masks); `decode_step` right-pads the blocks to the longest. Active rows are kept contiguous in rows
+0..n-1 (a leaving row is replaced by the last one, `KVCache.move_row`), so a batch pass reads a view
+of the cache instead of gathering rows.
+
+One iteration of the engine thread:
+  1. drop cancelled rows (client gone) and compact the rows;
+  2. admit from the FIFO queue while a row is free and the token budget holds (sum over rows of
+     prompt + max_tokens + K <= max_cache_tokens); background (shadow) work only when no live
+     request waits; nobody is dropped, the rest wait;
+  3. prefill one newcomer alone: its prompt would otherwise pad every row of the batch to its
+     length; that pass also yields its first token(s);
+  4. let the adaptive policy cap K for this pass (`AdaptiveK`), then one `decode_step` over every
+     active row;
+  5. hand each row's tokens to its request's callback; finished rows leave.
+
+Adaptivity (seed 002's integration fell to 0.26x of plain decoding at 16 concurrent requests): before
+each pass `AdaptiveK` picks the cap K that maximises expected tokens / predicted pass time, with
+t(q) from `mtp.costmodel` (q = rows x padded block) and expected tokens from running per-strategy
+acceptance. K = 1 means no proposals this pass. Capping K keeps lossless strategies (`ntp`,
+`verify`) exact; for `static` / `conf_adapt` a capped pass emits what `conf_adapt:TAU:K` would.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .cache import KVCache
+from .decode import Sequence, decode_step
+from .metrics import DecodeStats
+
+log = logging.getLogger("mtp.serve")
+
+K_LIMIT = 32  # largest K a request may ask for (sizes the cache rows' slack)
+
+
+class SchedulerClosed(RuntimeError):
+    """The server is shutting down and admits no new request."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch: int = 8  # KV-cache rows = requests decoded together
+    max_model_len: int = 1024  # per request: prompt + max_tokens
+    max_cache_tokens: int = 0  # admission budget, sum of prompt + max_tokens + K; 0 = max_batch * max_model_len
+    adaptive: bool = True  # cap K per pass with the cost model
+
+    def __post_init__(self):
+        if self.max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_cache_tokens < 0:
+            raise ValueError(f"--max-cache-tokens must be >= 0, got {self.max_cache_tokens}")
+        if not self.max_cache_tokens:
+            self.max_cache_tokens = self.max_batch * self.max_model_len
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One request in the scheduler. `on_event(req, tokens, final)` runs on the engine thread after
+    every pass of the request with the tokens it emitted; `final` is True exactly once, at the end
+    (then `seq.finish_reason` is stop | length | cancelled | error)."""
+    seq: Sequence
+    on_event: Callable[["Request", list[int], bool], None] = lambda r, t, f: None
+    background: bool = False  # shadow work: admitted only when no live request waits
+    id: int = field(default_factory=lambda: next(_ids))
+    cancelled: bool = False
+    error: str | None = None
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_admitted: float | None = None
+    t_first: float | None = None
+    t_finish: float | None = None
+    capped_passes: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def budget(self) -> int:
+        return len(self.seq.prompt_ids) + self.seq.params.max_new_tokens + self.seq.strategy.k
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class AdaptiveK:
+    """Per-pass cap on K: expected tokens per second of the whole batch, from the cost model.
+
+    For a cap K every row r yields E_r(K) = 1 + sum_{i<K} prod_{j<=i} p_j tokens (p_j: running rate
+    at which position j is emitted once position j-1 was, per strategy and proposer) and the pass
+    feeds q = rows x max_r block_r(K) tokens (right padding). The cap maximising sum_r E_r(K) / t(q)
+    wins. Unseen positions start from the previous position's rate (position 1 from `prior`), so a
+    cheap enough K gets tried and then learnt.
+    """
+
+    def __init__(self, pass_time: Callable[[float], float], prior: float = 0.5, prior_weight: float = 2.0,
+                 window: float = 2000.0):
+        self.pass_time, self.prior, self.w, self.window = pass_time, prior, prior_weight, window
+        self.reached: dict[str, list[float]] = {}
+        self.accepted: dict[str, list[float]] = {}
+
+    @staticmethod
+    def key(seq: Sequence) -> str:
+        return f"{seq.strategy}|{seq.proposer.name}"
+
+    def rates(self, key: str, n: int) -> list[float]:
+        """[p_1 .. p_n] conditional emission rates of positions 1..n."""
+        reached, accepted = self.reached.get(key, []), self.accepted.get(key, [])
+        out, prev = [], self.prior
+        for i in range(n):
+            r = reached[i] if i < len(reached) else 0.0
+            a = accepted[i] if i < len(accepted) else 0.0
+            prev = (a + self.w * prev) / (r + self.w)
+            out.append(prev)
+        return out
+
+    def expected(self, seq: Sequence, k: int) -> float:
+        k = min(k, seq.strategy.k)
+        if k <= 1:
+            return 1.0
+        total, run = 1.0, 1.0
+        for p in self.rates(self.key(seq), k - 1):
+            run *= p
+            total += run
+        return total
+
+    @staticmethod
+    def block(seq: Sequence, k: int) -> int:
+        k = min(k, seq.strategy.k)
+        extra = min(len(seq.drafts), k - 1) + (seq.proposer.n_appended(k) if k > 1 else 0)
+        return len(seq.pending) + extra
+
+    def choose(self, seqs: list[Sequence]) -> int | None:
+        """The cap for this pass (None: no row proposes, nothing to decide)."""
+        k_top = max(s.strategy.k for s in seqs)
+        if k_top <= 1:
+            return None
+        best_k, best_rate = 1, -1.0
+        for k in range(1, k_top + 1):
+            q = len(seqs) * max(self.block(s, k) for s in seqs)
+            rate = sum(self.expected(s, k) for s in seqs) / self.pass_time(q)
+            if rate > best_rate * (1 + 1e-6):
+                best_k, best_rate = k, rate
+        return best_k
+
+    def observe(self, seq: Sequence, attempted: int, emitted: int) -> None:
+        """A pass offered `attempted` positions (1 = only the model's own token) and emitted `emitted`."""
+        if attempted <= 1:
+            return
+        key = self.key(seq)
+        reached = self.reached.setdefault(key, [])
+        accepted = self.accepted.setdefault(key, [])
+        while len(reached) < attempted - 1:
+            reached.append(0.0)
+            accepted.append(0.0)
+        for i in range(1, attempted):  # position i (0 = the model's own token, always emitted)
+            if emitted >= i:
+                reached[i - 1] += 1
+                accepted[i - 1] += emitted > i
+        if reached[0] > self.window:  # forget slowly: halve the counts
+            self.reached[key] = [x / 2 for x in reached]
+            self.accepted[key] = [x / 2 for x in accepted]
+
+
+def measured_cost(model, max_batch: int, cache_len: int = 256, repeats: int = 2):
+    """A cost model t(q) over total tokens per pass: batch-1 blocks plus full-batch blocks."""
+    from .costmodel import CostModel, measure
+    cache_len = max(0, min(cache_len, model.config.max_seq_len - 64))
+    single = measure(model, qs=[1, 2, 4, 8, 16, 32, 64], cache_len=cache_len, batch=1, repeats=repeats)
+    points = dict(single.points)
+    if max_batch > 1:
+        full = measure(model, qs=[1, 2, 4], cache_len=cache_len, batch=max_batch, repeats=repeats)
+        for q, t in full.points.items():
+            n = q * max_batch
+            points[n] = (points[n] + t) / 2 if n in points else t
+    return CostModel(points, {"cache_len": cache_len, "max_batch": max_batch})
+
+
+class Scheduler:
+    """Owns the model, one KV cache and the engine thread; requests come and go between passes."""
+
+    def __init__(self, model, mask_id: int | None, config: SchedulerConfig, pass_time=None):
+        self.model, self.mask_id, self.config = model, mask_id, config
+        self.cache = KVCache.for_model(model, config.max_batch, config.max_model_len + 3 * K_LIMIT + 2)
+        self.policy = AdaptiveK(pass_time) if (config.adaptive and pass_time is not None) else None
+        self.queue: collections.deque[Request] = collections.deque()
+        self.background: collections.deque[Request] = collections.deque()
+        self.active: list[Request] = []  # active[i].seq.slot == i
+        self.cond = threading.Condition()
+        self.draining = False
+        self.stopped = False
+        self.thread: threading.Thread | None = None
+        # counters for /metrics (read without a lock: ints and deques)
+        self.passes = 0  # forward passes, prefills included
+        self.prefill_passes = 0
+        self.row_passes = 0
+        self.capped_passes = 0
+        self.chunks: dict[str, collections.deque] = {}  # strategy -> tokens per pass, recent passes
+        self.k_caps: collections.Counter = collections.Counter()  # cap chosen -> passes
+
+    # ---- HTTP side ---------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        if req.budget > self.config.max_cache_tokens:
+            raise ValueError(f"request needs {req.budget} cache tokens, over --max-cache-tokens "
+                             f"{self.config.max_cache_tokens}")
+        with self.cond:
+            if self.draining or self.stopped:
+                raise SchedulerClosed("server is shutting down")
+            (self.background if req.background else self.queue).append(req)
+            self.cond.notify()
+
+    def cancel(self, req: Request) -> None:
+        req.cancel()
+        with self.cond:
+            self.cond.notify()
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.queue)
+
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name="mtp-engine", daemon=True)
+        self.thread.start()
+
+    def drain(self) -> None:
+        """Stop admitting new requests; queued and running ones still finish. Shadow work is dropped."""
+        with self.cond:
+            self.draining = True
+            dropped = list(self.background)
+            self.background.clear()
+        for r in dropped:
+            self._finish(r, "cancelled")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel whatever is left and end the engine thread."""
+        self.drain()
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self.cond:
+                    while not self.stopped and not (self.queue or self.active or self.background):
+                        self.cond.wait()
+                    if self.stopped:
+                        break
+                    newcomers = self._admit()
+                try:
+                    self._iteration(newcomers)
+                except Exception:  # a failing pass fails its rows, never the server
+                    log.error("engine pass failed:\n%s", traceback.format_exc())
+                    msg = traceback.format_exc().strip().splitlines()[-1]
+                    for r in list(self.active):
+                        r.error = msg
+                        self._leave(r, "error")
+        leftover = list(self.active) + list(self.queue) + list(self.background)
+        self.queue.clear()
+        self.background.clear()
+        for r in leftover:
+            if r in self.active:
+                self._leave(r, "cancelled")
+            else:
+                self._finish(r, "cancelled")
+
+    def _admit(self) -> list[Request]:
+        """Pop requests FIFO while a row is free and the budget holds (called with the lock)."""
+        used = sum(r.budget for r in self.active)
+        newcomers = []
+        for q in (self.queue, self.background):
+            if q is self.background and self.queue:
+                break  # live requests first
+            while q:
+                r = q[0]
+                if r.cancelled:
+                    q.popleft()
+                    self._finish(r, "cancelled")
+                    continue
+                if len(self.active) >= self.config.max_batch or used + r.budget > self.config.max_cache_tokens:
+                    break
+                q.popleft()
+                used += r.budget
+                r.seq.slot = len(self.active)
+                self.cache.reset(r.seq.slot)
+                r.seq.stats = DecodeStats()
+                r.t_admitted = time.perf_counter()
+                self.active.append(r)
+                newcomers.append(r)
+        return newcomers
+
+    def _iteration(self, newcomers: list[Request]) -> None:
+        for r in [r for r in self.active if r.cancelled]:
+            self._leave(r, "cancelled")
+        # 3. prefill one newcomer alone (later newcomers are admitted and wait for their turn)
+        waiting_prefill = [r for r in self.active if r.seq.stats.forward_passes == 0]
+        if waiting_prefill:
+            self._pass(waiting_prefill[:1], prefill=True)
+        # 4. one pass for every active row past its prefill
+        rows = [r for r in self.active if r.seq.stats.forward_passes > 0]
+        if rows:
+            self._pass(rows, prefill=False)
+
+    def _pass(self, rows: list[Request], prefill: bool) -> None:
+        seqs = [r.seq for r in rows]  # ordered by slot: active rows are contiguous
+        k = self.policy.choose(seqs) if self.policy is not None and not prefill else None
+        if k is not None:
+            self.k_caps[k] += 1
+            for r in rows:
+                r.seq.k_override = k
+                if k < r.seq.strategy.k:
+                    r.capped_passes += 1
+            if k < max(s.strategy.k for s in seqs):
+                self.capped_passes += 1
+        # what each row can emit at most: the model's own token + drafts (verify) or guesses
+        attempted = [len(s.drafts[: s.k - 1]) + 1 if s.strategy.kind == "verify" else s.k for s in seqs]
+        emitted = decode_step(self.model, self.cache, seqs, self.mask_id)
+        self.passes += 1
+        self.prefill_passes += prefill
+        self.row_passes += len(rows)
+        now = time.perf_counter()
+        for r, toks, att in zip(rows, emitted, attempted):
+            s = r.seq
+            s.k_override = None
+            chunk = s.stats.chunks[-1]
+            self.chunks.setdefault(str(s.strategy), collections.deque(maxlen=20000)).append(chunk)
+            if self.policy is not None and s.stats.forward_passes > 1:
+                self.policy.observe(s, att, chunk)
+            if toks and r.t_first is None:
+                r.t_first = now
+            if s.finished:
+                self._leave(r, s.finish_reason, toks)
+            else:
+                self._emit(r, toks, False)
+
+    def _emit(self, r: Request, tokens: list[int], final: bool) -> None:
+        try:
+            r.on_event(r, tokens, final)
+        except Exception:
+            log.error("request callback failed:\n%s", traceback.format_exc())
+
+    def _leave(self, r: Request, reason: str, tokens: list[int] = ()) -> None:
+        """Remove an active row and move the last row into its slot (rows stay contiguous)."""
+        i = self.active.index(r)
+        last = self.active.pop()
+        if last is not r:
+            self.cache.move_row(last.seq.slot, i)
+            last.seq.slot = i
+            self.active[i] = last
+        self._finish(r, reason, tokens)
+
+    def _finish(self, r: Request, reason: str, tokens: list[int] = ()) -> None:
+        r.seq.finish_reason = reason
+        r.t_finish = time.perf_counter()
+        self._emit(r, list(tokens), True)
+        r.done.set()

@@ -1,0 +1,237 @@
+"""The decoding loop: exact tokens with stub logits, lossless `verify` on real models, KV rollback,
+EOS / stop strings inside accepted blocks, max_new_tokens, rejection sampling."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from mtp.cache import KVCache
+from mtp.decode import Sequence, decode_step, generate
+from mtp.model import add_mask_token
+from mtp.proposers import MaskProposer, PromptLookupProposer
+from mtp.sampling import SamplingParams, verify_drafts
+from mtp.strategy import Strategy, StrategyError, expand_sweep
+
+V = 50
+MASK = 49
+TARGET = [(7 * p + 3) % 40 for p in range(200)]  # the stub model's "true" token at each position
+
+
+class StubModel:
+    """Fixed logits (litgpt-style): a real token at position p predicts TARGET[p+1]; the j-th mask
+    after it predicts TARGET[p+1] when j <= `good_depth` (else a wrong token), with confidence
+    `conf[j]`. Drafts are therefore accepted exactly up to `good_depth`."""
+
+    def __init__(self, good_depth: int, conf=(0.99,) * 16):
+        self.good_depth, self.conf = good_depth, conf
+        self.config = SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=1, mask_token_id=MASK)
+        self.embed_tokens = SimpleNamespace(weight=torch.zeros(1))
+        self.device = "cpu"
+        self.calls = []
+
+    def __call__(self, tokens, positions, cache=None, slots=None, out_index=None, return_hidden=False):
+        B, T = tokens.shape
+        self.calls.append(tokens.clone())
+        logits = torch.full((B, T, V), -20.0)
+        for b in range(B):
+            depth = 0
+            for t in range(T):
+                p = int(positions[b, t])
+                if int(tokens[b, t]) == MASK:
+                    depth += 1
+                    good = depth <= self.good_depth
+                    tok = TARGET[p + 1] if good else (TARGET[p + 1] + 1) % 40
+                    c = self.conf[depth - 1]
+                else:
+                    depth, tok, c = 0, TARGET[p + 1], 0.999
+                # two-way split so the top-1 probability is exactly c
+                logits[b, t, tok] = 0.0
+                logits[b, t, 45] = torch.log(torch.tensor((1 - c) / c))
+        return logits.gather(1, out_index.unsqueeze(-1).expand(-1, -1, V))
+
+
+def run_stub(strategy, good_depth, max_new=13, conf=(0.99,) * 16, eos=()):
+    stub = StubModel(good_depth, conf)
+    prompt = TARGET[:5]
+    seq = Sequence(prompt, Strategy.parse(strategy), SamplingParams(max_new_tokens=max_new), MaskProposer(),
+                   eos_ids=tuple(eos))
+    cache = KVCache(1, 1, 1, 64, 1)
+    with torch.inference_mode():
+        while not seq.finished:
+            decode_step(stub, cache, [seq], MASK)
+    return seq, cache, stub
+
+
+@pytest.mark.parametrize("good_depth, chunks", [
+    (3, [1, 4, 4, 4]),  # always accepted: 3 drafts + the model's own token per pass
+    (0, [1] * 13),  # never accepted
+    # first draft accepted, second rejected: the masks behind a rejected draft saw a wrong prefix,
+    # so the next pass has no drafts and only proposes again
+    (1, [1, 2, 1, 2, 1, 2, 1, 2, 1]),
+])
+def test_verify_stub_exact(good_depth, chunks):
+    seq, cache, _ = run_stub("verify:4", good_depth)
+    assert seq.output == TARGET[5:18]  # lossless whatever the proposals
+    assert seq.stats.chunks == chunks
+    assert seq.finish_reason == "length"
+
+
+def test_verify_commits_only_accepted_positions():
+    seq, cache, stub = run_stub("verify:3", good_depth=1, max_new=5)
+    # prefill: 5 prompt tokens + 2 masks -> commits the 5; a later pass commits pending + accepted drafts
+    assert stub.calls[0].tolist() == [TARGET[:5] + [MASK, MASK]]
+    assert stub.calls[1].tolist() == [[TARGET[5], TARGET[6], (TARGET[7] + 1) % 40, MASK, MASK]]
+    # committed: prompt 5; [t5, t6] (pending + 1 accepted); [t7] (no drafts); [t8, t9]
+    assert cache.lengths[0] == 5 + 2 + 1 + 2
+
+
+def test_static_emits_unverified_guesses_exactly():
+    seq, _, _ = run_stub("static:3", good_depth=1, max_new=6)
+    wrong = lambda p: (TARGET[p] + 1) % 40  # noqa: E731
+    # each pass: the model's token, a right guess, a wrong guess; positions continue after them
+    assert seq.output == [TARGET[5], TARGET[6], wrong(7), TARGET[8], TARGET[9], wrong(10)]
+    assert seq.stats.chunks == [3, 3]
+
+
+def test_conf_adapt_keeps_confident_prefix():
+    seq, _, _ = run_stub("conf_adapt:0.9:4", good_depth=3, max_new=9, conf=(0.95, 0.5, 0.99))
+    assert seq.stats.chunks == [2, 2, 2, 2, 1]  # model token + first mask; the second is unsure
+    assert seq.output == TARGET[5:14]
+
+
+def test_conf_adapt_emits_one_token_when_nothing_is_confident():
+    seq, _, _ = run_stub("conf_adapt:0.9999", good_depth=3, max_new=4)
+    assert seq.stats.chunks == [1, 1, 1, 1]
+
+
+def test_eos_inside_accepted_block_ends_exactly_there():
+    eos = TARGET[9]
+    seq, _, _ = run_stub("verify:4", good_depth=3, max_new=40, eos=[eos])
+    assert seq.output == TARGET[5:9] and seq.finish_reason == "stop"
+
+
+def test_max_new_tokens_never_exceeded_mid_block():
+    for n in (1, 2, 3, 6, 7):
+        seq, _, _ = run_stub("static:4", good_depth=3, max_new=n)
+        assert len(seq.output) == n and seq.finish_reason == "length"
+
+
+def test_stop_string_inside_block_cuts_output():
+    text = lambda ids: "".join(chr(97 + t % 26) for t in ids)  # noqa: E731
+    stub = StubModel(3)
+    seq = Sequence(TARGET[:5], Strategy.parse("verify:4"), SamplingParams(max_new_tokens=30, stop=[text(TARGET[8:10])]),
+                   MaskProposer(), decode_text=text)
+    cache = KVCache(1, 1, 1, 64, 1)
+    while not seq.finished:
+        decode_step(stub, cache, [seq], MASK)
+    assert seq.finish_reason == "stop"
+    assert seq.output == TARGET[5:8] and seq.text == text(TARGET[5:8])
+
+
+# --- real (tiny random) models: verify output == ntp output, token for token -----------------
+
+def tiny_with_mask(seed=0):
+    m = tiny_model(seed)
+    add_mask_token(m)
+    return m
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+@pytest.mark.parametrize("proposer", ["mask", "lookup"])
+def test_verify_equals_ntp_tiny(k, proposer):
+    model = tiny_with_mask()
+    prop = MaskProposer() if proposer == "mask" else PromptLookupProposer()
+    for seed in range(3):
+        prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = generate(model, prompt, "ntp", SamplingParams(max_new_tokens=40))
+        out = generate(model, prompt, f"verify:{k}", SamplingParams(max_new_tokens=40), proposer=prop)
+        assert torch.equal(torch.tensor(out.output), torch.tensor(ref.output))
+        if proposer == "lookup":  # random tiny models loop, so lookup drafts do get accepted
+            assert out.stats.forward_passes <= ref.stats.forward_passes
+
+
+def test_batched_ragged_rows_equal_single_rows():
+    model = tiny_with_mask(1)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [1, 2]]
+    strategies = ["ntp", "verify:3", "static:2"]
+    singles = [generate(model, p, s, SamplingParams(max_new_tokens=12), proposer=PromptLookupProposer()
+                        if s == "verify:3" else MaskProposer()).output for p, s in zip(prompts, strategies)]
+    cache = KVCache.for_model(model, 3, 64)
+    seqs = [Sequence(p, Strategy.parse(s), SamplingParams(max_new_tokens=12),
+                     PromptLookupProposer() if s == "verify:3" else MaskProposer(), slot=i)
+            for i, (p, s) in enumerate(zip(prompts, strategies))]
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            decode_step(model, cache, [s for s in seqs if not s.finished], model.config.mask_token_id)
+    for s, ref in zip(seqs, singles):
+        assert s.output == ref
+
+
+def test_kv_rollback_then_rerun_matches_fresh_forward():
+    model = tiny_model(3)
+    tokens = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(4))
+    cache = KVCache.for_model(model, 1, 32)
+    model(tokens[:, :6], torch.arange(6).view(1, 6), cache=cache)
+    cache.commit(0, 4)  # keep 4, reject positions 4-5
+    other = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    got = model(other, torch.arange(4, 10).view(1, 6), cache=cache)  # re-run over the rejected slots
+    cache.commit(0, 6)
+    fresh = model(torch.cat([tokens[:, :4], other], 1))[:, 4:]
+    torch.testing.assert_close(got, fresh, rtol=1e-5, atol=1e-5)
+    assert cache.lengths[0] == 10
+    cache.rollback(0, 2)
+    assert cache.lengths[0] == 2
+    with pytest.raises(ValueError):
+        cache.rollback(0, 5)
+
+
+def test_sampling_is_reproducible_with_seed():
+    model = tiny_with_mask()
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=7, max_new_tokens=20)
+    a = generate(model, [1, 2, 3], "verify:3", p).output
+    b = generate(model, [1, 2, 3], "verify:3", p).output
+    assert a == b and len(a) == 20
+
+
+def test_rejection_sampling_preserves_target_distribution():
+    g = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(2, 6, generator=g) * 2
+    q = torch.softmax(torch.randn(6, generator=g) * 2, -1)
+    params = SamplingParams(temperature=1.0)
+    p = torch.softmax(p_logits[0], -1)
+    counts = torch.zeros(6)
+    n = 20000
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=g))
+        a, own = verify_drafts(p_logits, [d], q.unsqueeze(0), params, g)
+        counts[d if a == 1 else own] += 1
+    assert (counts / n - p).abs().max() < 0.015
+
+
+def test_strategy_parsing():
+    assert Strategy.parse("conf_adapt:0.9") == Strategy("conf_adapt", 16, 0.9)
+    assert Strategy.parse("conf_adapt:0.9:4").k == 4
+    assert str(Strategy.parse("verify:4")) == "verify:4"
+    assert [str(s) for s in expand_sweep("conf_adapt:0.99,0.9,static:1..3")] == [
+        "conf_adapt:0.99", "conf_adapt:0.9", "static:1", "static:2", "static:3"]
+    for bad in ["", "fast", "verify", "verify:0", "static:-1", "conf_adapt:0", "conf_adapt:1.5", "verify:x",
+                "conf_adapt:0.9:0", "ntp:3"]:
+        with pytest.raises(StrategyError):
+            Strategy.parse(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [2, 4])
+def test_verify_equals_ntp_smollm2(smollm2, k):
+    ids = smollm2.encode("List the first ten prime numbers, separated by commas.")
+    ref = smollm2.generate(ids, "ntp", SamplingParams(max_new_tokens=48))
+    smollm2.config.proposer = "lookup"
+    try:
+        out = smollm2.generate(ids, f"verify:{k}", SamplingParams(max_new_tokens=48))
+    finally:
+        smollm2.config.proposer = "mask"
+    assert out.token_ids == ref.token_ids
+    assert out.summary["forward_passes"] <= ref.summary["forward_passes"]
