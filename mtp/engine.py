@@ -13,6 +13,7 @@ import torch
 
 from . import loading
 from .decode import Sequence, stream
+from .metrics import DecodeStats
 from .proposers import Proposer, make_proposer
 from .sampling import SamplingParams
 from .strategy import Strategy
@@ -41,6 +42,7 @@ class Result:
     chunks: list[int] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    stats: DecodeStats | None = None
 
     def to_json(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -143,7 +145,7 @@ class Engine:
         return Result(text=text, token_ids=list(seq.output), finish_reason=seq.finish_reason or "length",
                       strategy=str(seq.strategy), summary=seq.stats.summary(seq.strategy.k),
                       chunks=list(seq.stats.chunks), confidences=list(seq.stats.confidences),
-                      prompt_tokens=len(seq.prompt_ids))
+                      prompt_tokens=len(seq.prompt_ids), stats=seq.stats)
 
     def generate(self, prompt, strategy: str | Strategy = "ntp", params: SamplingParams | None = None,
                  chat: bool = True) -> Result:

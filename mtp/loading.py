@@ -189,9 +189,34 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     out = cache_root() / f"{gguf_path.stem}-{file_digest(gguf_path)}"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
+    from safetensors.torch import save_file
+    state, hf = read_gguf(gguf_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(hf, indent=1))
+        if out.exists():  # tokenizer files placed there beforehand are kept (no 25 s conversion)
+            for f in out.iterdir():
+                if f.name not in ("config.json", "model.safetensors"):
+                    shutil.move(str(f), tmp / f.name)
+        if not (tmp / "tokenizer.json").exists():
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            tok.save_pretrained(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_gguf(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Dequantised float32 weights under our names, and an HF-style config dict."""
     import gguf
     import numpy as np
-    from transformers import AutoTokenizer
 
     reader = gguf.GGUFReader(str(gguf_path))
 
@@ -242,18 +267,4 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
         "eos_token_id": field("tokenizer.ggml.eos_token_id"),
         "bos_token_id": field("tokenizer.ggml.bos_token_id"),
     }
-    from safetensors.torch import save_file
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    try:
-        save_file(state, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(hf, indent=1))
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        tok.save_pretrained(str(tmp))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return state, hf

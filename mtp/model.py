@@ -261,7 +261,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,  # [B, T] RoPE positions (and cache slots)
         cache=None,  # mtp.cache.KVCache; writes this block at `positions`
         slots: torch.Tensor | None = None,  # [B] cache rows used by this batch (default: 0..B-1)
-        attn_mask: torch.Tensor | None = None,  # [B, T, T] bool (True = attend); default causal
+        attn_mask: torch.Tensor | None = None,  # [B, T, T] bool (True = attend; [B, T, S] with a cache)
         out_index: torch.Tensor | None = None,  # [B, N] positions in the block whose logits we need
         return_hidden: bool = False,
     ):
@@ -284,14 +284,14 @@ class Transformer(nn.Module):
         gate: [B, T, 1] adapter gate or None."""
         B, T = x.shape[:2]
         cos, sin = self.rope(positions, x.dtype)
-        if cache is not None:
+        if attn_mask is not None:  # explicit layout (training); with a cache: [B, T, S] over its keys
+            mask = attn_mask.unsqueeze(1)
+        elif cache is not None:
             S = int(positions.max()) + 1
             # query at position p sees cache slots 0..p: committed prefix + this block, causally.
             # Stale slots beyond p (rejected drafts, old masks) are never visible.
             mask = torch.arange(S, device=x.device).view(1, 1, S) <= positions.unsqueeze(-1)
             mask = mask.unsqueeze(1)  # [B, 1, T, S]
-        elif attn_mask is not None:
-            mask = attn_mask.unsqueeze(1)
         else:
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, 1, T, T)
         for i, layer in enumerate(self.layers):
