@@ -119,8 +119,8 @@ def add_adapters(model: Transformer, rank: int = 16, alpha: float = 32, targets=
         raise ValueError("the model already has adapters")
     model.base_weights_hash = base_hash(model)  # before anything changes
     mid = add_mask_token(model, n_used_tokens)
-    model.embed_tokens = MaskEmbedding(model.embed_tokens, mid)
     model.requires_grad_(False)
+    model.embed_tokens = MaskEmbedding(model.embed_tokens, mid)
     params: list[nn.Parameter] = [model.embed_tokens.mask_row]
     if mode == "full":
         model.requires_grad_(True)

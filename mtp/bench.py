@@ -227,7 +227,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
     records = aggregate(rows, kind, items, cfg.repeats, cost)
     for rec in records:
         rec["env"] = env
-    advice = cost_advice(cost, rows, records) if cost is not None else []
+    advice = cost_advice(cost, rows, records, engine.proposer()) if cost is not None else []
     return BenchResult(kind, items, rows, records, env, cost, advice)
 
 
@@ -268,8 +268,9 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 rec["exact_match"] = metrics.match_rate([t.strip() for t in texts], [t.strip() for t in ref_texts])
                 rec["rougeL"] = metrics.rouge_l(texts, ref_texts)
                 if kind == "gsm8k":
-                    rec["answer_agreement"] = metrics.match_rate([gsm8k.extract_answer(t) for t in texts],
-                                                                 [gsm8k.extract_answer(t) for t in ref_texts])
+                    # two outputs without a readable answer agree with each other
+                    rec["answer_agreement"] = metrics.match_rate([gsm8k.extract_answer(t) or "" for t in texts],
+                                                                 [gsm8k.extract_answer(t) or "" for t in ref_texts])
             if kind == "gsm8k":
                 rec["accuracy"] = metrics.match_rate([gsm8k.extract_answer(r.text) for r in runs],
                                                      [golds[j] for j in idx])
@@ -313,20 +314,21 @@ def _oracle(ref: Row, idx: list[int], strategy: Strategy) -> float | None:
     return tokens / passes if passes else None
 
 
-def cost_advice(cost, rows: list[Row], records: list[dict]) -> list[str]:
+def cost_advice(cost, rows: list[Row], records: list[dict], proposer=None) -> list[str]:
     """Best K for verify and the K cap for conf_adapt on this machine, from measured acceptance."""
-    from .costmodel import best_k
+    from .costmodel import best_k, block_tokens_for
+    from .proposers import Proposer
+    proposer = proposer or Proposer()  # appends nothing
     lines = []
     for row, rec in zip(rows, records):
         if row.is_peer or not rec["acceptance_by_position"] or row.strategy.kind not in ("verify", "conf_adapt"):
             continue
-        acc, k = rec["acceptance_by_position"], row.strategy.k
-        if row.strategy.kind == "verify":
-            kb, rate = best_k(cost, acc, k)
+        acc, k, kind = rec["acceptance_by_position"], row.strategy.k, row.strategy.kind
+        kb, rate = best_k(cost, acc, k, block_tokens_for(kind, proposer))
+        if kind == "verify":
             lines.append(f"{row.name}: best K for verify on this machine = {kb} (of 1..{k} measured; "
                          f"{rate:.1f} expected tokens/s); use verify:{kb}")
         else:
-            kb, rate = best_k(cost, acc, k, masks=True)
             lines.append(f"{row.name}: cap conf_adapt's K at {kb} on this machine "
                          f"({rate:.1f} expected tokens/s); use conf_adapt:{row.strategy.tau:g}:{kb}")
     if not lines:
@@ -359,24 +361,27 @@ def print_summary(res: BenchResult, console=None) -> None:
     from rich.table import Table
     console = console or Console()
     t = Table(title=f"mtp bench · {res.kind} · {len(res.items)} prompts · {res.env.get('threads')} threads")
-    cols = ["strategy", "n", "tok/pass", "tok/s (min–max)", "speedup", "exact", "agree", "acc", "rougeL", "oracle",
+    cols = ["strategy", "n", "tok/pass", "tok/s", "min–max", "speedup", "exact", "agree", "acc", "rougeL", "oracle",
             "error"]
     if res.cost is not None:
-        cols.insert(5, "predicted")
+        cols.insert(6, "predicted")
     for c in cols:
-        t.add_column(c, overflow="fold")
+        t.add_column(c, no_wrap=c != "error", overflow="fold")
     for rec in res.records:
         cells = {"strategy": rec["strategy"] + (" (peer)" if rec["peer"] else ""), "n": str(rec["n_prompts"]),
                  "tok/pass": _f(rec["tokens_per_forward"]),
-                 "tok/s (min–max)": _f(rec["tokens_per_s"], 1) + (
-                     f" ({rec['tokens_per_s_spread'][0]:.1f}–{rec['tokens_per_s_spread'][1]:.1f})"
-                     if rec["tokens_per_s_spread"] else ""),
+                 "tok/s": _f(rec["tokens_per_s"], 1),
+                 "min–max": f"{rec['tokens_per_s_spread'][0]:.1f}–{rec['tokens_per_s_spread'][1]:.1f}"
+                 if rec["tokens_per_s_spread"] else "",
                  "speedup": _f(rec["speedup_vs_ntp"]), "predicted": _f(rec["predicted_speedup"]),
                  "exact": _f(rec["exact_match"]), "agree": _f(rec["answer_agreement"]), "acc": _f(rec["accuracy"]),
                  "rougeL": _f(rec["rougeL"]), "oracle": _f(rec["oracle_tokens_per_forward"]),
-                 "error": rec["error"] or ""}
+                 "error": _short(rec["error"])}
         t.add_row(*[cells[c] for c in cols])
     console.print(t)
+    for rec in res.records:
+        if rec["error"] and len(rec["error"]) > 28:
+            console.print(f"{rec['strategy']}: {rec['error']}")
     if res.cost is not None:
         a, b = res.cost.linear_fit()
         pts = res.cost.points
@@ -385,6 +390,10 @@ def print_summary(res: BenchResult, console=None) -> None:
                       f"{b * 1e3:.2f} ms/token")
         for line in res.advice:
             console.print(line)
+
+
+def _short(text: str | None, n: int = 28) -> str:
+    return "" if not text else text if len(text) <= n else text[: n - 1] + "…"
 
 
 def _f(x, digits=2) -> str:
@@ -437,14 +446,20 @@ def run(args) -> int:
     engine = Engine.load(engine_config(args))
     n_rows = len(strategies) + len(baselines)
     total = len(items) * args.repeats * n_rows + (n_rows if args.warmup else 0) + (1 if args.profile else 0)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        task = progress.add_task("bench", total=total)
-        res = run_bench(engine, kind, items, cfg,
-                        on_step=lambda label: progress.update(task, advance=1, description=label))
+    if console.is_terminal:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task("bench", total=total)
+            res = run_bench(engine, kind, items, cfg,
+                            on_step=lambda label: progress.update(task, advance=1, description=label))
+    else:  # a log file: one plain line per step
+        done = iter(range(1, total + 1))
+        t0 = time.perf_counter()
+        res = run_bench(engine, kind, items, cfg, on_step=lambda label: print(
+            f"[{next(done, total)}/{total} {time.perf_counter() - t0:.0f}s] {label}", file=sys.stderr, flush=True))
     out = Path(args.out)
     write_outputs(res, out, engine, "mtp " + " ".join(sys.argv[1:]), args.chunk_examples)
-    print_summary(res, Console())
+    print_summary(res, Console() if sys.stdout.isatty() else Console(width=160))
     console.print(f"wrote {out}/results.jsonl, pareto.png, acceptance.png, report.html"
                   + (", profile.json" if res.cost is not None else ""))
     return 0

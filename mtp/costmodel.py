@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from bisect import bisect_left
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -163,20 +163,29 @@ def expected_tokens(acceptance_by_position: Sequence[float], k: int) -> float:
 
 
 def best_k(cost: CostModel, acceptance_by_position: Sequence[float], k_max: int,
-           masks: bool = False) -> tuple[int, float]:
+           block_tokens: Callable[[int, float], float] | None = None) -> tuple[int, float]:
     """The block size K in 1..k_max with the most expected tokens per second, and that rate.
 
     acceptance_by_position[i] = P(a pass emits more than i tokens), measured with blocks at least
-    k_max long (positions beyond the list count as never accepted). A `verify:K` pass feeds K tokens
-    (the model's last token + K-1 drafts). With `masks=True` (mask proposer: static / conf_adapt) a
-    pass feeds the last pass's E[n] tokens plus K-1 masks. Returns (K, expected tokens/s)."""
+    k_max long (positions beyond the list count as never accepted), so E[n | K] = sum(acc[:K]).
+    `block_tokens(K, E[n])` is the q one pass feeds; the default, K, is a `verify:K` pass with a
+    proposer that appends nothing (the model's last token + K-1 drafts). Others (see
+    `block_tokens_for`): mask proposer + verify feeds 1 + 2(K-1); static / conf_adapt feed the
+    E[n] tokens emitted last pass plus the proposer's appended masks. Returns (K, tokens/s)."""
     if k_max < 1:
         raise ValueError("k_max must be >= 1")
+    q_of = block_tokens or (lambda k, n: k)
     best = (1, 0.0)
     for k in range(1, k_max + 1):
         n = expected_tokens(acceptance_by_position, k)
-        q = (n + k - 1) if masks else k
-        rate = n / cost.pass_time(q)
+        rate = n / cost.pass_time(q_of(k, n))
         if rate > best[1] * (1 + 1e-9):
             best = (k, rate)
     return best
+
+
+def block_tokens_for(kind: str, proposer) -> Callable[[int, float], float]:
+    """q(K, E[n]) for a strategy kind and a proposer (its `n_appended(K)` masks per pass)."""
+    if kind == "verify":
+        return lambda k, n: 1 + (k - 1) + proposer.n_appended(k)
+    return lambda k, n: n + (proposer.n_appended(k) if k > 1 else 0)

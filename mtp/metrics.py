@@ -148,3 +148,12 @@ def merge(stats: list[DecodeStats], k_max: int | None = None) -> dict:
         "tokens_per_s": tokens_per_s(sum(chunks), wall),
         "ttft_s": sum(s.ttft_s for s in stats) / len(stats) if stats else 0.0,
     }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]) of latencies and the like; None if empty."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    rank = max(1, -(-len(vals) * q // 100))  # ceil(n * q / 100), at least the first value
+    return vals[int(min(rank, len(vals))) - 1]

@@ -53,15 +53,22 @@ class HFPeer(Peer):
 
     def setup(self, engine) -> None:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
         src = engine.loaded.source
         if not os.path.isdir(src):
             raise ValueError(f"{self.name} needs a HF model directory, not {src!r}")
-        self.model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().to(engine.model.device)
         self.eos = list(engine.loaded.eos_ids)
+        # as in mtp.decode, the <mtp_mask> token is never a prediction
+        mid = engine.mask_id
+        self.suppress = [mid] if mid is not None and mid < self.model.config.vocab_size else None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt_ids])  # [1, T]
+        ids = torch.tensor([prompt_ids], device=self.model.device)  # [1, T]
         kw = {"prompt_lookup_num_tokens": self.lookup} if self.lookup else {}
+        if self.suppress:
+            kw["suppress_tokens"] = self.suppress
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                       do_sample=False, temperature=None, top_p=None, top_k=None,

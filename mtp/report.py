@@ -51,6 +51,7 @@ def pareto_png(res, path: Path) -> None:
             ax.annotate(rec["strategy"], (x, q), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel(label)
         ax.set_ylabel(_quality({}, res.kind)[1])
+        ax.set_ylim(-0.03, 1.05)
         ax.grid(alpha=0.3)
     axes[0].set_title("speed vs quality (squares: peers)")
     axes[1].set_title("tokens per pass vs quality")
@@ -151,8 +152,8 @@ def chunk_view_html(res, engine, n_examples: int) -> str:
 def write_html(res, path: Path, engine=None, command: str = "", chunk_examples: int = 2) -> None:
     out = Path(path).parent
     pieces = [f"<h1>mtp bench</h1><p><code>{html.escape(command)}</code></p>",
-              f"<p>{html.escape(res.kind)} · {len(res.items)} prompts · environment: "
-              f"<code>{html.escape(str(res.env))}</code></p>",
+              f"<p>{html.escape(res.kind)} · {len(res.items)} prompts · greedy · environment: "
+              + ", ".join(f"{html.escape(str(k))} <b>{html.escape(str(v))}</b>" for k, v in res.env.items()) + "</p>",
               "<h2>Results</h2>", table_html(res.records),
               "<p>speedup = tokens/s over ntp's in the same run (rows interleaved prompt by prompt), median of "
               "repeats; quality against the ntp output; oracle = tokens/pass an ideal ConfAdapt would reach "

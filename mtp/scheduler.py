@@ -39,6 +39,7 @@ import torch
 from .cache import KVCache
 from .decode import Sequence, decode_step
 from .metrics import DecodeStats
+from .proposers import Proposer
 
 log = logging.getLogger("mtp.serve")
 
@@ -100,17 +101,26 @@ class AdaptiveK:
     """Per-pass cap on K: expected tokens per second of the whole batch, from the cost model.
 
     For a cap K every row r yields E_r(K) = 1 + sum_{i<K} prod_{j<=i} p_j tokens (p_j: running rate
-    at which position j is emitted once position j-1 was, per strategy and proposer) and the pass
-    feeds q = rows x max_r block_r(K) tokens (right padding). The cap maximising sum_r E_r(K) / t(q)
-    wins. Unseen positions start from the previous position's rate (position 1 from `prior`), so a
-    cheap enough K gets tried and then learnt.
+    at which position j is emitted once position j-1 was, per strategy and proposer). The pass
+    feeds q = rows x max_r block_r(K) tokens (right padding) and makes P = sum_r (K_r - 1) proposals,
+    so it takes T(K) = t'(q) + c * P: t'(q) the running observed time of passes of q tokens once
+    seen twice, else scale * t(q) from the cost model, `scale` the running ratio of observed to
+    modelled time of the passes without their proposing (the machine's load now), `c`
+    the running measured time of one proposal depth per proposer (the heads proposer runs its heads
+    and the LM head per row and depth; the mask proposer almost nothing). The cap maximising
+    sum_r E_r(K) / T(K) wins. Unseen positions start from the previous position's rate (position 1
+    from `prior`), and `c` starts at 0, so a cheap enough K gets tried and then learnt.
     """
 
     def __init__(self, pass_time: Callable[[float], float], prior: float = 0.5, prior_weight: float = 2.0,
-                 window: float = 2000.0):
+                 window: float = 2000.0, smoothing: float = 0.1):
         self.pass_time, self.prior, self.w, self.window = pass_time, prior, prior_weight, window
         self.reached: dict[str, list[float]] = {}
         self.accepted: dict[str, list[float]] = {}
+        self.alpha = smoothing
+        self.scale = 1.0  # observed / modelled time of passes, proposing excluded
+        self.proposal_s: dict[str, float] = {}  # proposer name -> seconds per proposal depth
+        self.seen: dict[int, tuple[float, int]] = {}  # q -> (running pass seconds, passes observed)
 
     @staticmethod
     def key(seq: Sequence) -> str:
@@ -143,16 +153,61 @@ class AdaptiveK:
         extra = min(len(seq.drafts), k - 1) + (seq.proposer.n_appended(k) if k > 1 else 0)
         return len(seq.pending) + extra
 
+    @staticmethod
+    def proposals(seqs: list[Sequence], k: int | None = None) -> dict[str, int]:
+        """Proposal depths a pass makes per proposer (each row with K > 1 proposes K - 1)."""
+        out: dict[str, int] = {}
+        for s in seqs:
+            kk = s.k if k is None else min(k, s.strategy.k)
+            if kk > 1:
+                out[s.proposer.name] = out.get(s.proposer.name, 0) + kk - 1
+        return out
+
+    def trunk_time(self, q: int) -> float:
+        """Predicted seconds of a pass feeding q tokens, proposing excluded."""
+        seen = self.seen.get(q)
+        if seen is not None and seen[1] >= 2:
+            return seen[0]
+        return self.scale * self.pass_time(q)
+
+    def predicted_time(self, q: int, proposals: dict[str, int]) -> float:
+        return self.trunk_time(q) + sum(self.proposal_s.get(n, 0.0) * d for n, d in proposals.items())
+
+    def observe_time(self, q: int, proposals: dict[str, float], seconds: float,
+                     proposing_s: dict[str, float] | None = None) -> None:
+        """One pass of q tokens took `seconds`, of which proposing_s[name] went into `proposals[name]`
+        proposal depths (timed by `TimedProposer`): calibrate `scale` and the per-depth costs."""
+        proposing_s = proposing_s or {}
+        trunk = max(seconds - sum(proposing_s.values()), 1e-9)
+        self.scale += self.alpha * (trunk / self.pass_time(q) - self.scale)
+        prev, n = self.seen.get(q, (trunk, 0))
+        self.seen[q] = (prev + max(self.alpha, 1 / (n + 1)) * (trunk - prev), n + 1)
+        for name, depths in proposals.items():
+            if depths > 0 and name in proposing_s:
+                per = proposing_s[name] / depths
+                prev = self.proposal_s.get(name)
+                self.proposal_s[name] = per if prev is None else prev + self.alpha * (per - prev)
+
     def choose(self, seqs: list[Sequence]) -> int | None:
         """The cap for this pass (None: no row proposes, nothing to decide)."""
         k_top = max(s.strategy.k for s in seqs)
         if k_top <= 1:
             return None
+        cum: dict[str, list[float]] = {}  # per strategy: E(K) for K = 1..k_top
+        for s in seqs:
+            key = self.key(s)
+            if key not in cum:
+                e, run = [1.0], 1.0
+                for p in self.rates(key, s.strategy.k - 1):
+                    run *= p
+                    e.append(e[-1] + run)
+                cum[key] = e
         best_k, best_rate = 1, -1.0
         for k in range(1, k_top + 1):
             q = len(seqs) * max(self.block(s, k) for s in seqs)
-            rate = sum(self.expected(s, k) for s in seqs) / self.pass_time(q)
-            if rate > best_rate * (1 + 1e-6):
+            tokens = sum(cum[self.key(s)][min(k, s.strategy.k) - 1] for s in seqs)
+            rate = tokens / self.predicted_time(q, self.proposals(seqs, k))
+            if rate >= best_rate:  # ties keep the larger K: cap only when capping pays
                 best_k, best_rate = k, rate
         return best_k
 
@@ -175,18 +230,49 @@ class AdaptiveK:
             self.accepted[key] = [x / 2 for x in accepted]
 
 
-def measured_cost(model, max_batch: int, cache_len: int = 256, repeats: int = 2):
-    """A cost model t(q) over total tokens per pass: batch-1 blocks plus full-batch blocks."""
+def measured_cost(model, max_batch: int, cache_len: int = 256, repeats: int = 3):
+    """A cost model t(q) over total tokens per pass (q = rows x block): batch-1 blocks plus
+    full-batch blocks, so both ends of the batch range are measured, not extrapolated.
+
+    On a shared machine other processes inflate some timings, so each point is the fastest of its
+    repeats (the pass's own cost), and t is made non-decreasing in q (a bigger block never costs less).
+    """
     from .costmodel import CostModel, measure
     cache_len = max(0, min(cache_len, model.config.max_seq_len - 64))
-    single = measure(model, qs=[1, 2, 4, 8, 16, 32, 64], cache_len=cache_len, batch=1, repeats=repeats)
-    points = dict(single.points)
+
+    def fastest(cm) -> dict[int, float]:
+        spread = cm.meta.get("spread", {})
+        return {q: float(spread[str(q)][0]) if str(q) in spread else t for q, t in cm.points.items()}
+
+    points = fastest(measure(model, qs=[1, 4, 16, 64], cache_len=cache_len, batch=1, repeats=repeats))
     if max_batch > 1:
-        full = measure(model, qs=[1, 2, 4], cache_len=cache_len, batch=max_batch, repeats=repeats)
-        for q, t in full.points.items():
+        full = fastest(measure(model, qs=[1, 2, 4], cache_len=cache_len, batch=max_batch, repeats=repeats))
+        for q, t in full.items():
             n = q * max_batch
-            points[n] = (points[n] + t) / 2 if n in points else t
-    return CostModel(points, {"cache_len": cache_len, "max_batch": max_batch})
+            points[n] = min(points[n], t) if n in points else t
+    qs = sorted(points)
+    for a, b in zip(qs, qs[1:]):
+        points[b] = max(points[b], points[a])
+    return CostModel(points, {"cache_len": cache_len, "max_batch": max_batch, "repeats": repeats})
+
+
+class TimedProposer(Proposer):
+    """A row's proposer with its `propose` calls timed into a shared clock (proposer name -> seconds),
+    so the adaptive policy knows what proposing costs apart from the forward pass."""
+
+    def __init__(self, inner: Proposer, clock: dict[str, float]):
+        self.inner, self.clock = inner, clock
+        self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
+
+    def n_appended(self, k: int) -> int:
+        return self.inner.n_appended(k)
+
+    def propose(self, view, k, params, gen):
+        t0 = time.perf_counter()
+        try:
+            return self.inner.propose(view, k, params, gen)
+        finally:
+            self.clock[self.name] = self.clock.get(self.name, 0.0) + time.perf_counter() - t0
 
 
 class Scheduler:
@@ -210,6 +296,7 @@ class Scheduler:
         self.capped_passes = 0
         self.chunks: dict[str, collections.deque] = {}  # strategy -> tokens per pass, recent passes
         self.k_caps: collections.Counter = collections.Counter()  # cap chosen -> passes
+        self.proposing_s: dict[str, float] = {}  # this pass's time in proposers (TimedProposer)
 
     # ---- HTTP side ---------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -302,6 +389,8 @@ class Scheduler:
                 q.popleft()
                 used += r.budget
                 r.seq.slot = len(self.active)
+                if not isinstance(r.seq.proposer, TimedProposer):
+                    r.seq.proposer = TimedProposer(r.seq.proposer, self.proposing_s)
                 self.cache.reset(r.seq.slot)
                 r.seq.stats = DecodeStats()
                 r.t_admitted = time.perf_counter()
@@ -334,7 +423,13 @@ class Scheduler:
                 self.capped_passes += 1
         # what each row can emit at most: the model's own token + drafts (verify) or guesses
         attempted = [len(s.drafts[: s.k - 1]) + 1 if s.strategy.kind == "verify" else s.k for s in seqs]
+        q = len(seqs) * max(AdaptiveK.block(s, s.k) for s in seqs)
+        proposals = AdaptiveK.proposals(seqs)
+        self.proposing_s.clear()
+        t0 = time.perf_counter()
         emitted = decode_step(self.model, self.cache, seqs, self.mask_id)
+        if self.policy is not None and not prefill:
+            self.policy.observe_time(q, proposals, time.perf_counter() - t0, self.proposing_s)
         self.passes += 1
         self.prefill_passes += prefill
         self.row_passes += len(rows)

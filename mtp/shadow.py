@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from .gsm8k import extract_answer
+from .metrics import percentile
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -76,13 +77,6 @@ def read_log(path: str | Path) -> list[dict]:
     return records
 
 
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    vals = sorted(values)
-    return vals[min(len(vals) - 1, int(q * len(vals)))]
-
-
 def summarize(records: list[dict]) -> dict:
     """Per strategy and overall: counts, exact-match rate, divergence index, answer agreement, latency."""
     groups: dict[str, list[dict]] = {}
@@ -102,8 +96,8 @@ def summarize(records: list[dict]) -> dict:
             "first_divergence_median": statistics.median(divs) if divs else None,
             "answer_compared": len(agree),
             "answer_agreement_rate": sum(agree) / len(agree) if agree else None,
-            "latency_ratio_p50": _quantile(ratios, 0.5),
-            "latency_ratio_p95": _quantile(ratios, 0.95),
+            "latency_ratio_p50": percentile(ratios, 50),
+            "latency_ratio_p95": percentile(ratios, 95),
             "tokens_per_forward_mean": sum(tpf) / len(tpf) if tpf else None,
         }
     return out

@@ -39,7 +39,7 @@ STATE = "trainer_state.json"
 TEACHERS = ("hard", "soft", "ground-truth")
 # settings that must match when resuming (they shape the model, the data or the optimisation)
 RESUME_KEYS = ("mode", "rank", "alpha", "targets", "seed", "teacher", "k_max", "spans", "seq_len", "batch_size",
-               "lr", "warmup", "n_examples")
+               "lr", "warmup", "n_examples", "world")
 
 
 @dataclass
@@ -62,6 +62,7 @@ class TrainConfig:
     resume: bool = False
     device: str = "cpu"
     log_every: int = 10
+    full_layout: bool = False  # gated: one pass over the whole layout instead of the split forward
     export: str | None = None  # also write a float16 adapter-only copy here at the end
     meta: dict = field(default_factory=dict)  # data provenance, written into the adapter config
 
@@ -121,7 +122,10 @@ def sample_spans(prompt_len: int, n_tokens: int, n_spans: int, k_max: int, gen: 
 
 @dataclass
 class Batch:
-    tokens: torch.Tensor  # [B, T] ground truth + masks (pad 0)
+    """A padded batch of laid-out sequences. Columns 0..n_gt-1 hold the ground truth (padded to the
+    longest), columns n_gt.. the mask spans (padded likewise), so the ground truth can also run as a
+    pass of its own (`split` forward)."""
+    tokens: torch.Tensor  # [B, T] ground truth + masks (pad 0), T = n_gt + max masks
     positions: torch.Tensor  # [B, T]
     attn: torch.Tensor  # [B, T, T] bool
     out_index: torch.Tensor  # [B, L] predicting rows
@@ -130,6 +134,7 @@ class Batch:
     span_start: torch.Tensor  # [B, L] index in L of the entry's span's depth-1 entry
     feeds: torch.Tensor  # [B, L] mask row fed with the proposal at l (-1: none)
     gt_target: torch.Tensor  # [B, L] ground-truth token at depth d (p + d)
+    n_gt: int  # columns of ground truth
     n_tokens: int  # real (non-pad) rows
 
 
@@ -140,13 +145,13 @@ def make_batch(examples: list[Example], mask_id: int, n_spans: int, k_max: int, 
         ids = (ex.prompt_ids + ex.response_ids)[:seq_len]
         spans = sample_spans(len(ex.prompt_ids), len(ids), n_spans, k_max, gen)
         pos, attn, rows, depth, span_of, feeds = build_layout(len(ids), spans)
-        toks = torch.tensor(ids + [mask_id] * (len(pos) - len(ids)))
         starts = torch.tensor([span_of.tolist().index(s) for s in span_of.tolist()])
         gt_pos = torch.tensor([spans[s].p + d for s, d in zip(span_of.tolist(), depth.tolist())])
-        parts.append((toks, pos, attn, rows, depth, starts, feeds, torch.tensor(ids)[gt_pos]))
+        parts.append((ids, pos, attn, rows, depth, starts, feeds, torch.tensor(ids)[gt_pos]))
     B = len(parts)
-    T = max(len(p[0]) for p in parts)
-    L = max(len(p[3]) for p in parts)
+    G = max(len(p[0]) for p in parts)  # ground-truth columns
+    M = max(len(p[1]) - len(p[0]) for p in parts)  # mask columns
+    T, L = G + M, max(len(p[3]) for p in parts)
     tokens = torch.zeros(B, T, dtype=torch.long)
     positions = torch.zeros(B, T, dtype=torch.long)
     attn = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)  # pad rows see themselves (no empty softmax)
@@ -156,13 +161,95 @@ def make_batch(examples: list[Example], mask_id: int, n_spans: int, k_max: int, 
     span_start = torch.zeros(B, L, dtype=torch.long)
     feeds = torch.full((B, L), -1, dtype=torch.long)
     gt_target = torch.zeros(B, L, dtype=torch.long)
-    for b, (t, p, a, r, d, st, fd, gt) in enumerate(parts):
-        n, m = len(t), len(r)
-        tokens[b, :n], positions[b, :n], attn[b, :n, :n] = t, p, a
-        out_index[b, :m], valid[b, :m], depth[b, :m] = r, True, d
-        span_start[b, :m], feeds[b, :m], gt_target[b, :m] = st, fd, gt
-    return Batch(tokens, positions, attn, out_index, valid, depth, span_start, feeds, gt_target,
-                 sum(len(p[0]) for p in parts))
+    for b, (ids, p, a, r, d, st, fd, gt) in enumerate(parts):
+        n, m, nl = len(ids), len(p) - len(ids), len(r)
+        # layout row i -> batch column: ground truth stays, masks move to G..G+m-1
+        col = torch.cat([torch.arange(n), G + torch.arange(m)])
+        tokens[b, :n] = torch.tensor(ids)
+        tokens[b, G:G + m] = mask_id
+        positions[b, col] = p
+        attn[b, col.view(-1, 1), col.view(1, -1)] = a
+        out_index[b, :nl], valid[b, :nl], depth[b, :nl] = col[r], True, d
+        span_start[b, :nl], gt_target[b, :nl] = st, gt
+        feeds[b, :nl] = torch.where(fd >= 0, col[fd.clamp_min(0)], fd)
+    return Batch(tokens, positions, attn, out_index, valid, depth, span_start, feeds, gt_target, G,
+                 sum(len(p[1]) for p in parts))
+
+
+class PrefixKV:
+    """Stands in for a KV cache in training: the ground-truth pass records every layer's keys and
+    values; mask-block passes then attend over [those; their own] (their attn_mask says which)."""
+
+    def __init__(self):
+        self.k: list[torch.Tensor] = []  # per layer [B, kv_heads, n_gt, head_dim]
+        self.v: list[torch.Tensor] = []
+        self.extend = False
+
+    def writer(self, layer: int, positions, slots):
+        def write(k, v):
+            if not self.extend:
+                self.k.append(k)
+                self.v.append(v)
+                return k, v
+            return torch.cat([self.k[layer], k], 2), torch.cat([self.v[layer], v], 2)
+        return write
+
+
+def teacher_tokens(batch: Batch, proposals: torch.Tensor) -> torch.Tensor:
+    """The layout with every mask replaced by the student's proposal it stands for: [B, T]."""
+    t = batch.tokens.clone()
+    rows = batch.feeds >= 0
+    t[torch.nonzero(rows)[:, 0], batch.feeds[rows]] = proposals.cpu()[rows]
+    return t
+
+
+def forward_pair(student, model, teacher_model, batch: Batch, teacher: str, split: bool, amp: bool):
+    """Student logits [B, L, V] (with grad), its proposals [B, L], teacher logits [B, L, V] or None.
+
+    split (gated adapters only): the ground truth runs once without grad as the frozen base (its
+    rows are base-model rows for student and teacher alike), recording keys/values; then the
+    student's mask block and the teacher's proposal block each attend over that prefix. The
+    backward pass then only covers the mask rows. Same numbers as the one-pass layout."""
+    dev = model.device
+    mask_id = model.config.mask_token_id
+    tokens, positions, attn = batch.tokens.to(dev), batch.positions.to(dev), batch.attn.to(dev)
+    out_index, depth = batch.out_index.to(dev), batch.depth.to(dev)
+    ac = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp)
+    G = batch.n_gt
+    if split:
+        d1 = (depth == 1).unsqueeze(-1)  # [B, L, 1]: depth-1 rows are ground-truth rows
+        idx_a = torch.where(depth == 1, out_index, 0)
+        idx_b = torch.where(depth == 1, 0, out_index - G).clamp_min(0)
+        kv = PrefixKV()
+        with torch.no_grad(), model.base_only(), ac:
+            logits_a = model(tokens[:, :G], positions[:, :G], cache=kv, attn_mask=attn[:, :G, :G],
+                             out_index=idx_a).float()
+        kv.extend = True
+        with ac:
+            logits_b = student(tokens[:, G:], positions[:, G:], cache=kv, attn_mask=attn[:, G:],
+                               out_index=idx_b).float()
+        s_logits = torch.where(d1, logits_a, logits_b)
+    else:
+        with ac:
+            s_logits = student(tokens, positions, attn_mask=attn, out_index=out_index).float()  # [B, L, V]
+    s_logits[..., mask_id] = float("-inf")  # the mask is never a prediction
+    proposals = s_logits.detach().argmax(-1)  # [B, L]
+    if teacher == "ground-truth":
+        return s_logits, proposals, None
+    t_tok = teacher_tokens(batch, proposals).to(dev)
+    with torch.no_grad(), ac:
+        if split:
+            with model.base_only():
+                logits_c = model(t_tok[:, G:], positions[:, G:], cache=kv, attn_mask=attn[:, G:],
+                                 out_index=idx_b).float()
+            t_logits = torch.where(d1, logits_a, logits_c)
+        elif teacher_model is not None:
+            t_logits = teacher_model(t_tok, positions, attn_mask=attn, out_index=out_index).float()
+        else:
+            with model.base_only():
+                t_logits = model(t_tok, positions, attn_mask=attn, out_index=out_index).float()
+    t_logits[..., mask_id] = float("-inf")
+    return s_logits, proposals, t_logits
 
 
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, batch: Batch, teacher: str,
@@ -271,8 +358,12 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
     examples = prepare_examples(examples, cfg.seq_len)
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
     settings["n_examples"] = len(examples)
+    settings["world"] = world
     state = {"step": 0, "history": [], "wall_s": 0.0}
     if cfg.resume:
+        old = out.parent / f".{out.name}.old"  # killed between write_dir_atomic's two renames
+        if not out.exists() and (old / STATE).exists():
+            os.replace(old, out)
         if not (out / STATE).exists():
             raise ValueError(f"--resume: no checkpoint in {out}")
         state = json.loads((out / STATE).read_text())
@@ -298,6 +389,7 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
         student = DistributedDataParallel(model, device_ids=None if cfg.device == "cpu" else [model.device])
     dev = model.device
     use_amp = dev.type == "cuda"
+    split = cfg.mode == "gated" and not cfg.full_layout
     if progress is None:
         progress = sys.stderr.isatty() and rank == 0
     bar = _Progress(cfg, state["step"]) if progress else None
@@ -320,30 +412,11 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + rank)
             idx = batch_indices(step, len(examples), cfg.batch_size, cfg.seed, rank, world)
             batch = make_batch([examples[i] for i in idx], mask_id, cfg.spans, cfg.k_max, cfg.seq_len, gen)
-            tokens, positions, attn = batch.tokens.to(dev), batch.positions.to(dev), batch.attn.to(dev)
-            out_index = batch.out_index.to(dev)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_amp):
-                s_logits = student(tokens, positions, attn_mask=attn, out_index=out_index).float()  # [B, L, V]
-            s_logits[..., mask_id] = float("-inf")  # the mask is never a prediction
-            with torch.no_grad():
-                proposals = s_logits.argmax(-1).cpu()  # [B, L]
-                t_logits = None
-                if cfg.teacher != "ground-truth":
-                    t_tokens = batch.tokens.clone()
-                    rows = batch.feeds >= 0
-                    t_tokens[torch.nonzero(rows)[:, 0], batch.feeds[rows]] = proposals[rows]
-                    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_amp):
-                        if teacher_model is not None:
-                            t_logits = teacher_model(t_tokens.to(dev), positions, attn_mask=attn, out_index=out_index)
-                        else:
-                            with model.base_only():
-                                t_logits = model(t_tokens.to(dev), positions, attn_mask=attn, out_index=out_index)
-                    t_logits = t_logits.float()
-                    t_logits[..., mask_id] = float("-inf")
-            cpu_batch = batch
-            loss, agree = distill_loss(s_logits, t_logits, _to(cpu_batch, dev), cfg.teacher, proposals.to(dev))
+            s_logits, proposals, t_logits = forward_pair(student, model, teacher_model, batch, cfg.teacher,
+                                                         split, use_amp)
+            loss, agree = distill_loss(s_logits, t_logits, _to(batch, dev), cfg.teacher, proposals)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
@@ -352,7 +425,7 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
             dt = time.perf_counter() - t0
             state["wall_s"] += dt
             agree_d = agreement_by_depth(agree.cpu(), batch, cfg.k_max)
-            rec = {"step": step, "loss": round(float(loss), 5), "lr": lr_at(step - 1, cfg),
+            rec = {"step": step, "loss": round(float(loss.detach()), 5), "lr": lr_at(step - 1, cfg),
                    "agree": [None if a is None else round(a, 4) for a in agree_d[:6]],
                    "tokens_per_s": round(batch.n_tokens * world / dt, 1)}
             if step % cfg.log_every == 0 or step == cfg.steps:
@@ -369,6 +442,13 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
         if bar is not None:
             bar.close()
         model.eval()
+    if dist is not None:  # DDP keeps replicas identical; prove it
+        sums = torch.stack([p.detach().double().sum() for p in params]).cpu()
+        lo, hi = sums.clone(), sums.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        state["ranks_in_sync"] = bool(torch.equal(lo, hi))
+        state["world"] = world
     if cfg.export and rank == 0:
         write_dir_atomic(Path(cfg.export), adapter_files(
             model, {"step": step, "training": settings, "wall_s": round(state["wall_s"], 1)}, dtype=torch.float16))
@@ -380,7 +460,8 @@ def _to(batch: Batch, dev) -> Batch:
 
 
 def _line(rec: dict) -> str:
-    ag = " ".join(f"d{d + 1}={a:.2f}" for d, a in enumerate(rec["agree"]) if a is not None)
+    # agreement with the teacher's argmax: own = the model's next token, m1 = the first mask, ...
+    ag = " ".join(f"{'own' if d == 0 else f'm{d}'}={a:.2f}" for d, a in enumerate(rec["agree"]) if a is not None)
     return f"step {rec['step']} loss {rec['loss']:.4f} agree {ag} {rec['tokens_per_s']:.0f} tok/s"
 
 
@@ -489,7 +570,9 @@ def run(args) -> int:
             last = state["history"][-1] if state["history"] else {}
             print(f"trained {state['step']} steps in {time.perf_counter() - t0:.0f} s "
                   f"(total {state['wall_s']:.0f} s); last: {_line(last) if last else '-'}; adapter -> {cfg.out} "
-                  f"[{cfg_meta['data']}, {len(examples)} examples]", file=sys.stderr)
+                  f"[{cfg_meta['data']}, {len(examples)} examples]"
+                  + (f"; {state['world']} processes, replicas in sync: {state['ranks_in_sync']}"
+                     if "ranks_in_sync" in state else ""), file=sys.stderr)
     finally:
         d = _dist()[0]
         if d is not None:

@@ -81,6 +81,25 @@ def test_greedy_verify_with_heads_equals_ntp(size, k):
     assert proposer.draft_calls > 0
 
 
+def test_heads_see_the_hidden_state_of_the_last_accepted_position():
+    """view.hidden must be the trunk's state at the position whose prediction is context[-1]."""
+    model = tiny_model(3)
+
+    class Spy(H.HeadsProposer):
+        seen = []
+
+        def propose(self, view, k, params, gen):
+            self.seen.append((list(view.context), view.hidden.clone()))
+            return super().propose(view, k, params, gen)
+
+    spy = Spy(model, random_heads(model, depths=3), readout_dtype="float32")
+    greedy(model, [5, 17, 3, 8], "verify:4", spy, n=20)
+    assert len(spy.seen) > 3
+    for context, hidden in spy.seen:
+        _, h = model(torch.tensor([context[:-1]]), return_hidden=True)
+        assert torch.allclose(hidden, h[0, -1], rtol=1e-4, atol=1e-4)
+
+
 def copy_head_model():
     """A 0-layer model: the next token depends on the current token only, so a head that maps
     (h, embed(t)) -> embed(t) predicts exactly what the model will predict after t."""
@@ -131,6 +150,45 @@ def test_heads_refuse_another_base_model(tmp_path):
         H.load_heads(tiny_model(1), path)
     with pytest.raises(ValueError, match="no config.json"):
         H.load_heads(tiny_model(0), tmp_path)
+
+
+def test_draft_vocabulary_keeps_verify_lossless_and_round_trips(tmp_path):
+    from mtp.adapter import write_dir_atomic
+    model = tiny_model(3)
+    heads = random_heads(model, depths=3)
+    heads.draft_vocab = torch.tensor([2, 5, 11, 17, 23, 40, 41, 60, 77, 90])
+    write_dir_atomic(tmp_path / "h", H.heads_files(heads, model))
+    assert json.loads((tmp_path / "h" / H.CONFIG).read_text())["draft_vocab"] == 10
+    proposer = H.load_heads_proposer(model, tmp_path / "h", readout_dtype="float32")
+    assert torch.equal(proposer.vocab, heads.draft_vocab)
+    drafted = []
+    orig = proposer.propose
+
+    def spy(view, k, params, gen):
+        g = orig(view, k, params, gen)
+        drafted.extend(g.tokens)
+        if g.probs is not None:  # sampling: full-vocabulary distributions, zero outside the vocabulary
+            assert g.probs.shape[-1] == 97 and float(g.probs.sum(-1).min()) > 0.999
+            outside = torch.ones(97, dtype=torch.bool)
+            outside[heads.draft_vocab] = False
+            assert float(g.probs[:, outside].sum()) == 0.0
+        return g
+
+    proposer.propose = spy
+    for prompt in ([5, 17, 3], [44, 2, 9, 9, 81, 30]):
+        assert greedy(model, prompt, "verify:4", proposer).output == greedy(model, prompt, "ntp").output
+    assert drafted and set(drafted) <= set(heads.draft_vocab.tolist())
+    sampled = generate(model, [1, 2, 3], "verify:3", SamplingParams(temperature=0.8, seed=1, max_new_tokens=20),
+                       proposer=proposer)
+    assert len(sampled.output) == 20
+
+
+def test_draft_vocab_from_counts_targets():
+    ahead = torch.tensor([[7, 1], [7, 2], [3, -1], [7, 0], [3, 4], [9, 1], [-1, -1]])
+    feats = {"ahead": ahead}
+    assert H.draft_vocab_from(feats, torch.arange(7), 2).tolist() == [3, 7]  # 7 x3, 3 x2, 9 x1
+    assert H.draft_vocab_from(feats, torch.arange(7), 10).tolist() == [3, 7, 9]
+    assert H.draft_vocab_from(feats, torch.tensor([0, 5]), 1).tolist() == [7]  # tie 7/9: lower id
 
 
 def examples():
@@ -235,16 +293,17 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_smollm2_verify_with_heads_equals_ntp(smollm2, tmp_path):
-    """Lossless on the real model, through the engine's `--proposer heads` path."""
-    from mtp.engine import Engine, EngineConfig
-    path = saved_heads(smollm2.model, tmp_path, depths=2)
+def test_smollm2_shipped_heads_verify_equals_ntp(smollm2):
+    """Lossless on the real model through the engine's `--proposer heads` path (the shipped heads),
+    and the shipped heads do propose: more than one token per pass on a math answer."""
+    from mtp.engine import SHIPPED, Engine, EngineConfig
     with pytest.raises(ValueError, match="another base model"):
-        H.load_heads(tiny_model(0), path)
-    engine = Engine.load(EngineConfig(adapter="none", proposer="heads", heads=str(path)))
-    ids = engine.encode("What is 12 times 7?")
-    params = SamplingParams(max_new_tokens=24)
-    ref = engine.generate(ids, "ntp", params)
+        H.load_heads(tiny_model(0), SHIPPED["smollm2-135m"] / "heads")
+    engine = Engine.load(EngineConfig(adapter="none", proposer="heads"))
+    assert engine.heads_dir == SHIPPED["smollm2-135m"] / "heads"
+    ids = engine.encode("Tom has 3 boxes of 12 apples. How many apples does he have?")
+    params = SamplingParams(max_new_tokens=32)
+    ref = smollm2.generate(ids, "ntp", params)
     got = engine.generate(ids, "verify:3", params)
     assert got.token_ids == ref.token_ids
-    assert engine.proposer().draft_calls > 0
+    assert got.summary["tokens_per_forward"] > 1.2

@@ -1,0 +1,63 @@
+"""t(q): the cost of one forward pass that feeds q tokens, on this machine, via mtp.costmodel.
+
+    python benchmarks/profile_tq.py [--model smollm2-135m] [--device cpu|cuda] [--threads N]
+        [--cache-len 300] [--batch 1] [--repeats 5] [--qmax 32] [--random-config config.json] [--out t.json]
+
+Prints t(q), t(q)/t(1) (the tokens per pass a q-token block needs to break even) and the linear fit.
+`--random-config` builds a randomly initialised model from a HF config.json instead of loading
+weights: the time of a pass does not depend on the weights' values, so the profile of a machine
+where the weights cannot travel (an accelerator box) is the same as with the real model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from mtp.costmodel import measure
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--random-config", default=None, help="HF config.json: random weights of that shape")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--cache-len", type=int, default=300)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--qmax", type=int, default=32)
+    p.add_argument("--out", default=None, help="write the cost model as JSON here")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if args.random_config:
+        from mtp.model import ModelConfig, Transformer
+        with open(args.random_config) as f:
+            cfg = ModelConfig.from_hf(json.load(f))
+        torch.manual_seed(0)
+        model = Transformer(cfg).to(device=args.device, dtype=dtype).eval().requires_grad_(False)
+        name = f"random weights of {args.random_config}"
+    else:
+        from mtp.loading import load
+        model = load(args.model, dtype=dtype, device=args.device).model
+        name = args.model
+    cost = measure(model, range(1, args.qmax + 1), args.cache_len, args.batch, args.repeats)
+    cost.meta.update(model=name, dtype=args.dtype)
+    t1 = cost.pass_time(1)
+    a, b = cost.linear_fit()
+    print(f"# {name} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads), batch {args.batch}, "
+          f"cache {args.cache_len}")
+    print("q\tms\tt(q)/t(1) (= tokens per pass needed to break even with a q-token block)")
+    for q, t in cost.points.items():
+        print(f"{q}\t{t * 1e3:.2f}\t{t / t1:.2f}")
+    print(f"linear fit: {a * 1e3:.2f} ms + {b * 1e3:.3f} ms/token")
+    if args.out:
+        cost.save(args.out)
+
+
+if __name__ == "__main__":
+    main()

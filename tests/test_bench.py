@@ -1,0 +1,292 @@
+"""`mtp bench`: GSM8K answer extraction on real lines, metric arithmetic on hand-made runs, the cost
+model, the report's sections, peers missing or failing, a tiny end-to-end bench, and bad input."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from mtp import bench, gsm8k, metrics
+from mtp.bench import BenchConfig, Row, Run
+from mtp.costmodel import CostModel, best_k, block_tokens_for, measure, predict_speedup
+from mtp.proposers import MaskProposer, PromptLookupProposer
+from mtp.peers import Peer
+from mtp.strategy import Strategy
+
+
+# ---------------------------------------------------------------------------------------------- gsm8k
+
+@pytest.mark.parametrize("raw, want", [
+    ("18", "18"), ("1,200", "1200"), ("$1,200.00", "1200"), ("70000.", "70000"), ("-3.50", "-3.5"),
+    ("$ 5", "5"), ("0.0", "0"), ("abc", None), (None, None),
+])
+def test_normalize(raw, want):
+    assert gsm8k.normalize(raw) == want
+
+
+@pytest.mark.parametrize("text, want", [
+    ("so 3 + 4 = 7\n#### 7", "7"),
+    ("She has 5 apples. The answer is $1,250.", "1250"),
+    ("The answer is: 42. Then 43 more words 44", "42"),  # 'the answer is' beats the last number
+    ("first 12 then 30 and finally 18 dollars", "18"),  # last-number fallback
+    ("no digits here", None),
+])
+def test_extract_answer(text, want):
+    assert gsm8k.extract_answer(text) == want
+
+
+def test_gsm8k_real_lines(gsm8k_dir):
+    rows = [json.loads(line) for line in open(os.path.join(gsm8k_dir, "test.jsonl"))]
+    golds = [gsm8k.gold_answer(r["answer"]) for r in rows]
+    assert golds[:3] == ["18", "3", "70000"]  # Janet's ducks, the robe, Josh's house ($70,000 profit)
+    assert all(g is not None for g in golds)
+    assert all("," not in g for g in golds)  # '1,450,000' style answers are normalised
+    for r, g in zip(rows, golds):
+        solution, _, final = r["answer"].rpartition("####")
+        assert gsm8k.extract_answer(r["answer"]) == g
+        assert gsm8k.extract_answer(f"{solution}The answer is {final.strip()}.") == g
+    # the last-number fallback on the bare worked solution: its final line ends in the answer
+    assert gsm8k.extract_answer(rows[0]["answer"].rpartition("####")[0]) == "18"
+    items = gsm8k.load(gsm8k_dir, limit=5)
+    assert len(items) == 5 and items[0]["gold"] == "18" and "Janet" in items[0]["prompt"]
+
+
+# ---------------------------------------------------------------------------------------------- metrics / aggregate
+
+def _row(name, runs, strategy=None):
+    row = Row(name, strategy=Strategy.parse(strategy or name))
+    row.runs = dict(enumerate(runs))
+    return row
+
+
+def test_aggregate_arithmetic_on_hand_made_runs():
+    items = [{"prompt": "p0", "gold": "7"}, {"prompt": "p1", "gold": "5"}]
+    ntp = _row("ntp", [
+        Run("x = 7. The answer is 7", list(range(6)), [1] * 6, [9, 1, 1, 1, 1, 1], [0.95, 0.5, 0.99, 0.99, 0.99, 0.2],
+            walls=[1.0, 2.0]),
+        Run("The answer is 4", list(range(4)), [1] * 4, [5, 1, 1, 1], [0.99, 0.99, 0.99, 0.99], walls=[1.0, 1.0]),
+    ])
+    ca = _row("conf_adapt:0.9:4", [
+        Run("x = 7. The answer is 7", list(range(6)), [1, 2, 3], [12, 4, 5], walls=[0.5, 0.5]),
+        Run("The answer is 5", list(range(4)), [1, 3], [8, 4], walls=[0.5, 1.0]),
+    ])
+    rec_ntp, rec = bench.aggregate([ntp, ca], "gsm8k", items, repeats=2)
+    assert rec_ntp["speedup_vs_ntp"] == 1.0 and rec_ntp["tokens_per_forward"] == 1.0
+    # repeat 0: ntp 10 tokens / 2 s = 5/s, conf_adapt 10 / 1.0 = 10/s -> 2.0
+    # repeat 1: ntp 10 / 3 s, conf_adapt 10 / 1.5 s -> 2.0
+    assert rec["tokens_per_s_spread"] == [pytest.approx(10 / 1.5), pytest.approx(10.0)]
+    assert rec["speedup_vs_ntp"] == pytest.approx(2.0)
+    assert rec["tokens_per_forward"] == pytest.approx(10 / 5)
+    # chunks 1,2,3,1,3 with k=4: >0: 5/5, >1: 3/5, >2: 2/5, >3: 0
+    assert rec["acceptance_by_position"] == pytest.approx([1.0, 0.6, 0.4, 0.0])
+    assert rec["mean_block_tokens"] == pytest.approx((4 + 5 + 4) / 3)  # prompt passes excluded
+    assert rec["exact_match"] == 0.5 and rec["answer_agreement"] == 0.5
+    assert rec["accuracy"] == 1.0 and rec_ntp["accuracy"] == 0.5
+    assert rec_ntp["exact_match"] == 1.0 and rec_ntp["rougeL"] == pytest.approx(1.0)
+    assert 0.5 < rec["rougeL"] < 1.0
+    # oracle at tau 0.9, k_max 4 on ntp's confidences: [0.95][0.5][0.99 0.99 0.99][0.2] -> 6 tokens / 4 passes,
+    # and [0.99 x4] -> 4 tokens / 1 pass; pooled 10 / 5
+    assert rec["oracle_tokens_per_forward"] == pytest.approx(2.0)
+    assert rec_ntp["oracle_tokens_per_forward"] is None
+
+
+def test_metric_helpers():
+    assert metrics.match_rate(["1", None, "3"], ["1", None, "4"]) == pytest.approx(1 / 3)
+    assert metrics.match_rate([], []) is None
+    assert metrics.median_spread([3.0, 1.0, 2.0, 10.0]) == (2.5, 1.0, 10.0)
+    assert metrics.speedup(3.0, 2.0) == 1.5 and metrics.speedup(1.0, 0.0) is None
+    assert metrics.rouge_l(["the cat sat"], ["the cat sat"]) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        metrics.match_rate([1], [])
+
+
+# ---------------------------------------------------------------------------------------------- cost model
+
+def test_cost_model_interpolation_and_json():
+    cost = CostModel({1: 0.010, 4: 0.016, 8: 0.030})
+    assert cost.pass_time(1) == 0.010 and cost.pass_time(0.5) == 0.010
+    assert cost.pass_time(2) == pytest.approx(0.012)
+    assert cost.pass_time(6) == pytest.approx(0.023)
+    a, b = cost.linear_fit()
+    assert cost.pass_time(10) == pytest.approx(0.030 + 2 * b)
+    again = CostModel.from_json(json.loads(json.dumps(cost.to_json())))
+    assert again.points == cost.points
+    with pytest.raises(ValueError):
+        CostModel({})
+
+
+def test_predict_speedup_and_best_k():
+    flat = CostModel({1: 0.01, 32: 0.01})
+    steep = CostModel({1: 0.01, 32: 0.32})  # t(q) = q * 10 ms: nothing to gain
+    assert predict_speedup(flat, 2.5, 4) == pytest.approx(2.5)
+    assert predict_speedup(steep, 2.0, [2, 2]) == pytest.approx(1.0)
+    assert predict_speedup(steep, 2.0, 2.0) == pytest.approx(1.0)
+    acc = [1.0, 0.8, 0.6, 0.4, 0.2, 0.1]
+    assert best_k(flat, acc, 6)[0] == 6  # free tokens: take the longest block
+    assert best_k(steep, acc, 6)[0] == 1  # every fed token costs a full pass: plain decoding
+    mid = CostModel({1: 0.010, 2: 0.011, 3: 0.012, 4: 0.020, 6: 0.040})
+    # expected tokens/s: K=1 100, K=2 163.6, K=3 200, K=4 140, ...
+    assert best_k(mid, acc, 6) == (3, pytest.approx(2.4 / 0.012))
+    # conf_adapt with masks feeds E[n] + K - 1 tokens: K=2 -> 1.8 + 1 = 2.8 tokens fed
+    masks = block_tokens_for("conf_adapt", MaskProposer())
+    assert masks(2, 1.8) == pytest.approx(2.8) and masks(1, 1.0) == 1
+    assert best_k(mid, acc, 2, masks)[1] == pytest.approx(1.8 / mid.pass_time(2.8))
+    # verify with masks feeds 1 + (K-1) drafts + (K-1) masks; with lookup drafts only K
+    assert block_tokens_for("verify", MaskProposer())(4, 2.0) == 7
+    assert block_tokens_for("verify", PromptLookupProposer())(4, 2.0) == 4
+    # a proposer that appends nothing (heads): a pass feeds back only last pass's E[n] tokens;
+    # K=5: 3.0 / t(3.0) = 250/s beats K=6: 3.1 / t(3.1) = 242/s
+    fed_back = block_tokens_for("conf_adapt", PromptLookupProposer())
+    assert fed_back(6, 3.1) == pytest.approx(3.1)
+    assert best_k(mid, acc, 6, fed_back) == (5, pytest.approx(250.0))
+
+
+def test_measure_on_tiny_model():
+    cost = measure(tiny_model(), qs=[1, 2, 8], cache_len=20, repeats=2)
+    assert list(cost.points) == [1, 2, 8] and all(t > 0 for t in cost.points.values())
+    assert cost.meta["cache_len"] == 20 and set(cost.meta["spread"]) == {"1", "2", "8"}
+    with pytest.raises(ValueError):
+        measure(tiny_model(), qs=[1, 8], cache_len=250)  # beyond the context window of 256
+
+
+# ---------------------------------------------------------------------------------------------- tiny end-to-end
+
+def char_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    chars = [chr(i) for i in range(32, 127)]
+    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}  # 97 = tiny vocab
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    t.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture
+def tiny_engine(tmp_path):
+    """An Engine around a tiny random model with a mask token and a character tokenizer, saved as a
+    HF directory so the transformers peer can load the same weights."""
+    from mtp import loading
+    from mtp.engine import Engine, EngineConfig
+    from mtp.model import add_mask_token
+    model = tiny_model(3)
+    add_mask_token(model)
+    tok = char_tokenizer()
+    src = tmp_path / "tiny-hf"
+    loading.save_hf_dir(model, src, tok)
+    return Engine(loading.Loaded(model, tok, str(src), "tiny"), EngineConfig(model="tiny", adapter="none"))
+
+
+def _gsm8k_file(tmp_path, n=3):
+    path = tmp_path / "gsm.jsonl"
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"question": f"Tom has {i + 2} pens and buys 3. How many?",
+                                "answer": f"{i + 2}+3={i + 5}\n#### {i + 5}"}) + "\n")
+    return path
+
+
+class FlakyPeer(Peer):
+    """A peer that answers the first prompt and then breaks."""
+    name, package = "flaky", "json"
+    tokens_per_forward = 1.0
+
+    def setup(self, engine):
+        self.calls = 0
+
+    def generate(self, prompt_ids, max_new_tokens):
+        self.calls += 1
+        if self.calls > 3:  # the warm-up and prompt 0's two repeats work
+            raise RuntimeError("peer crashed")
+        return [5, 6, 7]
+
+
+def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
+    from mtp import peers
+    monkeypatch.setitem(peers.PEERS, "flaky", FlakyPeer)
+    monkeypatch.setattr(peers.LlamaCppPeer, "package", "llama_cpp_absent_for_this_test")
+    kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
+    cfg = BenchConfig(bench.parse_strategies("static:2,conf_adapt:0.5:4,verify:3"), ["hf", "llamacpp", "flaky"],
+                      repeats=2, max_new_tokens=12, profile=True, profile_qs=(1, 2, 4), profile_repeats=1,
+                      profile_cache_len=50)
+    steps = []
+    res = bench.run_bench(tiny_engine, kind, items, cfg, on_step=steps.append)
+    recs = {r["strategy"]: r for r in res.records}
+    assert list(recs) == ["ntp", "static:2", "conf_adapt:0.5:4", "verify:3", "hf", "llamacpp", "flaky"]
+    assert recs["ntp"]["speedup_vs_ntp"] == 1.0 and recs["ntp"]["exact_match"] == 1.0
+    assert recs["ntp"]["predicted_speedup"] == pytest.approx(1.0)
+    assert recs["verify:3"]["exact_match"] == 1.0  # verification is lossless under greedy decoding
+    assert recs["hf"]["exact_match"] == 1.0 and recs["hf"]["error"] is None  # same weights, same greedy text
+    assert recs["static:2"]["tokens_per_forward"] > 1.0
+    assert recs["static:2"]["acceptance_by_position"][1] > 0
+    assert recs["conf_adapt:0.5:4"]["oracle_tokens_per_forward"] >= 1.0
+    assert "skipped" in recs["llamacpp"]["error"] and "pip install llama-cpp-python" in recs["llamacpp"]["error"]
+    assert recs["llamacpp"]["n_prompts"] == 0
+    assert "peer crashed" in recs["flaky"]["error"] and recs["flaky"]["n_prompts"] == 1
+    for name in ("ntp", "static:2", "conf_adapt:0.5:4", "verify:3", "hf"):
+        assert recs[name]["n_prompts"] == 3 and recs[name]["tokens_per_s"] > 0
+        assert recs[name]["accuracy"] is not None and len(recs[name]["tokens_per_s_spread"]) == 2
+    assert all(r["env"]["torch"] == torch.__version__ for r in res.records)
+    assert any("best K for verify" in a for a in res.advice) and any("cap conf_adapt" in a for a in res.advice)
+    # rows alternate prompt by prompt, rotated: the first timed steps of prompt 1 start at different rows
+    timed = [s for s in steps if s.startswith("prompt")]
+    assert timed[0].endswith("· ntp") and not timed[6].endswith("· ntp")
+
+    bench.write_outputs(res, tmp_path / "out", tiny_engine, "mtp bench --test", chunk_examples=1)
+    out = tmp_path / "out"
+    lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    for key in ("strategy", "n_prompts", "tokens_per_forward", "acceptance_by_position", "tokens_per_s",
+                "speedup_vs_ntp", "exact_match", "answer_agreement", "accuracy", "rougeL", "error", "env"):
+        assert all(key in x for x in lines), key
+    assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG" and (out / "acceptance.png").exists()
+    assert CostModel.load(out / "profile.json").points.keys() == {1, 2, 4}
+    page = (out / "report.html").read_text()
+    for section in ('id="results"', "id=pareto", "id=acceptance", "id=profile", "id=chunks",
+                    "data:image/png;base64,", 'class="c0"', "peer crashed"):
+        assert section in page, section
+    assert page.count("<h4>") == 4  # the chunk view shows every engine row for one prompt
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+def test_load_data_formats(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "hello"}\n\n{"turns": ["first turn", "second"]}\n{"turns": [{"content": "c"}]}\n')
+    kind, items = bench.load_data(f"prompts:{p}")
+    assert kind == "prompts" and [i["prompt"] for i in items] == ["hello", "first turn", "c"]
+    assert len(bench.load_data(f"prompts:{p}", limit=2)[1]) == 2
+    assert [str(s) for s in bench.parse_strategies("static:1..3,ntp,conf_adapt:0.9,0.8")] == \
+        ["ntp", "static:1", "static:2", "static:3", "conf_adapt:0.9", "conf_adapt:0.8"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--strategies", "fast:3"], "malformed strategy"),
+    (["--baselines", "vllm"], "unknown baseline"),
+    (["--data", "gsm8k:/nonexistent/test.jsonl"], "data not found"),
+    (["--data", "csv:x"], "bad --data"),
+    (["--data", "prompts:BAD"], "not a JSON line"),
+    (["--data", "prompts:EMPTY"], "no items"),
+])
+def test_cli_bad_input(extra, message, tmp_path, capsys):
+    from mtp.cli import main
+    bad, empty = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl"
+    bad.write_text("{not json\n")
+    empty.write_text("\n")
+    args = ["bench", "--data", f"gsm8k:{_gsm8k_file(tmp_path)}", "--out", str(tmp_path / "o")] + \
+        [x.replace("BAD", str(bad)).replace("EMPTY", str(empty)) for x in extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mtp: error:") and message in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_strategy_needing_adapter_fails_before_running(tmp_path):
+    from mtp import loading
+    from mtp.engine import Engine, EngineConfig
+    plain = Engine(loading.Loaded(tiny_model(), char_tokenizer(), "tiny", "tiny"), EngineConfig(adapter="none"))
+    kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
+    with pytest.raises(ValueError, match="adapter"):
+        bench.run_bench(plain, kind, items, BenchConfig(bench.parse_strategies("static:2"), max_new_tokens=16))

@@ -1,0 +1,272 @@
+"""Pipeline-parallel decoding (mtp.pipeline): the same tokens as one process for every strategy,
+every stage's KV cache consistent after rollbacks, the link delay paid on every message, and a
+dead or hung stage failing the run cleanly within the timeout. Stages are real processes on gloo."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from mtp import costmodel
+from mtp.cache import KVCache
+from mtp.cli import main as cli_main
+from mtp.decode import Sequence, decode_step, generate, stream
+from mtp.model import Transformer
+from mtp.pipeline import PipelineConfig, keep_slice, launch_local, layer_ranges, run_stage
+from mtp.proposers import make_proposer
+from mtp.sampling import SamplingParams
+from mtp.strategy import Strategy
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 3]  # repeats, so prompt lookup finds drafts
+JOBS = [  # (strategy, proposer, temperature, seed)
+    ("ntp", "mask", 0.0, None),
+    ("verify:3", "lookup", 0.0, None),
+    ("verify:4", "mask", 0.0, None),
+    ("static:3", "mask", 0.0, None),
+    ("conf_adapt:0.6:4", "mask", 0.0, None),
+    ("verify:3", "mask", 0.9, 7),  # rejection sampling with a seed
+]
+
+
+def mtp_tiny(seed: int = 0, **cfg) -> Transformer:
+    """A tiny model with the mask token and gated LoRA adapters whose B factors are random, so the
+    adapter gate (mask positions) changes the numbers and has to travel between the stages."""
+    from mtp.adapter import add_adapters
+    model = tiny_model(seed, **cfg)
+    add_adapters(model, rank=4, mode="gated")
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval().requires_grad_(False)
+
+
+def _job(model, strategy, proposer, temperature, seed, max_new=12):
+    params = SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed)
+    return Sequence(list(PROMPT), Strategy.parse(strategy), params, make_proposer(proposer))
+
+
+def _run_jobs(pipe, jobs, outdir, kill=None):
+    """Stage 0's work in the tests: decode every job through the pipeline, write the outcome."""
+    results = []
+    for strategy, proposer, temperature, seed in jobs:
+        seq = _job(pipe, strategy, proposer, temperature, seed)
+        for _ in stream(pipe, seq, pipe.config.mask_token_id):
+            pass
+        results.append({"output": seq.output, "chunks": seq.stats.chunks, "wall_s": seq.stats.wall_s})
+    # two sequences in one batch, in cache rows 1 and 0, different prompt lengths (ragged blocks)
+    cache = KVCache.for_model(pipe, 2, 64)
+    seqs = [_job(pipe, "verify:3", "lookup", 0.0, None), _job(pipe, "static:2", "mask", 0.0, None)]
+    seqs[0].slot, seqs[1].slot, seqs[1].pending = 1, 0, PROMPT[:7]
+    seqs[1].prompt_ids = PROMPT[:7]
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            decode_step(pipe, cache, [s for s in seqs if not s.finished], pipe.config.mask_token_id)
+    results.append({"batch": [s.output for s in seqs]})
+    # the last sequence's cache, for the rollback check
+    seq = _job(pipe, "verify:3", "lookup", 0.0, None, max_new=20)
+    cache = KVCache.for_model(pipe, 1, 64)
+    for _ in stream(pipe, seq, pipe.config.mask_token_id, cache):
+        pass
+    results.append({"committed": (seq.prompt_ids + seq.output)[: cache.lengths[0]]})
+    _save_cache(cache, outdir, 0)
+    with open(os.path.join(outdir, "stage0.json"), "w") as f:
+        json.dump(results, f)
+
+
+def _save_cache(cache, outdir, rank):
+    from safetensors.torch import save_file
+    save_file({"k": cache.k.contiguous(), "v": cache.v.contiguous()}, os.path.join(outdir, f"cache{rank}.safetensors"))
+
+
+def _stage(rank, world, model, jobs, outdir, delay_ms=0.0, timeout_s=20.0):
+    torch.set_num_threads(1)  # tiny matrices: extra threads only wait for the (shared) cores
+    cfg = PipelineConfig(link_delay_ms=delay_ms, timeout_s=timeout_s, heartbeat_s=0.1)
+    if jobs == "delay":
+        fn = lambda pipe: _run_delay(pipe, outdir)  # noqa: E731
+    else:
+        fn = lambda pipe: _run_jobs(pipe, jobs, outdir)  # noqa: E731
+    state = run_stage(rank, world, model, cfg, fn)
+    if rank > 0:
+        _save_cache(state["cache"], outdir, rank)
+    return 0
+
+
+def _run_delay(pipe, outdir):
+    seq = _job(pipe, "ntp", "mask", 0.0, None, max_new=6)
+    for _ in stream(pipe, seq, pipe.config.mask_token_id):
+        pass
+    with open(os.path.join(outdir, "stage0.json"), "w") as f:
+        json.dump({"passes": seq.stats.forward_passes, "wall_s": seq.stats.wall_s}, f)
+
+
+def _fault_stage(rank, world, model, outdir, sig):
+    """Stage 0 decodes a long answer and, a few passes in, sends `sig` to stage 1."""
+    torch.set_num_threads(1)
+    cfg = PipelineConfig(link_delay_ms=20, timeout_s=3.0, heartbeat_s=0.1)
+    if rank == 1:
+        with open(os.path.join(outdir, "pid1"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def fn(pipe):
+        seq = _job(pipe, "ntp", "mask", 0.0, None, max_new=200)
+        for i, _ in enumerate(stream(pipe, seq, pipe.config.mask_token_id)):
+            if i == 3:
+                with open(os.path.join(outdir, "pid1")) as f:
+                    pid = int(f.read())
+                with open(os.path.join(outdir, "fault_t"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(pid, sig)
+    run_stage(rank, world, model, cfg, fn)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def one_thread():
+    """References computed like the stages (one thread each): tiny matrices gain nothing from more."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_layer_ranges_and_slices():
+    assert layer_ranges(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+    assert layer_ranges(2, 1) == [range(0, 2)]
+    with pytest.raises(ValueError):
+        layer_ranges(2, 3)
+    full = tiny_model(0, n_layers=3, tie_embeddings=True)
+    blocks = list(full.layers)
+    mid = keep_slice(tiny_model(0, n_layers=3), 1, 3)
+    assert len(mid.layers) == 1 and mid.embed_tokens is None and mid.lm_head is None
+    last = keep_slice(full, 2, 3)
+    assert list(last.layers) == blocks[2:] and last.lm_head is not None and last.embed_tokens is None
+
+
+def test_pipeline_matches_single_process(tmp_path, one_thread):
+    """2 stages: ntp, verify (lookup / mask / sampled), static, conf_adapt and a ragged batch give the
+    tokens and per-pass chunks of the single-process loop."""
+    model = mtp_tiny(0)
+    assert launch_local(2, _stage, (model, JOBS, str(tmp_path))) == 0
+    got = json.loads((tmp_path / "stage0.json").read_text())
+    mask_id = model.config.mask_token_id
+    for (strategy, proposer, temperature, seed), res in zip(JOBS, got):
+        ref = generate(model, PROMPT, strategy, SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed),
+                       make_proposer(proposer), mask_id)
+        assert res["output"] == ref.output, strategy
+        assert res["chunks"] == ref.stats.chunks, strategy
+    assert any(c > 1 for r in got[:len(JOBS)] for c in r["chunks"])  # proposals were really used
+    # the batch job, single process
+    cache = KVCache.for_model(model, 2, 64)
+    seqs = [_job(model, "verify:3", "lookup", 0.0, None), _job(model, "static:2", "mask", 0.0, None)]
+    seqs[0].slot, seqs[1].slot, seqs[1].pending = 1, 0, PROMPT[:7]
+    seqs[1].prompt_ids = PROMPT[:7]
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            decode_step(model, cache, [s for s in seqs if not s.finished], mask_id)
+    assert got[len(JOBS)]["batch"] == [s.output for s in seqs]
+
+
+def _rejections(model, strategy, proposer, max_new):
+    """How many passes of the single-process run rejected at least one draft."""
+    seq = _job(model, strategy, proposer, 0.0, None, max_new=max_new)
+    cache = KVCache.for_model(model, 1, 64)
+    n = 0
+    with torch.inference_mode():
+        while not seq.finished:
+            drafts = list(seq.drafts)
+            emitted = decode_step(model, cache, [seq], None)[0]
+            n += bool(drafts) and emitted[:len(drafts)] != drafts
+    return n
+
+
+def test_rollback_consistency_across_stages(tmp_path, one_thread):
+    """3 stages, verify with rejected drafts: after decoding, every stage's cache holds exactly what a
+    fresh prefill of the committed tokens writes (rejected entries were overwritten everywhere)."""
+    from safetensors.torch import load_file
+    model = mtp_tiny(1, n_layers=3)
+    ref_model = mtp_tiny(1, n_layers=3)
+    assert _rejections(ref_model, "verify:3", "lookup", 20) > 0  # the run does roll back
+    assert launch_local(3, _stage, (model, [], str(tmp_path))) == 0
+    committed = json.loads((tmp_path / "stage0.json").read_text())[-1]["committed"]
+    L = len(committed)
+    ref_cache = KVCache.for_model(ref_model, 1, 64)
+    with torch.inference_mode():
+        ref_model(torch.tensor([committed]), torch.arange(L).view(1, L), cache=ref_cache)
+    for rank, r in enumerate(layer_ranges(3, 3)):
+        got = load_file(str(tmp_path / f"cache{rank}.safetensors"))
+        for name in ("k", "v"):
+            want = getattr(ref_cache, name)[r.start:r.stop, 0, :, :L]
+            torch.testing.assert_close(got[name][:, 0, :, :L], want, atol=1e-4, rtol=1e-4)
+
+
+def test_link_delay_is_paid_on_every_message(tmp_path):
+    """2 stages, 40 ms per message: a pass crosses 2 links, so it takes at least 80 ms (lower bound)."""
+    model = tiny_model(2)
+    assert launch_local(2, _stage, (model, "delay", str(tmp_path), 40.0)) == 0
+    got = json.loads((tmp_path / "stage0.json").read_text())
+    assert got["passes"] >= 6
+    assert got["wall_s"] >= got["passes"] * 2 * 0.040
+
+
+@pytest.mark.parametrize("sig,what", [(signal.SIGKILL, "closed its link"), (signal.SIGSTOP, "stopped responding")])
+def test_dead_or_hung_stage_fails_cleanly(tmp_path, capfd, sig, what):
+    """Killing (or freezing) stage 1 mid-run: stage 0 exits non-zero with one line naming stage 1
+    within the 3 s timeout (+ the launcher's 3 s grace before it kills the stuck process)."""
+    model = tiny_model(3)
+    rc = launch_local(2, _fault_stage, (model, str(tmp_path), sig))
+    end = time.time()
+    assert rc != 0
+    fault_t = float((tmp_path / "fault_t").read_text())
+    assert end - fault_t < 3.0 + 3.0 + 4.0  # timeout + launcher grace for the stuck process + slack
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("mtp: error:")]
+    assert lines and "stage 1" in lines[0] and what in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_cli_bad_input_and_prediction(capsys):
+    assert cli_main(["pipeline", "--stages", "0", "hi"]) == 2
+    assert cli_main(["pipeline", "--strategy", "bogus", "hi"]) == 2
+    assert cli_main(["pipeline", "--link-delay-ms", "-1", "hi"]) == 2
+    assert cli_main(["pipeline", "--predict", "stages=8,latency_ms=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("mtp: error:") == 4 and "Traceback" not in err
+    assert cli_main(["pipeline", "--predict", "stages=8,latency_ms=0.5,pass_ms=40,tokens_per_pass=3"]) == 0
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_pipeline_cost_model():
+    # ntp pass 10 ms, MTP pass 12 ms emitting 3 tokens, 4 stages: speedup rises with latency towards 3
+    s0 = costmodel.pipeline_speedup(0.010, 0.012, 3, 4, 0.0)
+    s5 = costmodel.pipeline_speedup(0.010, 0.012, 3, 4, 0.005)
+    assert s0 == pytest.approx(2.5) and s5 == pytest.approx(3 * 0.030 / 0.032)
+    assert costmodel.pipeline_comm_time(4, 0.001, 1000, 1e6) == pytest.approx(4 * (0.001 + 0.001))
+    assert costmodel.pipeline_link_bytes(2, 3, 3, 10, 100, 2) == pytest.approx((3 * 10 * 2 + 3 * 100 * 2) / 2)
+    p = costmodel.predict_cluster(stages=8, latency_ms=0.5, pass_ms=40, tokens_per_pass=3, block_cost=1.0)
+    assert p["speedup"] == pytest.approx(3.0)
+    speedups = [x["speedup"] for x in costmodel.predict_cluster(4, 1, 10, 3, block_cost=1.5)["sweep"]]
+    assert speedups == sorted(speedups) and speedups[0] == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        costmodel.parse_cluster("stages=8,latency_ms=x,pass_ms=1,tokens_per_pass=2")
+
+
+@pytest.mark.slow
+def test_smollm2_two_stages_match_generate(smollm2, capfd):
+    """The real model over 2 stages, through the command: the same tokens as `Engine.generate`."""
+    prompt = "What is 12 + 30?"
+    ref = smollm2.generate(prompt, "ntp", SamplingParams(max_new_tokens=8))  # verify is lossless
+    rc = cli_main(["pipeline", "--stages", "2", prompt, "--adapter", "none", "--proposer", "lookup",
+                   "--strategy", "verify:3", "--max-new-tokens", "8", "--json"])
+    out = capfd.readouterr().out
+    assert rc == 0, out
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["token_ids"] == ref.token_ids and got["stages"] == 2

@@ -1,0 +1,547 @@
+"""`mtp serve` on a tiny random model with a character-level tokenizer: OpenAI schema round-trips
+(the official `openai` client, streaming and not), outputs identical to `mtp generate` under
+concurrent mixed strategies, queueing, disconnects, every bad input, the API key, SIGTERM, shadow
+mode and the adaptive K policy."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from conftest import tiny_model  # noqa: E402
+from mtp.engine import Engine, EngineConfig  # noqa: E402
+from mtp.sampling import SamplingParams  # noqa: E402
+from mtp.scheduler import AdaptiveK, Request, Scheduler, SchedulerConfig  # noqa: E402
+from mtp.serve import ServeConfig, create_app  # noqa: E402
+from mtp import shadow  # noqa: E402
+
+EOS = 95
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+
+
+def save_tiny(path: Path) -> Path:
+    """A tiny random Transformer (+ mask token) with a character-level HF tokenizer, as a model dir."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from mtp.loading import save_hf_dir
+    from mtp.model import add_mask_token
+
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}  # 95 printable characters
+    vocab.update({"<eos>": EOS, "<unk>": 96})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = CHAT_TEMPLATE
+    model = tiny_model(0)
+    model.config.extra["eos_token_ids"] = [EOS]
+    add_mask_token(model, 97)
+    save_hf_dir(model, path, tok)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return Engine.load(EngineConfig(model=str(tiny_dir), adapter="none"))
+
+
+class SlowModel:
+    """The engine's model, `delay` seconds slower per forward pass (to catch a request mid-flight)."""
+
+    def __init__(self, model, delay=0.02):
+        self.__dict__["_m"], self.__dict__["_delay"] = model, delay
+
+    def __call__(self, *a, **kw):
+        time.sleep(self._delay)
+        return self._m(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+
+def slow_engine(engine, delay=0.02):
+    e = Engine(engine.loaded, engine.config)
+    e.model = SlowModel(engine.model, delay)
+    return e
+
+
+def make_app(engine, pass_time=None, **kw):
+    sched = SchedulerConfig(**{k: kw.pop(k) for k in list(kw) if k in ("max_batch", "max_model_len",
+                                                                        "max_cache_tokens", "adaptive")})
+    kw.setdefault("model_name", "tiny")
+    return create_app(engine, ServeConfig(scheduler=sched, **kw), pass_time)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn in a background thread (no signal handlers) on a free loopback port."""
+
+    def __init__(self, app):
+        import uvicorn
+        self.app, self.port = app, free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+def client_for(server, key="unused"):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def reference(engine, prompt, strategy, max_tokens, chat, stop=()):
+    params = SamplingParams(max_new_tokens=max_tokens, stop=list(stop))
+    return engine.generate(prompt, strategy, params, chat=chat)
+
+
+# ---- schema round-trips with the official client ---------------------------------------------------
+def test_openai_client_round_trip(engine):
+    with LiveServer(make_app(engine)) as srv:
+        c = client_for(srv)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        ref = reference(engine, "Hello", "static:2", 20, chat=False)
+        r = c.completions.create(model="tiny", prompt="Hello", max_tokens=20, temperature=0,
+                                 extra_body={"mtp": {"strategy": "static:2"}})
+        assert r.choices[0].text == ref.text
+        assert r.choices[0].finish_reason == ref.finish_reason
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        assert r.usage.prompt_tokens == ref.prompt_tokens
+        assert r.model_extra["mtp"]["tokens_per_forward"] == pytest.approx(ref.summary["tokens_per_forward"], abs=1e-3)
+
+        parts = list(c.completions.create(model="tiny", prompt="Hello", max_tokens=20, temperature=0, stream=True,
+                                          extra_body={"mtp": {"strategy": "static:2"}}))
+        assert "".join(p.choices[0].text for p in parts) == ref.text
+        assert parts[-1].choices[0].finish_reason == ref.finish_reason
+
+        ref = reference(engine, "Hi there", "verify:3", 30, chat=True)
+        msgs = [{"role": "user", "content": "Hi there"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=0,
+                                      extra_body={"mtp": {"strategy": "verify:3"}})
+        assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+        parts = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"mtp": {"strategy": "verify:3"}}))
+        assert parts[0].choices[0].delta.role == "assistant"
+        assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == ref.text
+        assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == ref.finish_reason
+        assert parts[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_sse_wire_format(engine):
+    with LiveServer(make_app(engine)) as srv:
+        with httpx.stream("POST", srv.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "abc", "max_tokens": 8, "stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert all(ch["object"] == "text_completion" for ch in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stop", ["e", "ab"])
+def test_stop_strings_streamed_and_not(engine, stop):
+    ref = reference(engine, "Tell me", "static:3", 60, chat=True, stop=[stop])
+    with LiveServer(make_app(engine)) as srv:
+        c = client_for(srv)
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell me"}], max_tokens=60, temperature=0,
+                  stop=[stop], extra_body={"mtp": {"strategy": "static:3"}})
+        full = c.chat.completions.create(**kw).choices[0].message.content
+        streamed = "".join(p.choices[0].delta.content or "" for p in c.chat.completions.create(stream=True, **kw))
+    assert full == streamed == ref.text
+    assert stop not in full
+
+
+# ---- continuous batching ------------------------------------------------------------------------
+JOBS = [("Hello", "ntp", 40), ("What is 2+2?", "verify:3", 53), ("abc def", "static:2", 66),
+        ("The quick brown fox", "conf_adapt:0.6", 79), ("x", "static:3", 30), ("Tell me a story", "verify:2", 90),
+        ("Once upon", "conf_adapt:0.9:4", 45)]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_concurrent_mixed_strategies_equal_generate(engine, adaptive):
+    """7 clients at once, 3 batch rows: joins, leaves (rows moved), queueing; every output equals
+    `mtp generate` alone. With the adaptive policy on (flat cost model, measured proposal cost) K may
+    be capped, which keeps the lossless strategies identical."""
+    refs = [reference(engine, p, s, n, chat=True) for p, s, n in JOBS]
+    app = make_app(engine, pass_time=(lambda q: 1.0) if adaptive else None, max_batch=3, max_model_len=200)
+    with LiveServer(app) as srv:
+        c = client_for(srv)
+
+        def ask(job):
+            p, s, n = job
+            return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=n,
+                                             temperature=0, extra_body={"mtp": {"strategy": s}})
+
+        with ThreadPoolExecutor(len(JOBS)) as pool:
+            outs = list(pool.map(ask, JOBS))
+        sched = app.state.mtp.scheduler
+        assert adaptive or sched.capped_passes == 0
+        assert sched.passes < sum(o.model_extra["mtp"]["forward_passes"] for o in outs)  # rows shared passes
+    for out, ref, (_, s, _) in zip(outs, refs, JOBS):
+        if adaptive and not s.startswith(("ntp", "verify")):
+            continue  # a capped conf_adapt / static pass emits what conf_adapt:TAU:K would
+        assert out.choices[0].message.content == ref.text
+        assert out.usage.completion_tokens == len(ref.token_ids)
+
+
+def scheduled(engine, jobs, **cfg):
+    """Run (prompt, strategy, max_tokens) jobs through a Scheduler directly; return the Requests."""
+    sched = Scheduler(engine.model, engine.mask_id, SchedulerConfig(**cfg.pop("config", {})), cfg.pop("pass_time", None))
+    reqs = [Request(engine.new_sequence(engine.encode(p), s, SamplingParams(max_new_tokens=n))) for p, s, n in jobs]
+    for r in reqs:
+        sched.submit(r)
+    sched.start()
+    for r in reqs:
+        assert r.done.wait(60)
+    sched.stop()
+    return sched, reqs
+
+
+def test_queue_waits_when_budget_is_full(engine):
+    """A budget for one request at a time: the others queue, FIFO, none dropped."""
+    jobs = [("Hello", "verify:2", 30), ("abc", "static:2", 30), ("xyz", "ntp", 30)]
+    budget = max(len(engine.encode(p)) + n + 2 for p, _, n in jobs)
+    sched, reqs = scheduled(engine, jobs, config=dict(max_batch=3, max_model_len=100, max_cache_tokens=budget))
+    for a, b in zip(reqs, reqs[1:]):
+        assert b.t_admitted >= a.t_finish  # never two at once, first come first served
+    for r, (p, s, n) in zip(reqs, jobs):
+        assert r.seq.output == reference(engine, p, s, n, chat=True).token_ids
+
+
+def test_request_over_budget_is_refused(engine):
+    sched = Scheduler(engine.model, engine.mask_id, SchedulerConfig(max_batch=2, max_model_len=100, max_cache_tokens=20))
+    with pytest.raises(ValueError, match="max-cache-tokens"):
+        sched.submit(Request(engine.new_sequence(engine.encode("Hello"), "ntp", SamplingParams(max_new_tokens=50))))
+
+
+def test_disconnect_frees_the_row(engine):
+    app = make_app(slow_engine(engine), max_batch=1, max_model_len=250)
+    state = app.state.mtp
+    with LiveServer(app) as srv:
+        with httpx.stream("POST", srv.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "abc", "max_tokens": 200, "stream": True}) as r:
+            next(r.iter_lines())  # one event, then hang up
+        for _ in range(200):
+            if state.scheduler.running == 0:
+                break
+            time.sleep(0.05)
+        assert state.scheduler.running == 0
+        assert state.metrics.requests[("completions", "cancelled")] == 1
+        assert state.metrics.completion_tokens < 200
+        # the single row is free again: the next request is served
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 5}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+# ---- bad input, auth ----------------------------------------------------------------------------
+LONG = "y" * 300  # over the tiny model's 256-token window
+BAD = [
+    ("/v1/completions", b"{not json", "invalid_request_error", None),
+    ("/v1/completions", b"[1, 2]", "invalid_request_error", None),
+    ("/v1/completions", {"model": "tiny"}, "invalid_request_error", "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, "invalid_request_error", "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "invalid_request_error", "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10_000}, "invalid_request_error", "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": LONG}, "invalid_request_error", "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": "hot"}, "invalid_request_error", "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 3.0}, "invalid_request_error", "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": "yes"}, "invalid_request_error", "stream"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, "invalid_request_error", "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "fast"}}, "invalid_request_error",
+     "mtp.strategy"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "static:0"}}, "invalid_request_error",
+     "mtp.strategy"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "static:999"}}, "invalid_request_error",
+     "mtp.strategy"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"strategi": "ntp"}}, "invalid_request_error", "mtp"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 99999]}, "invalid_request_error", "prompt"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, "invalid_request_error", "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "invalid_request_error", "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": LONG}]},
+     "invalid_request_error", "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,etype,param", BAD)
+def test_bad_input_is_400(engine, path, body, etype, param):
+    from fastapi.testclient import TestClient
+    with TestClient(make_app(engine)) as c:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = c.post(path, headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == etype and err["param"] == param and err["message"]
+
+
+def test_unknown_model_is_404_and_strategy_needing_adapter_is_400(engine):
+    from fastapi.testclient import TestClient
+    no_mask = Engine(engine.loaded, engine.config)
+    no_mask.model = SlowModel(engine.model, 0.0)
+    no_mask.model.__dict__["config"] = type(engine.model.config)(**{**engine.model.config.to_dict(),
+                                                                      "mask_token_id": None})
+    with TestClient(make_app(no_mask)) as c:
+        r = c.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "mtp": {"strategy": "static:2"}})
+        assert r.status_code == 400 and "adapter" in r.json()["error"]["message"]
+        assert c.get("/v1/nothing").status_code == 404 and "error" in c.get("/v1/nothing").json()
+
+
+def test_api_key_enforced(engine):
+    with LiveServer(make_app(engine, api_key="s3cret")) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            assert httpx.get(srv.url + path).status_code == 401
+            assert httpx.get(srv.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert httpx.get(srv.url + path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            client_for(srv, "wrong").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        r = client_for(srv, "s3cret").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+
+
+def test_metrics_exposition(engine):
+    from fastapi.testclient import TestClient
+    with TestClient(make_app(engine)) as c:
+        for s in ("ntp", "static:2"):
+            assert c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 6,
+                                                   "mtp": {"strategy": s}}).status_code == 200
+        c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 0})
+        text = c.get("/metrics").text
+    assert 'mtp_requests_total{endpoint="completions",status="ok"} 2' in text
+    assert 'mtp_requests_total{endpoint="completions",status="invalid"} 1' in text
+    assert "mtp_generation_tokens_total 12" in text
+    assert 'mtp_tokens_per_forward{strategy="ntp"} 1.0000' in text
+    assert 'mtp_tokens_per_forward{strategy="static:2"} 2.0000' in text
+    assert 'mtp_acceptance_by_position{strategy="static:2",position="1"} 1.0000' in text
+    assert "mtp_request_latency_seconds_count 2" in text and "mtp_queue_length 0" in text
+
+
+# ---- SIGTERM -------------------------------------------------------------------------------------
+SERVER_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_serve import make_app, slow_engine
+from mtp.engine import Engine, EngineConfig
+from mtp.serve import serve_app
+engine = slow_engine(Engine.load(EngineConfig(model={model!r}, adapter="none")), 0.02)
+sys.exit(serve_app(make_app(engine), "127.0.0.1", {port}, "warning", 30))
+"""
+
+
+def test_sigterm_finishes_running_requests_and_exits_0(tiny_dir, tmp_path):
+    port = free_port()
+    script = tmp_path / "srv.py"
+    script.write_text(SERVER_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tiny_dir), port=port))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "abc", "max_tokens": 60, "stream": True}) as r:
+            it = r.iter_lines()
+            lines.append(next(it))
+            proc.send_signal(signal.SIGTERM)  # mid-stream: ~60 passes of 20 ms are still to come
+            lines += list(it)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    events = [ln for ln in lines if ln]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health")
+
+
+def test_cli_rejects_bad_flags_in_one_line():
+    for argv in (["serve", "--strategy", "bogus"], ["serve", "--port", "0"], ["shadow-report", "/nonexistent.jsonl"]):
+        r = subprocess.run([sys.executable, "-m", "mtp.cli", *argv], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.startswith("mtp: error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---- shadow mode -----------------------------------------------------------------------------------
+def test_shadow_mode_logs_divergence_and_report(engine, tmp_path, capsys):
+    log = tmp_path / "shadow.jsonl"
+    app = make_app(engine, shadow_rate=1.0, shadow_log=str(log))
+    from fastapi.testclient import TestClient
+    jobs = [("Hello", "static:3"), ("abc", "verify:3"), ("zz", "ntp")]
+    with TestClient(app) as c:
+        for p, s in jobs:
+            assert c.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 24,
+                                                   "mtp": {"strategy": s}}).status_code == 200
+        for _ in range(400):
+            if log.exists() and len(log.read_text().splitlines()) == 2:
+                break
+            time.sleep(0.05)
+        text = c.get("/metrics").text
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [r["strategy"] for r in recs] == ["static:3", "verify:3"]  # ntp requests are not shadowed
+    for rec, (p, s) in zip(recs, jobs):
+        mine = reference(engine, p, s, 24, chat=False)
+        ntp = reference(engine, p, "ntp", 24, chat=False)
+        assert rec["exact_match"] == (mine.token_ids == ntp.token_ids)
+        assert rec["first_divergence"] == shadow.first_divergence(mine.token_ids, ntp.token_ids)
+        assert rec["latency_ratio"] > 0 and rec["shadow_tokens"] == len(ntp.token_ids)
+    assert recs[1]["exact_match"] is True  # verify is lossless
+    assert "mtp_shadow_requests_total 2" in text
+    assert f"mtp_shadow_exact_match_total {sum(r['exact_match'] for r in recs)}" in text
+
+    from mtp.cli import main
+    assert main(["shadow-report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "static:3" in out and "verify:3" in out and "all" in out
+    assert main(["shadow-report", str(log), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verify:3"]["exact_match_rate"] == 1.0 and summary["all"]["requests"] == 2
+
+
+def test_shadow_compare():
+    assert shadow.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert shadow.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert shadow.first_divergence([1, 2], [1, 2, 3]) == 2
+    rec = shadow.compare([1, 2], "so #### 1,200", [1, 3], "The answer is 1200.")
+    assert rec == {"exact_match": False, "first_divergence": 1, "answer": "1200", "shadow_answer": "1200",
+                   "answer_agree": True}
+    assert shadow.compare([1], "no number", [1], "none")["answer_agree"] is None
+    assert shadow.compare([1], "it is 3", [2], "it is 4")["answer_agree"] is False
+
+
+def test_shadow_report_rejects_garbage(tmp_path):
+    bad = tmp_path / "x.jsonl"
+    bad.write_text('{"a": 1}\n')
+    with pytest.raises(ValueError, match="not a shadow record"):
+        shadow.read_log(bad)
+
+
+# ---- adaptive K ------------------------------------------------------------------------------------
+class FakeSeq:
+    def __init__(self, strategy, pending=1, drafts=0):
+        from mtp.proposers import MaskProposer
+        from mtp.strategy import Strategy
+        self.strategy, self.proposer = Strategy.parse(strategy), MaskProposer()
+        self.pending, self.drafts = [0] * pending, [0] * drafts
+
+
+def test_adaptive_policy_choices():
+    seqs = [FakeSeq("conf_adapt:0.9:4")]
+    # flat cost: proposals are free, use the whole K
+    assert AdaptiveK(lambda q: 1.0).choose(seqs) == 4
+    # cost proportional to tokens fed: with the 0.5 prior K=2 yields 1.5 tokens for 2 tokens' time -> K=1
+    assert AdaptiveK(lambda q: float(q)).choose(seqs) == 1
+    # t(q) = 1 + 0.1 q: K=1 -> 1/1.1; K=2 -> 1.5/1.2; K=3 -> 1.75/1.3; K=4 -> 1.875/1.4 -> K=3 best
+    assert AdaptiveK(lambda q: 1 + 0.1 * q).choose(seqs) == 3
+    # 16 rows: q = 16 x block; the same linear cost now forbids proposals
+    assert AdaptiveK(lambda q: 1 + 0.1 * q).choose(seqs * 16) == 1
+    # no row can propose -> nothing to decide
+    assert AdaptiveK(lambda q: 1.0).choose([FakeSeq("ntp"), FakeSeq("verify:1")]) is None
+
+
+def test_adaptive_policy_learns_acceptance():
+    pol = AdaptiveK(lambda q: float(q) ** 0.5)
+    s = FakeSeq("static:4")
+    assert pol.rates(pol.key(s), 3) == [0.5, 0.5, 0.5]
+    for _ in range(50):
+        pol.observe(s, attempted=4, emitted=4)  # static: every guess is emitted
+    assert all(p > 0.95 for p in pol.rates(pol.key(s), 3))
+    assert pol.choose([s]) == 4  # 4 tokens for sqrt(4) = 2x the time of one
+    v = FakeSeq("verify:4", drafts=3)
+    for _ in range(50):
+        pol.observe(v, attempted=4, emitted=1)  # drafts always rejected
+    assert pol.rates(pol.key(v), 1)[0] < 0.05
+    assert pol.choose([v]) == 1
+
+
+def test_capped_k_keeps_lossless_outputs(engine):
+    """A steep cost model caps every non-prefill pass to K=1; verify stays identical to generate."""
+    jobs = [("Hello", "verify:3", 40), ("abc", "verify:2", 25), ("q", "ntp", 30)]
+    sched, reqs = scheduled(engine, jobs, config=dict(max_batch=3, max_model_len=100), pass_time=lambda q: float(q))
+    assert sched.capped_passes > 0 and sched.k_caps[1] > 0
+    for r, (p, s, n) in zip(reqs, jobs):
+        assert r.seq.output == reference(engine, p, s, n, chat=True).token_ids
+        assert r.capped_passes > 0 or r.seq.strategy.k == 1
+
+
+def test_measured_cost_is_monotone_and_covers_the_batch():
+    from mtp.scheduler import measured_cost
+    cost = measured_cost(tiny_model(0), max_batch=4, cache_len=32, repeats=1)
+    qs = sorted(cost.points)
+    assert {1, 4, 8, 16, 64}.issubset(qs)  # batch-1 blocks and 4 rows x {1, 2, 4}
+    assert all(cost.points[a] <= cost.points[b] for a, b in zip(qs, qs[1:]))
+    assert cost.pass_time(128) >= cost.pass_time(64)
+
+
+def test_adaptive_policy_learns_load_and_proposal_cost():
+    pol = AdaptiveK(lambda q: 1.0)
+    s = FakeSeq("static:4")
+    for _ in range(50):
+        pol.observe(s, attempted=4, emitted=4)
+    assert pol.choose([s]) == 4  # flat pass time, no known proposal cost: every guess is free
+    for _ in range(200):
+        pol.observe_time(1, {}, 3.0)  # the machine got 3x slower than the cost model
+    assert pol.scale == pytest.approx(3.0, rel=1e-3)
+    for _ in range(200):  # each proposal depth costs 5 s, timed apart from the pass
+        pol.observe_time(1, {"mask": 3}, 3.0 + 3 * 5.0, {"mask": 3 * 5.0})
+    assert pol.scale == pytest.approx(3.0, rel=1e-3)
+    assert pol.proposal_s["mask"] == pytest.approx(5.0, rel=1e-3)
+    # K=4: ~4 tokens in 3 + 15 s; K=2: ~2 tokens in 8 s; K=1: 1 token in 3 s -> K=1
+    assert pol.choose([s]) == 1
+
+
+def test_adaptive_policy_trusts_observed_pass_times():
+    """A cost model that calls 4-token passes free is overruled once such passes are seen to be slow."""
+    pol = AdaptiveK(lambda q: 1.0)
+    s = FakeSeq("verify:4", drafts=3)
+    for _ in range(50):
+        pol.observe(s, attempted=4, emitted=2)  # one of three drafts accepted: p1 ~ 1, p2 ~ 0
+    assert pol.choose([s]) == 4
+    for _ in range(3):
+        pol.observe_time(1, {}, 1.0)
+        pol.observe_time(7, {"mask": 3}, 3.0)  # 1 + 3 drafts + 3 masks took 3x a plain pass
+    assert pol.trunk_time(7) == pytest.approx(3.0) and pol.trunk_time(1) == pytest.approx(1.0)
+    assert pol.choose([s]) < 4  # K=4: ~2 tokens in 3 s, worse than one token in 1 s
