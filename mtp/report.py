@@ -41,14 +41,16 @@ def pareto_png(res, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, label in ((axes[0], "tokens_per_s", "tokens / s (median)"),
                            (axes[1], "tokens_per_forward", "tokens per forward pass")):
-        for rec in res.records:
+        for i, rec in enumerate(res.records):
             q, qlabel = _quality(rec, res.kind)
             x = rec.get(key)
             if x is None or q is None:
                 continue
             ax.scatter([x], [q], marker="s" if rec["peer"] else "o", s=50,
                        color="tab:gray" if rec["peer"] else "tab:blue")
-            ax.annotate(rec["strategy"], (x, q), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            # staggered labels: rows of equal quality (lossless ones at 1.0) would print over each other
+            ax.annotate(rec["strategy"], (x, q), textcoords="offset points", xytext=(4, 4 - 10 * (i % 3)),
+                        fontsize=8)
         ax.set_xlabel(label)
         ax.set_ylabel(_quality({}, res.kind)[1])
         ax.set_ylim(-0.03, 1.05)
