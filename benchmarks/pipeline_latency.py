@@ -235,10 +235,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--out", default="runs/pipeline_latency")
     p.add_argument("--predict", metavar="SPEC", help="only print the cost model's prediction for a cluster")
+    p.add_argument("--analyze", nargs="+", metavar="RESULTS_JSONL",
+                   help="no run: pool these results.jsonl files (e.g. two runs) and write the table and plot to --out")
     args = p.parse_args(argv)
     if args.predict:
         print(costmodel.predict_cluster(**costmodel.parse_cluster(args.predict))["text"])
         return 0
+    if args.analyze:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        return report([json.loads(line) for f in args.analyze for line in open(f) if line.strip()], out, vars(args))
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.proposer not in ("mask", "heads", "lookup"):
         raise SystemExit("--proposer must be mask, heads or lookup")
@@ -261,10 +267,12 @@ def main(argv=None) -> int:
         if rc:
             print(f"stages={P}: the pipeline failed (exit {rc})", file=sys.stderr)
             return rc
-    records = [json.loads(line) for line in open(args.partial)]
+    return report([json.loads(line) for line in open(args.partial)], out, vars(args))
+
+
+def report(records: list[dict], out: Path, args: dict) -> int:
     rows = summarize(records)
-    (out / "summary.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
-                                                  "rows": rows}, indent=1))
+    (out / "summary.json").write_text(json.dumps({"args": args, "rows": rows}, indent=1))
     print(table(rows))
     try:
         plot(rows, out / "speedup_vs_latency.png")

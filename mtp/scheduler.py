@@ -12,7 +12,7 @@ One iteration of the engine thread:
      prompt + max_tokens + K <= max_cache_tokens); background (shadow) work only when no live
      request waits; nobody is dropped, the rest wait;
   3. prefill one newcomer alone: its prompt would otherwise pad every row of the batch to its
-     length; that pass also yields its first token(s);
+     length; that pass also yields its first token(s) (K capped by the policy as in step 4);
   4. let the adaptive policy cap K for this pass (`AdaptiveK`), then one `decode_step` over every
      active row;
   5. hand each row's tokens to its request's callback; finished rows leave.
@@ -104,8 +104,9 @@ class AdaptiveK:
     at which position j is emitted once position j-1 was, per strategy and proposer). The pass
     feeds q = rows x max_r block_r(K) tokens (right padding) and makes P = sum_r (K_r - 1) proposals,
     so it takes T(K) = t'(q) + c * P: t'(q) the running observed time of passes of q tokens once
-    seen twice, else scale * t(q) from the cost model, `scale` the running ratio of observed to
-    modelled time of the passes without their proposing (the machine's load now), `c`
+    seen twice; for an unseen q a line a + b*q fitted to recent observed passes (once two block
+    sizes were seen), else scale * t(q) from the start-up cost model, `scale` the running ratio of
+    observed to modelled time (the machine's load now); all pass times exclude proposing; `c`
     the running measured time of one proposal depth per proposer (the heads proposer runs its heads
     and the LM head per row and depth; the mask proposer almost nothing). The cap maximising
     sum_r E_r(K) / T(K) wins. Unseen positions start from the previous position's rate (position 1
@@ -121,6 +122,7 @@ class AdaptiveK:
         self.scale = 1.0  # observed / modelled time of passes, proposing excluded
         self.proposal_s: dict[str, float] = {}  # proposer name -> seconds per proposal depth
         self.seen: dict[int, tuple[float, int]] = {}  # q -> (running pass seconds, passes observed)
+        self.fit = [0.0] * 5  # decayed sums for the line t = a + b*q: n, q, t, q*q, q*t
 
     @staticmethod
     def key(seq: Sequence) -> str:
@@ -168,7 +170,20 @@ class AdaptiveK:
         seen = self.seen.get(q)
         if seen is not None and seen[1] >= 2:
             return seen[0]
+        line = self.line()
+        if line is not None:
+            return line[0] + line[1] * q
         return self.scale * self.pass_time(q)
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) of t = a + b*q over recent passes; None until two block sizes were seen."""
+        n, sq, st, sqq, sqt = self.fit
+        var = n * sqq - sq * sq
+        if sum(1 for _, c in self.seen.values() if c >= 1) < 2 or var <= 1e-9 * max(n * sqq, 1e-12):
+            return None
+        b = max(0.0, (n * sqt - sq * st) / var)
+        a = max(0.0, (st - b * sq) / n)
+        return a, b
 
     def predicted_time(self, q: int, proposals: dict[str, int]) -> float:
         return self.trunk_time(q) + sum(self.proposal_s.get(n, 0.0) * d for n, d in proposals.items())
@@ -182,6 +197,8 @@ class AdaptiveK:
         self.scale += self.alpha * (trunk / self.pass_time(q) - self.scale)
         prev, n = self.seen.get(q, (trunk, 0))
         self.seen[q] = (prev + max(self.alpha, 1 / (n + 1)) * (trunk - prev), n + 1)
+        decay = 1 - self.alpha / 5  # the line remembers ~50 passes
+        self.fit = [x * decay + y for x, y in zip(self.fit, (1.0, q, trunk, q * q, q * trunk))]
         for name, depths in proposals.items():
             if depths > 0 and name in proposing_s:
                 per = proposing_s[name] / depths
@@ -412,7 +429,7 @@ class Scheduler:
 
     def _pass(self, rows: list[Request], prefill: bool) -> None:
         seqs = [r.seq for r in rows]  # ordered by slot: active rows are contiguous
-        k = self.policy.choose(seqs) if self.policy is not None and not prefill else None
+        k = self.policy.choose(seqs) if self.policy is not None else None  # prefills too: masks cost there
         if k is not None:
             self.k_caps[k] += 1
             for r in rows:
@@ -428,7 +445,7 @@ class Scheduler:
         self.proposing_s.clear()
         t0 = time.perf_counter()
         emitted = decode_step(self.model, self.cache, seqs, self.mask_id)
-        if self.policy is not None and not prefill:
+        if self.policy is not None:
             self.policy.observe_time(q, proposals, time.perf_counter() - t0, self.proposing_s)
         self.passes += 1
         self.prefill_passes += prefill

@@ -545,3 +545,14 @@ def test_adaptive_policy_trusts_observed_pass_times():
         pol.observe_time(7, {"mask": 3}, 3.0)  # 1 + 3 drafts + 3 masks took 3x a plain pass
     assert pol.trunk_time(7) == pytest.approx(3.0) and pol.trunk_time(1) == pytest.approx(1.0)
     assert pol.choose([s]) < 4  # K=4: ~2 tokens in 3 s, worse than one token in 1 s
+
+
+def test_adaptive_policy_extrapolates_unseen_blocks_from_observed_passes():
+    pol = AdaptiveK(lambda q: 1.0)  # a start-up model that calls every block size equally cheap
+    for _ in range(5):
+        pol.observe_time(16, {}, 1.0 + 0.1 * 16)
+        pol.observe_time(32, {}, 1.0 + 0.1 * 32)
+    a, b = pol.line()
+    assert a == pytest.approx(1.0) and b == pytest.approx(0.1)
+    assert pol.trunk_time(256) == pytest.approx(1.0 + 25.6)  # not the start-up model's flat guess
+    assert pol.trunk_time(16) == pytest.approx(2.6)  # seen block sizes use their own running time
