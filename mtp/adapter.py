@@ -168,6 +168,9 @@ def write_dir_atomic(path: Path, files: dict[str, dict | bytes | dict[str, torch
                 save_file({k: v.detach().contiguous().cpu() for k, v in content.items()}, str(tmp / name))
             else:
                 (tmp / name).write_text(json.dumps(content, indent=1))
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
         if path.exists():
             if old.exists():
                 shutil.rmtree(old)
