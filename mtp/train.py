@@ -566,6 +566,8 @@ def run(args) -> int:
         cfg_meta = dict(cfg.meta)
         t0 = time.perf_counter()
         state = train(cfg, engine.model, examples, n_used_tokens=len(engine.tokenizer))
+        if _dist()[0] is not None:
+            _dist()[0].barrier()  # nobody tears the group down while a peer still talks (gloo aborts)
         if _dist()[1] == 0:
             last = state["history"][-1] if state["history"] else {}
             print(f"trained {state['step']} steps in {time.perf_counter() - t0:.0f} s "
