@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
+from .loading import atomic_dir
 from .model import Linear, Transformer, add_mask_token
 
 FORMAT = "mtp-adapter"
@@ -153,34 +151,15 @@ def trainable_state(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def write_dir_atomic(path: Path, files: dict[str, dict | bytes | dict[str, torch.Tensor]]) -> None:
-    """Write a directory all at once: build it under a temp name, then rename it into place.
-
-    `files` maps a file name to a dict of tensors (-> safetensors) or a JSON-able dict (-> JSON).
-    A failure at any point leaves the previous directory (if any) untouched and no partial one."""
+    """Write a directory all at once (`loading.atomic_dir`): `files` maps a file name to a dict of
+    tensors (-> safetensors) or a JSON-able dict (-> JSON)."""
     from safetensors.torch import save_file
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    old = path.parent / f".{path.name}.old"
-    try:
+    with atomic_dir(path) as tmp:
         for name, content in files.items():
             if name.endswith(".safetensors"):
                 save_file({k: v.detach().contiguous().cpu() for k, v in content.items()}, str(tmp / name))
             else:
                 (tmp / name).write_text(json.dumps(content, indent=1))
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        if path.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old.exists():
-            shutil.rmtree(old)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def adapter_files(model: Transformer, extra_meta: dict | None = None, dtype=None) -> dict:

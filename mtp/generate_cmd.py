@@ -8,8 +8,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 from .engine import Engine, EngineConfig
 from .strategy import Strategy
 

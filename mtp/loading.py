@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import contextlib
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -141,25 +142,43 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return d
 
 
-def save_hf_dir(model: Transformer, path: Path, tokenizer=None) -> None:
-    """Write config.json + model.safetensors (+ tokenizer) atomically: a temp dir, then a rename."""
-    from safetensors.torch import save_file
+@contextlib.contextmanager
+def atomic_dir(path: Path):
+    """Build a directory under a temp name (yielded), then swap it into place in two renames.
+
+    A failure at any point leaves the previous directory (if any) untouched and no partial one;
+    a kill between the two renames leaves the previous one at `.NAME.old` (mtp.train resumes it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    old = path.parent / f".{path.name}.old"
     try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old.exists():
+            shutil.rmtree(old)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_hf_dir(model: Transformer, path: Path, tokenizer=None) -> None:
+    """Write config.json + model.safetensors (+ tokenizer) atomically."""
+    from safetensors.torch import save_file
+    with atomic_dir(path) as tmp:
         state = {k: v.contiguous() for k, v in model.state_dict().items()
                  if not (model.config.tie_embeddings and k == "lm_head.weight")}
         save_file(state, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def file_digest(path: Path, chunk=1 << 20) -> str:
@@ -191,25 +210,17 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
         return out
     from safetensors.torch import save_file
     state, hf = read_gguf(gguf_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         save_file(state, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(hf, indent=1))
         if out.exists():  # tokenizer files placed there beforehand are kept (no 25 s conversion)
             for f in out.iterdir():
                 if f.name not in ("config.json", "model.safetensors"):
-                    shutil.move(str(f), tmp / f.name)
+                    shutil.copy(f, tmp / f.name)
         if not (tmp / "tokenizer.json").exists():
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
             tok.save_pretrained(str(tmp))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -17,7 +17,6 @@ step's batch and span layout are a pure function of (seed, step).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .adapter import (CONFIG, MODES, TARGETS, WEIGHTS, adapter_files, add_adapters, base_hash, load_trainable,
+from .adapter import (MODES, TARGETS, WEIGHTS, adapter_files, add_adapters, load_trainable,
                       write_dir_atomic)
 from .data import Example
 
