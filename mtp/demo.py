@@ -31,10 +31,15 @@ def main(argv=None) -> int:
     engines = {"mask": Engine.load(EngineConfig(model=args.model, threads=args.threads))}
     engines["lookup"] = Engine(engines["mask"].loaded, EngineConfig(model=args.model, proposer="lookup"))
     runs = [("ntp", "mask"), ("verify:3", "lookup")]
+    try:
+        engines["heads"] = Engine.load(EngineConfig(model=args.model, proposer="heads", adapter="none"))
+        runs.append(("verify:4", "heads"))
+    except ValueError:
+        console.print("[yellow]no MTP heads for this model")
     if engines["mask"].mask_id is not None:
-        runs += [("verify:3", "mask"), ("conf_adapt:0.9:4", "mask")]
+        runs += [("verify:4", "mask"), ("conf_adapt:0.9:4", "mask")]
     else:
-        console.print("[yellow]no MTP adapter for this model: showing the lossless lookup proposer only")
+        console.print("[yellow]no MTP adapter for this model")
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     stats = {r: [] for r in runs}
     same = {r: 0 for r in runs}
