@@ -188,6 +188,16 @@ def read_adapter_config(path) -> dict:
     return cfg
 
 
+def check_trained_on(model: Transformer, cfg: dict, path: Path, kind: str, weights: str) -> None:
+    """Refuse a saved adapter/heads directory made for other base weights, or missing its weights."""
+    have = base_hash(model)
+    if cfg["base_hash"] != have:
+        raise ValueError(f"{kind} {path} was trained on another base model (base weights hash "
+                         f"{cfg['base_hash']}, this model {have})")
+    if not (path / weights).exists():
+        raise ValueError(f"no {weights} in {kind} directory {path}")
+
+
 def load_adapter(model: Transformer, path) -> dict:
     """Add the saved adapter to a freshly loaded base model (inference mode); return its config.
 
@@ -195,12 +205,7 @@ def load_adapter(model: Transformer, path) -> dict:
     from safetensors.torch import load_file
     path = Path(path)
     cfg = read_adapter_config(path)
-    have = base_hash(model)
-    if cfg["base_hash"] != have:
-        raise ValueError(f"adapter {path} was trained on another base model (base weights hash "
-                         f"{cfg['base_hash']}, this model {have})")
-    if not (path / WEIGHTS).exists():
-        raise ValueError(f"no {WEIGHTS} in adapter directory {path}")
+    check_trained_on(model, cfg, path, "adapter", WEIGHTS)
     add_adapters(model, cfg["rank"], cfg["alpha"], tuple(cfg["targets"]), cfg["mode"],
                  n_used_tokens=cfg["mask_token_id"])
     if model.config.mask_token_id != cfg["mask_token_id"]:

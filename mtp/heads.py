@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .adapter import base_hash, write_dir_atomic
+from .adapter import base_hash, check_trained_on, write_dir_atomic
 from .model import Block, Linear, ModelConfig, RMSNorm, Transformer
 from .proposers import Guesses, PassView, Proposer
 from .sampling import pick
@@ -259,12 +259,7 @@ def load_heads(model: Transformer, path) -> MTPHeads:
     from safetensors.torch import load_file
     path = Path(path)
     cfg = read_heads_config(path)
-    have = base_hash(model)
-    if cfg["base_hash"] != have:
-        raise ValueError(f"heads {path} were trained on another base model (base weights hash "
-                         f"{cfg['base_hash']}, this model {have})")
-    if not (path / WEIGHTS).exists():
-        raise ValueError(f"no {WEIGHTS} in heads directory {path}")
+    check_trained_on(model, cfg, path, "heads", WEIGHTS)
     heads = MTPHeads(HeadsConfig.from_dict(cfg))
     state = load_file(str(path / WEIGHTS))
     vocab = state.pop("draft_vocab", None)
