@@ -47,6 +47,18 @@ def mtp_tiny(seed: int = 0, **cfg) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
+def _run_batch(model, mask_id) -> list[list[int]]:
+    """Two sequences in one batch, in cache rows 1 and 0, different prompt lengths (ragged blocks)."""
+    cache = KVCache.for_model(model, 2, 64)
+    seqs = [_job(model, "verify:3", "lookup", 0.0, None), _job(model, "static:2", "mask", 0.0, None)]
+    seqs[0].slot, seqs[1].slot, seqs[1].pending = 1, 0, PROMPT[:7]
+    seqs[1].prompt_ids = PROMPT[:7]
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            decode_step(model, cache, [s for s in seqs if not s.finished], mask_id)
+    return [s.output for s in seqs]
+
+
 def _job(model, strategy, proposer, temperature, seed, max_new=12):
     params = SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed)
     return Sequence(list(PROMPT), Strategy.parse(strategy), params, make_proposer(proposer))
@@ -60,15 +72,7 @@ def _run_jobs(pipe, jobs, outdir, kill=None):
         for _ in stream(pipe, seq, pipe.config.mask_token_id):
             pass
         results.append({"output": seq.output, "chunks": seq.stats.chunks, "wall_s": seq.stats.wall_s})
-    # two sequences in one batch, in cache rows 1 and 0, different prompt lengths (ragged blocks)
-    cache = KVCache.for_model(pipe, 2, 64)
-    seqs = [_job(pipe, "verify:3", "lookup", 0.0, None), _job(pipe, "static:2", "mask", 0.0, None)]
-    seqs[0].slot, seqs[1].slot, seqs[1].pending = 1, 0, PROMPT[:7]
-    seqs[1].prompt_ids = PROMPT[:7]
-    with torch.inference_mode():
-        while not all(s.finished for s in seqs):
-            decode_step(pipe, cache, [s for s in seqs if not s.finished], pipe.config.mask_token_id)
-    results.append({"batch": [s.output for s in seqs]})
+    results.append({"batch": _run_batch(pipe, pipe.config.mask_token_id)})
     # the last sequence's cache, for the rollback check
     seq = _job(pipe, "verify:3", "lookup", 0.0, None, max_new=20)
     cache = KVCache.for_model(pipe, 1, 64)
@@ -165,14 +169,7 @@ def test_pipeline_matches_single_process(tmp_path, one_thread):
         assert res["chunks"] == ref.stats.chunks, strategy
     assert any(c > 1 for r in got[:len(JOBS)] for c in r["chunks"])  # proposals were really used
     # the batch job, single process
-    cache = KVCache.for_model(model, 2, 64)
-    seqs = [_job(model, "verify:3", "lookup", 0.0, None), _job(model, "static:2", "mask", 0.0, None)]
-    seqs[0].slot, seqs[1].slot, seqs[1].pending = 1, 0, PROMPT[:7]
-    seqs[1].prompt_ids = PROMPT[:7]
-    with torch.inference_mode():
-        while not all(s.finished for s in seqs):
-            decode_step(model, cache, [s for s in seqs if not s.finished], mask_id)
-    assert got[len(JOBS)]["batch"] == [s.output for s in seqs]
+    assert got[len(JOBS)]["batch"] == _run_batch(model, mask_id)
 
 
 def _rejections(model, strategy, proposer, max_new):
