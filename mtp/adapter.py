@@ -59,8 +59,8 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if gate is None:
             return y
-        lora = F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b) * self.scale
-        return y + gate.to(y.dtype) * lora.to(y.dtype)
+        lora = F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b)
+        return torch.addcmul(y, gate.to(y.dtype), lora.to(y.dtype), value=self.scale)  # y + scale*gate*lora
 
 
 class MaskEmbedding(nn.Module):

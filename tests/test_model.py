@@ -119,3 +119,26 @@ def test_smollm2_gguf_matches_transformers_gguf_loader(smollm2):
         got = smollm2.model(torch.tensor([ids]))
     rel = (got - expected).abs().max() / expected.abs().max()
     assert rel <= 1e-4
+
+
+def test_packed_weights_match_plain_and_fall_back_after_a_change(tiny):
+    from mtp.model import can_pack, pack_weights, unpack_weights
+    if not can_pack(tiny):
+        pytest.skip("this torch build has no oneDNN")
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        plain = tiny(tokens)
+    assert pack_weights(tiny) == 2 * 7 + 1  # 7 projections per layer + the LM head
+    with torch.inference_mode():
+        packed = tiny(tokens)
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+    with torch.no_grad():  # an in-place change after packing: that layer must use the new weight
+        tiny.layers[0].mlp.down_proj.weight.mul_(2.0)
+    with torch.inference_mode():
+        changed = tiny(tokens)
+    unpack_weights(tiny)
+    with torch.inference_mode():
+        reference = tiny(tokens)
+    torch.testing.assert_close(changed, reference, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(changed, plain, atol=1e-3)
