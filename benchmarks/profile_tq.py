@@ -4,6 +4,8 @@
         [--cache-len 300] [--batch 1] [--repeats 5] [--qmax 32] [--random-config config.json] [--out t.json]
 
 Prints t(q), t(q)/t(1) (the tokens per pass a q-token block needs to break even) and the linear fit.
+`--pack compare` times the same weights with and without the oneDNN packing of `mtp.model.pack_weights`
+(the engine's CPU default), one round of each after the other so drift falls on both alike.
 `--random-config` builds a randomly initialised model from a HF config.json instead of loading
 weights: the time of a pass does not depend on the weights' values, so the profile of a machine
 where the weights cannot travel (an accelerator box) is the same as with the real model.
@@ -29,6 +31,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--qmax", type=int, default=32)
+    p.add_argument("--pack", choices=["on", "off", "compare"], default="on",
+                   help="CPU float32: packed weights (the engine's default), plain, or both side by side")
     p.add_argument("--out", default=None, help="write the cost model as JSON here")
     args = p.parse_args()
     if args.threads:
@@ -45,7 +49,14 @@ def main() -> None:
         from mtp.loading import load
         model = load(args.model, dtype=dtype, device=args.device).model
         name = args.model
-    cost = measure(model, range(1, args.qmax + 1), args.cache_len, args.batch, args.repeats)
+    from mtp.model import pack_weights
+    qs = range(1, args.qmax + 1)
+    if args.pack == "compare":
+        compare_packing(model, name, qs, args)
+        return
+    if args.pack == "on":
+        pack_weights(model)
+    cost = measure(model, qs, args.cache_len, args.batch, args.repeats)
     cost.meta.update(model=name, dtype=args.dtype)
     t1 = cost.pass_time(1)
     a, b = cost.linear_fit()
@@ -57,6 +68,25 @@ def main() -> None:
     print(f"linear fit: {a * 1e3:.2f} ms + {b * 1e3:.3f} ms/token")
     if args.out:
         cost.save(args.out)
+
+
+def compare_packing(model, name: str, qs, args) -> None:
+    from mtp import metrics
+    from mtp.model import pack_weights, unpack_weights
+    if not pack_weights(model):
+        raise SystemExit("packing does not apply here (needs CPU, float32 and oneDNN)")
+    rounds: dict[str, list[dict]] = {"plain": [], "packed": []}
+    for _ in range(args.repeats):
+        for label in rounds:
+            pack_weights(model) if label == "packed" else unpack_weights(model)
+            rounds[label].append(measure(model, qs, args.cache_len, args.batch, 1).points)
+    t = {label: {q: metrics.median_spread([r[q] for r in rs])[0] for q in qs} for label, rs in rounds.items()}
+    print(f"# {name}, {torch.get_num_threads()} threads, batch {args.batch}, cache {args.cache_len}, "
+          f"median of {args.repeats} alternating rounds")
+    print("q\tplain ms\tpacked ms\tplain/packed\tt(q)/t(1) plain\tt(q)/t(1) packed")
+    for q in qs:
+        a, b = t["plain"][q], t["packed"][q]
+        print(f"{q}\t{a * 1e3:.2f}\t{b * 1e3:.2f}\t{a / b:.2f}\t{a / t['plain'][1]:.2f}\t{b / t['packed'][1]:.2f}")
 
 
 if __name__ == "__main__":

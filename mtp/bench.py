@@ -148,9 +148,27 @@ def environment(engine=None) -> dict:
         except Exception:
             pass
     if engine is not None:
-        env.update(model=engine.loaded.name, adapter=str(engine.adapter_dir) if engine.adapter_dir else None,
-                   proposer=engine.config.proposer, device=str(engine.model.device))
+        env.update(model=engine.loaded.name, adapter=_asset_name(engine.adapter_dir),
+                   heads=_asset_name(engine.heads_dir) if engine.config.proposer == "heads" else None,
+                   proposer=engine.config.proposer, device=str(engine.model.device), packed=_packed(engine.model))
     return env
+
+
+def _asset_name(path) -> str | None:
+    """How results name an adapter or heads directory: `shipped:<model>/<kind>` for the packaged ones,
+    else the path as given (results get shared: no machine-specific prefix for shipped assets)."""
+    if path is None:
+        return None
+    from .engine import ASSETS
+    try:
+        return "shipped:" + Path(path).resolve().relative_to(ASSETS.resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _packed(model) -> bool:
+    from .model import Linear
+    return any(isinstance(m, Linear) and m.packed is not None for m in model.modules())
 
 
 def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=None) -> BenchResult:

@@ -290,3 +290,11 @@ def test_strategy_needing_adapter_fails_before_running(tmp_path):
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
     with pytest.raises(ValueError, match="adapter"):
         bench.run_bench(plain, kind, items, BenchConfig(bench.parse_strategies("static:2"), max_new_tokens=16))
+
+
+def test_results_name_shipped_assets_without_machine_paths(tmp_path):
+    from mtp.bench import _asset_name
+    from mtp.engine import ASSETS
+    assert _asset_name(ASSETS / "smollm2-135m" / "adapter") == "shipped:smollm2-135m/adapter"
+    assert _asset_name(tmp_path / "my-adapter") == str(tmp_path / "my-adapter")
+    assert _asset_name(None) is None
