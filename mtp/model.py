@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -119,13 +120,17 @@ class Linear(nn.Linear):
     For CPU inference it can also hold a oneDNN-packed copy of its weight (`pack_weights`): float32
     matmuls on a few rows (a decoding block of 1-16 tokens) then run ~1.3x faster at q = 1 and
     ~1.6x at q = 2..16 than the default kernel, which re-packs the weight on every call. The packed
-    copy is used only without autograd and only while the weight is unchanged (its version counter)."""
+    copy is used only without autograd, only while the weight is unchanged (its version counter), and
+    only on the main thread: called from another thread (the server's engine thread) oneDNN's
+    multi-threaded kernels pay ~0.15 ms a call (measured: a 2-thread decode there ran at half the
+    speed of the plain kernels), so other threads take the plain path."""
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     packed_version: int = -1
 
     def forward(self, x, gate=None):
-        if self.packed is not None and self.packed_version == self.weight._version and not torch.is_grad_enabled():
+        if (self.packed is not None and self.packed_version == self.weight._version and not torch.is_grad_enabled()
+                and threading.current_thread() is threading.main_thread()):
             # x: [..., in] -> [rows, in] (oneDNN wants 2-D, dense) -> [..., out]
             y = torch._C._nn.mkldnn_linear(x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn(),
                                           self.packed, self.packed_bias).to_dense()

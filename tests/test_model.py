@@ -142,3 +142,29 @@ def test_packed_weights_match_plain_and_fall_back_after_a_change(tiny):
         reference = tiny(tokens)
     torch.testing.assert_close(changed, reference, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(changed, plain, atol=1e-3)
+
+
+def test_packed_weights_serve_the_main_thread_only(tiny, monkeypatch):
+    import threading
+    from mtp.model import can_pack, pack_weights
+    if not can_pack(tiny):
+        pytest.skip("this torch build has no oneDNN")
+    pack_weights(tiny)
+    calls = []
+    real = torch._C._nn.mkldnn_linear
+    monkeypatch.setattr(torch._C._nn, "mkldnn_linear",
+                        lambda *a: calls.append(threading.current_thread().name) or real(*a))
+    tokens = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(4))
+    out = {}
+
+    def run(tag):
+        with torch.inference_mode():
+            out[tag] = tiny(tokens)
+
+    run("main")
+    n_main = len(calls)
+    worker = threading.Thread(target=run, args=("worker",), name="worker")
+    worker.start()
+    worker.join()
+    assert n_main == 2 * 7 + 1 and len(calls) == n_main  # the worker thread took the plain path
+    torch.testing.assert_close(out["worker"], out["main"], rtol=1e-5, atol=1e-5)
