@@ -150,10 +150,16 @@ class AdaptiveK:
         return total
 
     @staticmethod
-    def block(seq: Sequence, k: int) -> int:
+    def block(seq: Sequence, k: int, steady: bool = False) -> int:
+        """Tokens the row feeds a pass with cap k: pending + drafts checked + appended masks.
+
+        steady: a `verify` row as it is in steady state under cap k, with k-1 drafts to check. The cap
+        is chosen on that, not on this pass's drafts: a pass without drafts (the previous one was
+        capped) would otherwise look cheap and win, the next one, with drafts, look dear and be
+        capped, dropping the drafts; alternating so, verify fell to 1 token a pass."""
         k = min(k, seq.strategy.k)
-        extra = min(len(seq.drafts), k - 1) + (seq.proposer.n_appended(k) if k > 1 else 0)
-        return len(seq.pending) + extra
+        drafts = k - 1 if steady and seq.strategy.kind == "verify" else min(len(seq.drafts), k - 1)
+        return len(seq.pending) + drafts + (seq.proposer.n_appended(k) if k > 1 else 0)
 
     @staticmethod
     def proposals(seqs: list[Sequence], k: int | None = None) -> dict[str, int]:
@@ -221,7 +227,7 @@ class AdaptiveK:
                 cum[key] = e
         best_k, best_rate = 1, -1.0
         for k in range(1, k_top + 1):
-            q = len(seqs) * max(self.block(s, k) for s in seqs)
+            q = len(seqs) * max(self.block(s, k, steady=True) for s in seqs)
             tokens = sum(cum[self.key(s)][min(k, s.strategy.k) - 1] for s in seqs)
             rate = tokens / self.predicted_time(q, self.proposals(seqs, k))
             if rate >= best_rate:  # ties keep the larger K: cap only when capping pays

@@ -482,6 +482,18 @@ def test_adaptive_policy_choices():
     assert AdaptiveK(lambda q: 1.0).choose([FakeSeq("ntp"), FakeSeq("verify:1")]) is None
 
 
+def test_adaptive_policy_decides_verify_on_its_steady_state():
+    # a verify row with or without drafts in hand gets the same cap: it is priced as it runs under that cap
+    # (k-1 drafts + k-1 masks); priced on this pass's drafts, a row without drafts looked cheap (K=4 wins),
+    # the next pass with 3 drafts dear (capped, drafts dropped), and verify alternated down to 1 token a pass
+    cost = lambda q: 1 + 0.25 * q  # noqa: E731
+    without, with_drafts = FakeSeq("verify:4", drafts=0), FakeSeq("verify:4", drafts=3)
+    assert AdaptiveK(cost).choose([without]) == AdaptiveK(cost).choose([with_drafts])
+    # the steady-state prices: K=2 -> 1.5 tokens over t(3); K=4 -> 1.875 over t(7) -> K=2 beats K=4 and K=1
+    assert AdaptiveK(cost).choose([without]) == 2
+    assert AdaptiveK.block(without, 4, steady=True) == 7 and AdaptiveK.block(without, 4) == 4
+
+
 def test_adaptive_policy_learns_acceptance():
     pol = AdaptiveK(lambda q: float(q) ** 0.5)
     s = FakeSeq("static:4")
