@@ -114,23 +114,28 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+PACKED_MIN_ROWS_OFF_MAIN = 4
+
+
 class Linear(nn.Linear):
     """nn.Linear that accepts (and ignores) the adapter gate, so adapters can replace it in place.
 
     For CPU inference it can also hold a oneDNN-packed copy of its weight (`pack_weights`): float32
     matmuls on a few rows (a decoding block of 1-16 tokens) then run ~1.3x faster at q = 1 and
     ~1.6x at q = 2..16 than the default kernel, which re-packs the weight on every call. The packed
-    copy is used only without autograd, only while the weight is unchanged (its version counter), and
-    only on the main thread: called from another thread (the server's engine thread) oneDNN's
-    multi-threaded kernels pay ~0.15 ms a call (measured: a 2-thread decode there ran at half the
-    speed of the plain kernels), so other threads take the plain path."""
+    copy is used only without autograd and only while the weight is unchanged (its version counter).
+    Off the main thread (the server's engine thread) oneDNN's multi-threaded kernels pay ~0.15 ms a
+    call, which halves a 1-row decode but is repaid from 4 rows on (measured with `mtp serve`, 2 cores:
+    1 request 16 vs 21.5 tokens/s plain; 4 and 16 requests 53 and 112 vs 40 and 85 tokens/s plain),
+    so there the packed copy serves only calls with at least PACKED_MIN_ROWS_OFF_MAIN rows."""
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     packed_version: int = -1
 
     def forward(self, x, gate=None):
         if (self.packed is not None and self.packed_version == self.weight._version and not torch.is_grad_enabled()
-                and threading.current_thread() is threading.main_thread()):
+                and (x.numel() >= PACKED_MIN_ROWS_OFF_MAIN * x.shape[-1]
+                     or threading.current_thread() is threading.main_thread())):
             # x: [..., in] -> [rows, in] (oneDNN wants 2-D, dense) -> [..., out]
             y = torch._C._nn.mkldnn_linear(x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn(),
                                           self.packed, self.packed_bias).to_dense()

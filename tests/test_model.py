@@ -144,7 +144,7 @@ def test_packed_weights_match_plain_and_fall_back_after_a_change(tiny):
     assert not torch.allclose(changed, plain, atol=1e-3)
 
 
-def test_packed_weights_serve_the_main_thread_only(tiny, monkeypatch):
+def test_packed_weights_off_the_main_thread_only_for_several_rows(tiny, monkeypatch):
     import threading
     from mtp.model import can_pack, pack_weights
     if not can_pack(tiny):
@@ -154,17 +154,21 @@ def test_packed_weights_serve_the_main_thread_only(tiny, monkeypatch):
     real = torch._C._nn.mkldnn_linear
     monkeypatch.setattr(torch._C._nn, "mkldnn_linear",
                         lambda *a: calls.append(threading.current_thread().name) or real(*a))
-    tokens = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(4)
+    one, eight = torch.randint(0, 97, (1, 1), generator=gen), torch.randint(0, 97, (2, 4), generator=gen)
     out = {}
 
-    def run(tag):
+    def run(tag, tokens):
         with torch.inference_mode():
-            out[tag] = tiny(tokens)
+            out[tag] = tiny(tokens, out_index=torch.zeros(tokens.shape[0], 1, dtype=torch.long))
 
-    run("main")
-    n_main = len(calls)
-    worker = threading.Thread(target=run, args=("worker",), name="worker")
-    worker.start()
-    worker.join()
-    assert n_main == 2 * 7 + 1 and len(calls) == n_main  # the worker thread took the plain path
-    torch.testing.assert_close(out["worker"], out["main"], rtol=1e-5, atol=1e-5)
+    per_pass = 2 * 7 + 1
+    run("main-1", one)
+    assert len(calls) == per_pass  # the main thread: packed for any size
+    for tag, tokens in (("worker-1", one), ("worker-8", eight)):
+        worker = threading.Thread(target=run, args=(tag, tokens), name=tag)
+        worker.start()
+        worker.join()
+    assert calls.count("worker-1") == 0  # one row off the main thread: the plain path
+    assert calls.count("worker-8") == 2 * 7  # 8 rows: packed projections (the head sees 2 rows: plain)
+    torch.testing.assert_close(out["worker-1"], out["main-1"], rtol=1e-5, atol=1e-5)
