@@ -121,8 +121,8 @@ class Linear(nn.Linear):
     """nn.Linear that accepts (and ignores) the adapter gate, so adapters can replace it in place.
 
     For CPU inference it can also hold a oneDNN-packed copy of its weight (`pack_weights`): float32
-    matmuls on a few rows (a decoding block of 1-16 tokens) then run ~1.3x faster at q = 1 and
-    ~1.6x at q = 2..16 than the default kernel, which re-packs the weight on every call. The packed
+    matmuls on a few rows (a decoding block of 1-16 tokens) then run ~1.2x faster at q = 1 and
+    1.4-2x at q = 2..16 than the default kernel (benchmarks/results/profile_pack.md). The packed
     copy is used only without autograd and only while the weight is unchanged (its version counter).
     Off the main thread (the server's engine thread) oneDNN's multi-threaded kernels pay ~0.15 ms a
     call, which halves a 1-row decode but is repaid from 4 rows on (measured with `mtp serve`, 2 cores:
