@@ -83,7 +83,7 @@ def _bench_stage(rank: int, world: int, args) -> int:
         from mtp.adapter import add_adapters
         torch.manual_seed(0)
         add_adapters(engine.model, n_used_tokens=len(engine.tokenizer))
-    elif engine.mask_id is None and any((parse_spec(s)[1] or args.proposer) == "mask" and parse_spec(s)[0].k > 1
+    elif engine.mask_id is None and any((parse_spec(s)[1] or args.proposer).startswith("mask") and parse_spec(s)[0].k > 1
                                         for s in args.strategies):
         raise ValueError("mask strategies need an adapter: pass --adapter DIR or --adapter untrained")
     config = PipelineConfig(timeout_s=args.timeout_s)

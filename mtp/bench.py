@@ -26,8 +26,9 @@ import torch
 
 from . import gsm8k, metrics
 from .peers import PEERS, make_peer, parse_baselines
+from .proposers import PROPOSERS
 from .sampling import SamplingParams
-from .strategy import Strategy, expand_sweep
+from .strategy import Strategy, expand_sweep, split_list
 
 WARMUP_TOKENS = 8
 
@@ -64,12 +65,28 @@ def load_data(spec: str, limit: int | None = None) -> tuple[str, list[dict]]:
     return kind, items
 
 
-def parse_strategies(text: str) -> list[Strategy]:
+@dataclass(frozen=True)
+class Spec:
+    """An engine row: a strategy, with its own proposer when written `verify:4@mask-single`."""
+    strategy: Strategy
+    proposer: str | None = None  # None: the engine's --proposer
+
+    def __str__(self) -> str:
+        return str(self.strategy) + (f"@{self.proposer}" if self.proposer else "")
+
+
+def parse_strategies(text: str) -> list[Spec]:
     """The sweep list with `ntp` first (always run: it is the reference), duplicates dropped."""
-    out = [Strategy.parse("ntp")]
-    for s in expand_sweep(text or "ntp"):
-        if s not in out:
-            out.append(s)
+    out = [Spec(Strategy.parse("ntp"))]
+    for piece in split_list(text or "ntp"):
+        strategy, _, proposer = piece.partition("@")
+        if proposer and proposer.strip() not in ("heads",) + tuple(PROPOSERS):
+            raise ValueError(f"unknown proposer {proposer.strip()!r} in {piece!r}; choose from heads, "
+                             f"{', '.join(sorted(PROPOSERS))}")
+        for s in expand_sweep(strategy):
+            spec = Spec(s, proposer.strip() or None)
+            if spec not in out:
+                out.append(spec)
     return out
 
 
@@ -91,6 +108,7 @@ class Run:
 class Row:
     name: str
     strategy: Strategy | None = None  # engine rows
+    proposer: str | None = None  # engine rows: their own proposer (None: the engine's)
     peer: object = None  # peers.Peer
     runs: dict[int, Run] = field(default_factory=dict)  # prompt index -> run
     error: str | None = None
@@ -107,7 +125,7 @@ class Row:
 
 @dataclass
 class BenchConfig:
-    strategies: list[Strategy]
+    strategies: list[Spec]
     baselines: list[str] = field(default_factory=list)
     repeats: int = 1
     max_new_tokens: int = 256
@@ -181,8 +199,8 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
             raise ValueError(f"prompt {j} ({len(ids)} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the "
                              f"context window of {engine.context_window}")
     for s in cfg.strategies:  # an impossible strategy (no adapter, no confidences) fails before any work
-        engine.new_sequence(prompts[0], s, params)
-    rows = [Row(str(s), strategy=s) for s in cfg.strategies]
+        engine.new_sequence(prompts[0], s.strategy, params, s.proposer)
+    rows = [Row(str(s), strategy=s.strategy, proposer=s.proposer) for s in cfg.strategies]
     for name in cfg.baselines:
         peer = make_peer(name)
         row = Row(name, peer=peer, skipped=peer.missing())
@@ -199,7 +217,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
             out = row.peer.generate(ids, max_new)
             wall = time.perf_counter() - t0
             return Run(engine.decode_text(out), out, walls=[wall])
-        seq = engine.new_sequence(ids, row.strategy, SamplingParams(max_new_tokens=max_new))
+        seq = engine.new_sequence(ids, row.strategy, SamplingParams(max_new_tokens=max_new), row.proposer)
         for _ in engine.stream(seq):
             pass
         wall = time.perf_counter() - t0
@@ -245,7 +263,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
     records = aggregate(rows, kind, items, cfg.repeats, cost)
     for rec in records:
         rec["env"] = env
-    advice = cost_advice(cost, rows, records, engine.proposer()) if cost is not None else []
+    advice = cost_advice(cost, rows, records, engine.proposer) if cost is not None else []
     return BenchResult(kind, items, rows, records, env, cost, advice)
 
 
@@ -332,16 +350,17 @@ def _oracle(ref: Row, idx: list[int], strategy: Strategy) -> float | None:
     return tokens / passes if passes else None
 
 
-def cost_advice(cost, rows: list[Row], records: list[dict], proposer=None) -> list[str]:
-    """Best K for verify and the K cap for conf_adapt on this machine, from measured acceptance."""
+def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) -> list[str]:
+    """Best K for verify and the K cap for conf_adapt on this machine, from measured acceptance.
+    proposer_of(name or None) -> the row's Proposer (default: one that appends nothing)."""
     from .costmodel import best_k, block_tokens_for
     from .proposers import Proposer
-    proposer = proposer or Proposer()  # appends nothing
     lines = []
     for row, rec in zip(rows, records):
         if row.is_peer or not rec["acceptance_by_position"] or row.strategy.kind not in ("verify", "conf_adapt"):
             continue
         acc, k, kind = rec["acceptance_by_position"], row.strategy.k, row.strategy.kind
+        proposer = proposer_of(row.proposer) if proposer_of is not None else Proposer()
         kb, rate = best_k(cost, acc, k, block_tokens_for(kind, proposer))
         if kind == "verify":
             lines.append(f"{row.name}: best K for verify on this machine = {kb} (of 1..{k} measured; "
@@ -429,7 +448,8 @@ def add_cli(sub) -> None:
     p.add_argument("--data", required=True, help="gsm8k:PATH (GSM8K JSONL or its folder) or prompts:PATH (JSONL "
                                                  "with 'prompt' or 'turns')")
     p.add_argument("--strategies", default="ntp",
-                   help="comma list and sweeps, e.g. 'verify:4,conf_adapt:0.99,0.9,static:1..8' (ntp always runs)")
+                   help="comma list and sweeps, e.g. 'verify:4,conf_adapt:0.99,0.9,static:1..8' (ntp always runs); "
+                        "STRATEGY@PROPOSER gives a row its own proposer, e.g. verify:4@mask-single")
     p.add_argument("--baselines", default="", help=f"peers to run alongside: {','.join(PEERS)}")
     p.add_argument("--limit", type=int, default=None, help="use the first N items")
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -2,9 +2,9 @@
 
 Buffers are `[layers, rows, kv_heads, capacity, head_dim]`, written at explicit positions. A row's
 `lengths[row]` is how many positions hold committed (accepted) tokens. Every forward pass writes its
-block contiguously from that length, and a query at position p attends to slots 0..p only, so
-whatever lies beyond a row's length (rejected drafts, mask tokens, padding) is never read before it
-is overwritten. Rejecting proposals is therefore just *not advancing the length*: nothing is copied
+block contiguously from that length, and a query in slot p attends to slots 0..p only (a branched
+`verify` block's extra mask groups see less: mtp.decode._branch_layout), so whatever lies beyond a
+row's length (rejected drafts, mask tokens, padding) is never read before it is overwritten. Rejecting proposals is therefore just *not advancing the length*: nothing is copied
 or freed.
 """
 from __future__ import annotations

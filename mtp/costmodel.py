@@ -185,10 +185,10 @@ def best_k(cost: CostModel, acceptance_by_position: Sequence[float], k_max: int,
 
 
 def block_tokens_for(kind: str, proposer) -> Callable[[int, float], float]:
-    """q(K, E[n]) for a strategy kind and a proposer (its `n_appended(K)` masks per pass)."""
+    """q(K, E[n]) for a strategy kind and a proposer (its `n_appended` masks per pass)."""
     if kind == "verify":
-        return lambda k, n: 1 + (k - 1) + proposer.n_appended(k)
-    return lambda k, n: n + (proposer.n_appended(k) if k > 1 else 0)
+        return lambda k, n: 1 + (k - 1) + proposer.n_appended(k, k - 1)
+    return lambda k, n: n + proposer.n_appended(k)
 
 
 # --- pipeline parallelism: a per-pass communication term (mtp.pipeline, benchmarks/pipeline_latency.py)

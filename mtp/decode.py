@@ -7,6 +7,8 @@ A sequence carries three lists of tokens that are not yet in its KV cache:
 - masks:   `<mtp_mask>` tokens appended to obtain guesses (mask proposer only).
 One step, for a batch of sequences (ragged rows, right-padded):
   1. build each row's block: pending + drafts + masks, at positions cache_len, cache_len+1, ...
+     (`verify` with mask guesses: one group of masks per possible number of accepted drafts, each
+     placed and attending as if it followed that prefix; see `_branch_layout`)
   2. one forward pass over the batch; logits at the last pending position and every later one
   3. accept: check the drafts against the model's own predictions (sampling.verify_drafts) ->
      a accepted drafts and the model's own token after them
@@ -25,7 +27,7 @@ import torch
 
 from .cache import KVCache
 from .metrics import DecodeStats
-from .proposers import Guesses, MaskProposer, PassView, Proposer
+from .proposers import Guesses, MaskProposer, PassView, Proposer, max_appended
 from .sampling import SamplingParams, verify_drafts
 from .strategy import Strategy
 
@@ -71,7 +73,20 @@ class Sequence:
         return k if self.k_override is None else max(1, min(k, self.k_override))
 
     def n_appended(self) -> int:
-        return self.proposer.n_appended(self.k) if self.k > 1 else 0
+        """Masks appended to this pass: `groups()` groups of `proposer.n_appended(k)`."""
+        return self.proposer.n_appended(self.k, len(self.drafts))
+
+    def groups(self) -> int:
+        """Mask groups this pass: 1, or 1 + drafts when the proposer branches after every draft."""
+        per_group = self.proposer.n_appended(self.k)
+        return self.n_appended() // per_group if per_group else 0
+
+
+def block_slack(k: int) -> int:
+    """KV-cache slots a row needs beyond its committed tokens for a pass of block size k: up to k
+    pending tokens, k-1 drafts and the appended masks."""
+    k = max(k, 1)
+    return k + (k - 1) + max_appended(k) + 1
 
 
 def emit_count(strategy: Strategy, confidences: list[float]) -> int:
@@ -89,7 +104,7 @@ def emit_count(strategy: Strategy, confidences: list[float]) -> int:
 def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None) -> list[list[int]]:
     """Advance every sequence by one forward pass; return the tokens each one emitted."""
     # 1. blocks: pending + drafts + masks, right-padded to a common length T
-    blocks, starts = [], []
+    blocks, starts, branched = [], [], []
     for s in seqs:
         if len(s.drafts) > s.k - 1:  # a capped K checks fewer drafts (still lossless)
             s.drafts = s.drafts[: s.k - 1]
@@ -99,12 +114,16 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
             raise ValueError("this strategy needs a model with the <mtp_mask> token (an adapter)")
         blocks.append(s.pending + s.drafts + [mask_id] * n_mask)
         starts.append(cache.lengths[s.slot])
+        branched.append(s.groups() > 1)
     B, T = len(seqs), max(len(b) for b in blocks)
     dev = model.device
     tokens = torch.zeros(B, T, dtype=torch.long)
     for i, b in enumerate(blocks):
         tokens[i, : len(b)] = torch.tensor(b)
-    positions = torch.tensor(starts).view(B, 1) + torch.arange(T).view(1, T)  # [B, T]
+    slots_pos = torch.tensor(starts).view(B, 1) + torch.arange(T).view(1, T)  # [B, T] cache slots written
+    positions, attn_mask = slots_pos, None  # RoPE positions; None = the plain causal rule over slots
+    if any(branched):
+        positions, attn_mask = _branch_layout(seqs, slots_pos, branched)
     # logits needed from the last pending token on: e.g. pending=[a,b], drafts=[c], masks=[M,M]
     # -> block [a,b,c,M,M], out rows 1..4 (predictions after b, after c, and the two masks)
     first = [len(s.pending) - 1 for s in seqs]
@@ -117,7 +136,8 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
 
     # 2. one forward pass
     out = model(tokens.to(dev), positions.to(dev), cache=cache, slots=None if slots is None else slots.to(dev),
-                out_index=out_index.to(dev), return_hidden=need_hidden)
+                out_index=out_index.to(dev), return_hidden=need_hidden,
+                **({} if attn_mask is None else {"attn_mask": attn_mask.to(dev), "cache_positions": slots_pos.to(dev)}))
     logits, hidden = out if need_hidden else (out, None)
     logits = logits.float().cpu()
     if mask_id is not None and mask_id < logits.shape[-1]:
@@ -132,11 +152,13 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         # 3. accept drafts against the model's own predictions
         a, own = verify_drafts(lg[: D + 1], s.drafts, s.draft_probs, s.params, s.gen)
         own_conf = float(torch.softmax(lg[a], -1).max())
-        # 4. guesses for what follows `own`
+        # 4. guesses for what follows `own`: the mask group that followed the accepted prefix
         context = s.prompt_ids + s.output + s.drafts[:a] + [own]
-        view = PassView(context=context, mask_logits=lg[D + 1: D + 1 + s.n_appended()],
-                        hidden=hidden[i, a] if hidden is not None else None,
-                        all_drafts_accepted=a == D)
+        g = s.proposer.n_appended(s.k)  # masks per group; groups: after all D drafts, then after 0, 1, ...
+        has_group = a == D or a < s.groups() - 1
+        first_mask = D + 1 + (0 if a == D or not has_group else g * (1 + a))
+        view = PassView(context=context, mask_logits=lg[first_mask: first_mask + g],
+                        hidden=hidden[i, a] if hidden is not None else None, masks_valid=has_group)
         guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 else Guesses.none()
         # 5. emit by strategy
         preds, confs = [own] + guesses.tokens, [own_conf] + guesses.confidences
@@ -155,6 +177,36 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         s.stats.record_pass(produced, confs_emitted, len(blocks[i]))
         emitted_all.append(emitted)
     return emitted_all
+
+
+def _branch_layout(seqs: list[Sequence], slots_pos: torch.Tensor, branched: list[bool]):
+    """RoPE positions [B, T] and attention [B, T, S] for blocks whose mask groups branch.
+
+    A branched row's block is pending (P) + drafts (D) + G groups of g masks: first the group after
+    all D drafts (plainly causal, as without branching), then the groups after 0, 1, ..., G-2 accepted
+    drafts (G = D+1 unless capped by MAX_MASK_GROUPS). Every row is written to its own cache slot (`slots_pos`), but group a's masks take the
+    RoPE positions that follow draft a and see only the prefix up to draft a plus the earlier masks
+    of their own group. E.g. P=1, D=2, g=2 at cache length c (x = pending, d = drafts, m = masks):
+        block  x   d1  d2  m   m   m   m   m   m
+        RoPE   c   c+1 c+2 c+3 c+4 c+1 c+2 c+2 c+3
+        group              [ D=2 ] [a=0  ] [a=1  ]     a=1's masks see slots 0..c+1 and their group."""
+    B, T = slots_pos.shape
+    S = int(slots_pos.max()) + 1
+    slot = torch.arange(S)
+    positions = slots_pos.clone()
+    attn = slot.view(1, 1, S) <= slots_pos.unsqueeze(-1)  # [B, T, S] causal over slots
+    for i, s in enumerate(seqs):
+        if not branched[i]:
+            continue
+        c, P, D = int(slots_pos[i, 0]), len(s.pending), len(s.drafts)
+        g = s.proposer.n_appended(s.k)
+        for a in range(s.groups() - 1):
+            first = P + D + g * (1 + a)  # block index of group a's first mask
+            for j in range(g):
+                r = first + j
+                positions[i, r] = c + P + a + j
+                attn[i, r] = (slot <= c + P - 1 + a) | ((slot >= c + first) & (slot <= c + r))
+    return positions, attn
 
 
 def _append_output(s: Sequence, tokens: list[int]) -> tuple[list[int], int]:
@@ -192,8 +244,8 @@ def _append_output(s: Sequence, tokens: list[int]) -> tuple[list[int], int]:
 def stream(model, seq: Sequence, mask_id: int | None, cache: KVCache | None = None) -> Iterator[list[int]]:
     """Decode one sequence to the end, yielding the tokens of each forward pass as they come."""
     if cache is None:
-        extra = max(seq.strategy.k, 1) * 2 + 2
-        cache = KVCache.for_model(model, 1, len(seq.prompt_ids) + seq.params.max_new_tokens + extra)
+        cache = KVCache.for_model(model, 1, len(seq.prompt_ids) + seq.params.max_new_tokens
+                                  + block_slack(seq.strategy.k))
         seq.slot = 0
     cache.reset(seq.slot)
     seq.stats = DecodeStats()

@@ -14,7 +14,7 @@ import torch
 from . import loading
 from .decode import Sequence, stream
 from .metrics import DecodeStats
-from .proposers import Proposer, make_proposer
+from .proposers import PROPOSERS, Proposer, make_proposer
 from .sampling import SamplingParams
 from .strategy import Strategy
 
@@ -26,7 +26,7 @@ SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads p
 class EngineConfig:
     model: str = loading.DEFAULT_MODEL
     adapter: str | None = "auto"  # directory, 'auto' (shipped, if any) or 'none'
-    proposer: str = "mask"  # mask | heads | lookup
+    proposer: str = "mask"  # mask | mask-single | heads | lookup
     heads: str | None = "auto"
     threads: int = 0
     device: str = "cpu"
@@ -62,8 +62,9 @@ class Engine:
     def load(cls, config: EngineConfig) -> "Engine":
         if config.threads:
             torch.set_num_threads(config.threads)
-        if config.proposer not in ("mask", "heads", "lookup"):
-            raise ValueError(f"unknown proposer {config.proposer!r}; choose from heads, lookup, mask")
+        if config.proposer not in ("heads",) + tuple(PROPOSERS):
+            raise ValueError(f"unknown proposer {config.proposer!r}; choose from heads, "
+                             f"{', '.join(sorted(PROPOSERS))}")
         engine = cls(loading.load(config.model, device=config.device), config)
         adapter = engine._resolve_asset(config.adapter, "adapter")
         if adapter is not None:
@@ -102,10 +103,14 @@ class Engine:
     def context_window(self) -> int:
         return self.model.config.max_seq_len
 
-    def proposer(self) -> Proposer:
-        if self.config.proposer == "heads":
+    def proposer(self, name: str | None = None) -> Proposer:
+        """A fresh proposer: `name`, default the engine's `--proposer` (heads only when loaded)."""
+        name = name or self.config.proposer
+        if name == "heads":
+            if self._heads_proposer is None:
+                raise ValueError("the heads proposer needs an engine loaded with --proposer heads")
             return self._heads_proposer
-        return make_proposer(self.config.proposer)
+        return make_proposer(name)
 
     @staticmethod
     def sampling(args) -> SamplingParams:
@@ -127,18 +132,20 @@ class Engine:
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def new_sequence(self, prompt_ids: list[int], strategy: str | Strategy, params: SamplingParams) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], strategy: str | Strategy, params: SamplingParams,
+                     proposer: str | None = None) -> Sequence:
         strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+        proposer = proposer or self.config.proposer
         n = len(prompt_ids)
         if n >= self.context_window:
             raise ValueError(f"prompt of {n} tokens does not fit the context window of {self.context_window}")
         if n + params.max_new_tokens > self.context_window:
             raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"context window of {self.context_window}")
-        if strategy.k > 1 and self.config.proposer == "mask" and self.mask_id is None:
+        if strategy.k > 1 and proposer.startswith("mask") and self.mask_id is None:
             raise ValueError(f"strategy {strategy} needs an MTP adapter (the model has no <mtp_mask> token); "
                              "pass --adapter DIR or use ntp / --proposer lookup")
-        return Sequence(list(prompt_ids), strategy, params, self.proposer(), eos_ids=self.loaded.eos_ids,
+        return Sequence(list(prompt_ids), strategy, params, self.proposer(proposer), eos_ids=self.loaded.eos_ids,
                         decode_text=self.decode_text)
 
     def stream(self, seq: Sequence, cache=None):

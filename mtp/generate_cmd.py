@@ -16,7 +16,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file, or smollm2-135m (default)")
     p.add_argument("--adapter", default="auto",
                    help="MTP adapter directory; 'auto' = the shipped one for the default model; 'none' = no adapter")
-    p.add_argument("--proposer", default="mask", help="where proposals come from: mask (default), heads, lookup")
+    p.add_argument("--proposer", default="mask",
+                   help="where proposals come from: mask (default), mask-single (verify: masks only after the "
+                   "last draft), heads, lookup")
     p.add_argument("--heads", default="auto", help="MTP heads checkpoint directory (for --proposer heads)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cpu")

@@ -197,9 +197,6 @@ class HeadsProposer(Proposer):
     def depths(self) -> int:
         return self.heads.config.depths
 
-    def n_appended(self, k: int) -> int:
-        return 0
-
     def propose(self, view: PassView, k: int, params, gen) -> Guesses:
         n = min(k - 1, self.depths)
         if n <= 0 or view.hidden is None:

@@ -317,6 +317,7 @@ class Transformer(nn.Module):
         attn_mask: torch.Tensor | None = None,  # [B, T, T] bool (True = attend; [B, T, S] with a cache)
         out_index: torch.Tensor | None = None,  # [B, N] positions in the block whose logits we need
         return_hidden: bool = False,
+        cache_positions: torch.Tensor | None = None,  # [B, T] cache slots to write (default: positions)
     ):
         """Returns logits [B, N or T, vocab] (and the last layer's hidden states at the same rows)."""
         B, T = tokens.shape
@@ -326,15 +327,17 @@ class Transformer(nn.Module):
         gate = self.adapter_gate(tokens)
         if gate is not None:
             gate = gate.unsqueeze(-1)  # [B, T, 1]
-        x = self.forward_layers(x, positions, cache, slots, attn_mask, gate)
+        x = self.forward_layers(x, positions, cache, slots, attn_mask, gate, cache_positions)
         return self.forward_head(x, out_index, return_hidden)
 
-    def forward_layers(self, x, positions, cache=None, slots=None, attn_mask=None, gate=None):
+    def forward_layers(self, x, positions, cache=None, slots=None, attn_mask=None, gate=None, cache_positions=None):
         """Run every block of `self.layers` over hidden states x [B, T, dim] -> [B, T, dim].
 
         Split out of `forward` so a pipeline stage (mtp.pipeline), whose `layers` is its slice of the
         model, runs the same code on hidden states it received; its `cache` holds just those layers.
-        gate: [B, T, 1] adapter gate or None."""
+        gate: [B, T, 1] adapter gate or None. cache_positions: [B, T] where the block's keys and values
+        go in the cache when that differs from the RoPE positions (branched mask groups, mtp.decode);
+        attn_mask then says which slots each row sees."""
         B, T = x.shape[:2]
         cos, sin = self.rope(positions, x.dtype)
         if attn_mask is not None:  # explicit layout (training); with a cache: [B, T, S] over its keys
@@ -348,7 +351,8 @@ class Transformer(nn.Module):
         else:
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, 1, T, T)
         for i, layer in enumerate(self.layers):
-            kv = cache.writer(i, positions, slots) if cache is not None else None
+            kv = cache.writer(i, positions if cache_positions is None else cache_positions, slots) \
+                if cache is not None else None
             x = layer(x, cos, sin, mask, kv, gate)
         return x
 

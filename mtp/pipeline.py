@@ -6,7 +6,7 @@ the link latency once per stage boundary. A multi-token pass saves whole passes,
 so MTP's value grows with the latency (seed 000). `--link-delay-ms` dials that latency in.
 
 One forward pass through P stages (any batch the decoding loop builds):
-  stage 0    embeddings + its layers    --[header, positions/slots/out rows, hidden ⊕ gate]-->  stage 1
+  stage 0    embeddings + its layers    --[header, positions/slots/out rows, hidden ⊕ gate (, layout)]-->  stage 1
   stage i    its layers                 --[same message, new hidden]----------------------->  stage i+1
   stage P-1  its layers + norm + lm_head --[header, logits (⊕ hidden)]--------------------->  stage 0
 so a pass crosses P links. Stage 0 runs the one decoding loop (`mtp.decode.decode_step`) unchanged,
@@ -14,7 +14,9 @@ with `PipelineModel` standing in for the Transformer; proposing, accepting and c
 stage 0 only. The other stages need no rollback message: every block carries its positions, and a
 query at position p reads cache slots 0..p only, so the KV entries of rejected drafts and of masks
 are overwritten by the next block that reaches those positions, on every stage, before anything
-reads them (tests/test_pipeline.py checks every stage's cache against a fresh prefill).
+reads them (tests/test_pipeline.py checks every stage's cache against a fresh prefill). A `verify`
+block with branched mask groups (mtp.decode) also carries its layout: the cache slot of each row and
+the [B, T, S] attention mask (a few KB), since its masks' RoPE positions are not their slots.
 
 Faults: every wait is bounded (`timeout_s`); a watchdog thread per stage beats a heartbeat into the
 rendezvous store and watches the others'; the first stage to notice a failure posts one line naming
@@ -46,7 +48,7 @@ from .model import Transformer
 # message header: [op, B, T, N, flags, cache_epoch, cache_rows, cache_capacity, delay_us, spare]
 HEADER = 10
 OP_SHUTDOWN, OP_FORWARD, OP_RESULT = 0, 1, 2
-F_CACHE, F_SLOTS, F_OUT, F_GATE, F_HIDDEN = 1, 2, 4, 8, 16
+F_CACHE, F_SLOTS, F_OUT, F_GATE, F_HIDDEN, F_LAYOUT = 1, 2, 4, 8, 16, 32
 IDLE_WAIT = timedelta(days=7)  # a stage waiting for the next pass relies on the watchdog instead
 
 
@@ -310,10 +312,11 @@ class PipelineModel:
         return KVCache(len(self.model.layers), rows, cfg.n_kv_heads, capacity, cfg.head_dim, w.dtype, w.device)
 
     def __call__(self, tokens, positions=None, cache=None, slots=None, attn_mask=None, out_index=None,
-                 return_hidden=False):
-        # tokens, positions: [B, T]; slots: [B]; out_index: [B, N]
-        if attn_mask is not None:
-            raise ValueError("pipeline stages decode with a KV cache; attn_mask (training) is not supported")
+                 return_hidden=False, cache_positions=None):
+        # tokens, positions: [B, T]; slots: [B]; out_index: [B, N]; with a branched layout (mtp.decode)
+        # cache_positions [B, T] and attn_mask [B, T, S] travel along
+        if (attn_mask is None) != (cache_positions is None) or (attn_mask is not None and cache is None):
+            raise ValueError("pipeline stages decode with a KV cache; an attn_mask needs cache_positions")
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
@@ -324,18 +327,21 @@ class PipelineModel:
             gate = gate.unsqueeze(-1)  # [B, T, 1]
         if cache is not None and cache is not self._cache:
             self._cache, self._epoch = cache, self._epoch + 1  # the other stages start a fresh cache too
-        x = m.forward_layers(x, positions, cache, slots, None, gate)
+        x = m.forward_layers(x, positions, cache, slots, attn_mask, gate, cache_positions)
         if self.world == 1:
             return m.forward_head(x, out_index, return_hidden)
         N = out_index.shape[1] if out_index is not None else T
         flags = ((F_CACHE if cache is not None else 0) | (F_SLOTS if slots is not None else 0)
                  | (F_OUT if out_index is not None else 0) | (F_GATE if gate is not None else 0)
-                 | (F_HIDDEN if return_hidden else 0))
+                 | (F_HIDDEN if return_hidden else 0) | (F_LAYOUT if attn_mask is not None else 0))
         rows, cap = (cache.rows, cache.capacity) if cache is not None else (0, 0)
-        hdr = _header(OP_FORWARD, B, T, N, flags, self._epoch, rows, cap, round(self.link.delay_s * 1e6))
-        ints = [positions.reshape(-1)] + [t.reshape(-1) for t in (slots, out_index) if t is not None]
+        S = attn_mask.shape[-1] if attn_mask is not None else 0
+        hdr = _header(OP_FORWARD, B, T, N, flags, self._epoch, rows, cap, round(self.link.delay_s * 1e6), S)
+        ints = [positions.reshape(-1)] + [t.reshape(-1) for t in (slots, out_index, cache_positions)
+                                          if t is not None]
         floats = x if gate is None else torch.cat([x, gate.to(x.dtype)], -1)  # [B, T, dim (+1)]
-        self.link.send(1, [hdr, torch.cat([t.to(torch.long).cpu() for t in ints]), floats])
+        extra = [] if attn_mask is None else [attn_mask.to(torch.uint8)]  # [B, T, S]
+        self.link.send(1, [hdr, torch.cat([t.to(torch.long).cpu() for t in ints]), floats] + extra)
         # the logits (and hidden states) come back from the last stage
         last = self.world - 1
         rh = self.link.recv(last, (HEADER,), torch.long)
@@ -370,30 +376,36 @@ def serve(model: Transformer, link: Link, watchdog: Watchdog | None = None) -> d
     passes = 0
     while True:
         hdr = link.recv(prev, (HEADER,), torch.long, idle=True)
-        op, B, T, N, flags, ep, rows, cap, delay_us = hdr[:9].tolist()
+        op, B, T, N, flags, ep, rows, cap, delay_us, S = hdr[:10].tolist()
         if op == OP_SHUTDOWN:
             if watchdog is not None:
                 watchdog.stop()
             link.send(0 if last else nxt, [hdr])
             return {"cache": cache, "passes": passes}
         link.delay_s = delay_us / 1e6  # stage 0 sets the delay of the whole ring
-        n_ints = B * T + (B if flags & F_SLOTS else 0) + (B * N if flags & F_OUT else 0)
+        layout = bool(flags & F_LAYOUT)
+        n_ints = B * T + (B if flags & F_SLOTS else 0) + (B * N if flags & F_OUT else 0) + (B * T if layout else 0)
         ints = link.recv(prev, (n_ints,), torch.long)
         has_gate = bool(flags & F_GATE)
         floats = link.recv(prev, (B, T, cfg.dim + has_gate), dtype).to(dev)
+        mask_u8 = link.recv(prev, (B, T, S), torch.uint8) if layout else None
         positions = ints[: B * T].view(B, T).to(dev)
         rest = ints[B * T:]
-        slots = None
+        slots = out_index = cache_positions = attn_mask = None
         if flags & F_SLOTS:
             slots, rest = rest[:B].to(dev), rest[B:]
-        out_index = rest.view(B, N).to(dev) if flags & F_OUT else None
+        if flags & F_OUT:
+            out_index, rest = rest[:B * N].view(B, N).to(dev), rest[B * N:]
+        if layout:
+            cache_positions, attn_mask = rest.view(B, T).to(dev), mask_u8.to(dev, torch.bool)
         x = floats[..., : cfg.dim]  # [B, T, dim]
         gate = floats[..., cfg.dim:] if has_gate else None  # [B, T, 1]
         if flags & F_CACHE and ep != epoch:
             cache = KVCache(len(model.layers), rows, cfg.n_kv_heads, cap, cfg.head_dim, dtype, dev)
             epoch = ep
         with torch.inference_mode():
-            x = model.forward_layers(x, positions, cache if flags & F_CACHE else None, slots, None, gate)
+            x = model.forward_layers(x, positions, cache if flags & F_CACHE else None, slots, attn_mask, gate,
+                                     cache_positions)
             if last:
                 out = model.forward_head(x, out_index, bool(flags & F_HIDDEN))
                 logits, hidden = out if flags & F_HIDDEN else (out, None)
@@ -401,7 +413,8 @@ def serve(model: Transformer, link: Link, watchdog: Watchdog | None = None) -> d
                 link.send(0, [_header(OP_RESULT, B, logits.shape[1], logits.shape[2], hidden is not None),
                               payload])
             else:
-                link.send(nxt, [hdr, ints, x if gate is None else torch.cat([x, gate], -1)])
+                link.send(nxt, [hdr, ints, x if gate is None else torch.cat([x, gate], -1)]
+                          + ([] if mask_u8 is None else [mask_u8]))
         passes += 1
 
 

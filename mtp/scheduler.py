@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from .cache import KVCache
-from .decode import Sequence, decode_step
+from .decode import Sequence, block_slack, decode_step
 from .metrics import DecodeStats
 from .proposers import Proposer
 
@@ -159,7 +159,7 @@ class AdaptiveK:
         capped, dropping the drafts; alternating so, verify fell to 1 token a pass."""
         k = min(k, seq.strategy.k)
         drafts = k - 1 if steady and seq.strategy.kind == "verify" else min(len(seq.drafts), k - 1)
-        return len(seq.pending) + drafts + (seq.proposer.n_appended(k) if k > 1 else 0)
+        return len(seq.pending) + drafts + seq.proposer.n_appended(k, drafts)
 
     @staticmethod
     def proposals(seqs: list[Sequence], k: int | None = None) -> dict[str, int]:
@@ -287,8 +287,8 @@ class TimedProposer(Proposer):
         self.inner, self.clock = inner, clock
         self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
 
-    def n_appended(self, k: int) -> int:
-        return self.inner.n_appended(k)
+    def n_appended(self, k: int, drafts: int = 0) -> int:
+        return self.inner.n_appended(k, drafts)
 
     def propose(self, view, k, params, gen):
         t0 = time.perf_counter()
@@ -303,7 +303,7 @@ class Scheduler:
 
     def __init__(self, model, mask_id: int | None, config: SchedulerConfig, pass_time=None):
         self.model, self.mask_id, self.config = model, mask_id, config
-        self.cache = KVCache.for_model(model, config.max_batch, config.max_model_len + 3 * K_LIMIT + 2)
+        self.cache = KVCache.for_model(model, config.max_batch, config.max_model_len + block_slack(K_LIMIT))
         self.policy = AdaptiveK(pass_time) if (config.adaptive and pass_time is not None) else None
         self.queue: collections.deque[Request] = collections.deque()
         self.background: collections.deque[Request] = collections.deque()

@@ -679,7 +679,7 @@ def run(args) -> int:
         from .costmodel import CostModel
         if args.cost_model:
             pass_time = CostModel.load(args.cost_model).pass_time
-        elif engine.mask_id is not None or engine.config.proposer != "mask":
+        elif engine.mask_id is not None or not engine.config.proposer.startswith("mask"):
             print("mtp serve: measuring the pass-time cost model (--cost-model PATH skips this)...", file=sys.stderr)
             from .scheduler import measured_cost
             cost = measured_cost(engine.model, config.scheduler.max_batch)

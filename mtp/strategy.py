@@ -59,7 +59,7 @@ class Strategy:
 def expand_sweep(text: str) -> list[Strategy]:
     """`conf_adapt:0.99,0.95,0.9` and `static:1..8` -> lists of strategies; a comma list of names too."""
     out: list[Strategy] = []
-    for chunk in _split_top(text):
+    for chunk in split_list(text):
         kind, _, rest = chunk.partition(":")
         if ".." in rest and kind in ("static", "verify"):
             lo, hi = rest.split("..", 1)
@@ -69,7 +69,7 @@ def expand_sweep(text: str) -> list[Strategy]:
     return out
 
 
-def _split_top(text: str) -> list[str]:
+def split_list(text: str) -> list[str]:
     """Split on commas, letting a bare number continue the previous strategy's kind."""
     items: list[str] = []
     for piece in [p.strip() for p in text.split(",") if p.strip()]:

@@ -134,8 +134,10 @@ def test_predict_speedup_and_best_k():
     masks = block_tokens_for("conf_adapt", MaskProposer())
     assert masks(2, 1.8) == pytest.approx(2.8) and masks(1, 1.0) == 1
     assert best_k(mid, acc, 2, masks)[1] == pytest.approx(1.8 / mid.pass_time(2.8))
-    # verify with masks feeds 1 + (K-1) drafts + (K-1) masks; with lookup drafts only K
-    assert block_tokens_for("verify", MaskProposer())(4, 2.0) == 7
+    # verify with masks feeds 1 + (K-1) drafts + K groups of (K-1) masks (one after each possible
+    # accepted prefix), or one group without branching; with lookup drafts only K
+    assert block_tokens_for("verify", MaskProposer())(4, 2.0) == 16
+    assert block_tokens_for("verify", MaskProposer(branch=False))(4, 2.0) == 7
     assert block_tokens_for("verify", PromptLookupProposer())(4, 2.0) == 4
     # a proposer that appends nothing (heads): a pass feeds back only last pass's E[n] tokens;
     # K=5: 3.0 / t(3.0) = 250/s beats K=6: 3.1 / t(3.1) = 242/s
@@ -208,16 +210,21 @@ def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
     monkeypatch.setitem(peers.PEERS, "flaky", FlakyPeer)
     monkeypatch.setattr(peers.LlamaCppPeer, "package", "llama_cpp_absent_for_this_test")
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
-    cfg = BenchConfig(bench.parse_strategies("static:2,conf_adapt:0.5:4,verify:3"), ["hf", "llamacpp", "flaky"],
+    cfg = BenchConfig(bench.parse_strategies("static:2,conf_adapt:0.5:4,verify:3,verify:3@mask-single"),
+                      ["hf", "llamacpp", "flaky"],
                       repeats=2, max_new_tokens=12, profile=True, profile_qs=(1, 2, 4), profile_repeats=1,
                       profile_cache_len=50)
     steps = []
     res = bench.run_bench(tiny_engine, kind, items, cfg, on_step=steps.append)
     recs = {r["strategy"]: r for r in res.records}
-    assert list(recs) == ["ntp", "static:2", "conf_adapt:0.5:4", "verify:3", "hf", "llamacpp", "flaky"]
+    assert list(recs) == ["ntp", "static:2", "conf_adapt:0.5:4", "verify:3", "verify:3@mask-single", "hf",
+                          "llamacpp", "flaky"]
     assert recs["ntp"]["speedup_vs_ntp"] == 1.0 and recs["ntp"]["exact_match"] == 1.0
     assert recs["ntp"]["predicted_speedup"] == pytest.approx(1.0)
     assert recs["verify:3"]["exact_match"] == 1.0  # verification is lossless under greedy decoding
+    # a row with its own proposer: masks only after the last draft, so smaller blocks, same text
+    assert recs["verify:3@mask-single"]["exact_match"] == 1.0
+    assert recs["verify:3@mask-single"]["mean_block_tokens"] < recs["verify:3"]["mean_block_tokens"]
     assert recs["hf"]["exact_match"] == 1.0 and recs["hf"]["error"] is None  # same weights, same greedy text
     assert recs["static:2"]["tokens_per_forward"] > 1.0
     assert recs["static:2"]["acceptance_by_position"][1] > 0
@@ -232,7 +239,7 @@ def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
     assert any("best K for verify" in a for a in res.advice) and any("cap conf_adapt" in a for a in res.advice)
     # rows alternate prompt by prompt, rotated: the first timed steps of prompt 1 start at different rows
     timed = [s for s in steps if s.startswith("prompt")]
-    assert timed[0].endswith("· ntp") and not timed[6].endswith("· ntp")
+    assert timed[0].endswith("· ntp") and not timed[7].endswith("· ntp")
 
     bench.write_outputs(res, tmp_path / "out", tiny_engine, "mtp bench --test", chunk_examples=1)
     out = tmp_path / "out"
@@ -246,7 +253,7 @@ def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
     for section in ('id="results"', "id=pareto", "id=acceptance", "id=profile", "id=chunks",
                     "data:image/png;base64,", 'class="c0"', "peer crashed"):
         assert section in page, section
-    assert page.count("<h4>") == 4  # the chunk view shows every engine row for one prompt
+    assert page.count("<h4>") == 5  # the chunk view shows every engine row for one prompt
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -259,11 +266,14 @@ def test_load_data_formats(tmp_path):
     assert len(bench.load_data(f"prompts:{p}", limit=2)[1]) == 2
     assert [str(s) for s in bench.parse_strategies("static:1..3,ntp,conf_adapt:0.9,0.8")] == \
         ["ntp", "static:1", "static:2", "static:3", "conf_adapt:0.9", "conf_adapt:0.8"]
+    assert [str(s) for s in bench.parse_strategies("verify:4@mask-single,verify:4,conf_adapt:0.9@heads,0.8")] == \
+        ["ntp", "verify:4@mask-single", "verify:4", "conf_adapt:0.9@heads", "conf_adapt:0.8"]
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--limit", "0"], "--limit must be >= 1"),
     (["--strategies", "fast:3"], "malformed strategy"),
+    (["--strategies", "verify:4@oracle"], "unknown proposer"),
     (["--baselines", "vllm"], "unknown baseline"),
     (["--data", "gsm8k:/nonexistent/test.jsonl"], "data not found"),
     (["--data", "csv:x"], "bad --data"),

@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_model
 from mtp.cache import KVCache
-from mtp.decode import Sequence, decode_step, generate
+from mtp.decode import Sequence, decode_step, generate, _branch_layout
 from mtp.model import add_mask_token
 from mtp.proposers import MaskProposer, PromptLookupProposer
 from mtp.sampling import SamplingParams, verify_drafts
@@ -30,18 +30,21 @@ class StubModel:
         self.config = SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=1, mask_token_id=MASK)
         self.embed_tokens = SimpleNamespace(weight=torch.zeros(1))
         self.device = "cpu"
-        self.calls = []
+        self.calls, self.positions = [], []
 
-    def __call__(self, tokens, positions, cache=None, slots=None, out_index=None, return_hidden=False):
+    def __call__(self, tokens, positions, cache=None, slots=None, out_index=None, return_hidden=False,
+                 attn_mask=None, cache_positions=None):
         B, T = tokens.shape
         self.calls.append(tokens.clone())
+        self.positions.append(positions.clone())
         logits = torch.full((B, T, V), -20.0)
         for b in range(B):
             depth = 0
             for t in range(T):
                 p = int(positions[b, t])
                 if int(tokens[b, t]) == MASK:
-                    depth += 1
+                    # a mask group (mtp.decode's branched layout) restarts where the positions step back
+                    depth = depth + 1 if t > 0 and p == int(positions[b, t - 1]) + 1 else 1
                     good = depth <= self.good_depth
                     tok = TARGET[p + 1] if good else (TARGET[p + 1] + 1) % 40
                     c = self.conf[depth - 1]
@@ -53,10 +56,10 @@ class StubModel:
         return logits.gather(1, out_index.unsqueeze(-1).expand(-1, -1, V))
 
 
-def run_stub(strategy, good_depth, max_new=13, conf=(0.99,) * 16, eos=()):
+def run_stub(strategy, good_depth, max_new=13, conf=(0.99,) * 16, eos=(), branch=True):
     stub = StubModel(good_depth, conf)
     prompt = TARGET[:5]
-    seq = Sequence(prompt, Strategy.parse(strategy), SamplingParams(max_new_tokens=max_new), MaskProposer(),
+    seq = Sequence(prompt, Strategy.parse(strategy), SamplingParams(max_new_tokens=max_new), MaskProposer(branch),
                    eos_ids=tuple(eos))
     cache = KVCache(1, 1, 1, 64, 1)
     with torch.inference_mode():
@@ -65,27 +68,43 @@ def run_stub(strategy, good_depth, max_new=13, conf=(0.99,) * 16, eos=()):
     return seq, cache, stub
 
 
-@pytest.mark.parametrize("good_depth, chunks", [
-    (3, [1, 4, 4, 4]),  # always accepted: 3 drafts + the model's own token per pass
-    (0, [1] * 13),  # never accepted
-    # first draft accepted, second rejected: the masks behind a rejected draft saw a wrong prefix,
-    # so the next pass has no drafts and only proposes again
-    (1, [1, 2, 1, 2, 1, 2, 1, 2, 1]),
+@pytest.mark.parametrize("good_depth, branch, chunks", [
+    (3, True, [1, 4, 4, 4]),  # always accepted: 3 drafts + the model's own token per pass
+    (3, False, [1, 4, 4, 4]),
+    (0, True, [1] * 13),  # never accepted
+    # first draft accepted, second rejected: the mask group after draft 1 gives the next drafts
+    (1, True, [1] + [2] * 6),
+    # without branching the masks sat behind the rejected draft and saw a wrong prefix, so the next
+    # pass has no drafts and only proposes again
+    (1, False, [1, 2, 1, 2, 1, 2, 1, 2, 1]),
 ])
-def test_verify_stub_exact(good_depth, chunks):
-    seq, cache, _ = run_stub("verify:4", good_depth)
+def test_verify_stub_exact(good_depth, branch, chunks):
+    seq, cache, _ = run_stub("verify:4", good_depth, branch=branch)
     assert seq.output == TARGET[5:18]  # lossless whatever the proposals
     assert seq.stats.chunks == chunks
     assert seq.finish_reason == "length"
 
 
 def test_verify_commits_only_accepted_positions():
-    seq, cache, stub = run_stub("verify:3", good_depth=1, max_new=5)
+    seq, cache, stub = run_stub("verify:3", good_depth=1, max_new=5, branch=False)
     # prefill: 5 prompt tokens + 2 masks -> commits the 5; a later pass commits pending + accepted drafts
     assert stub.calls[0].tolist() == [TARGET[:5] + [MASK, MASK]]
     assert stub.calls[1].tolist() == [[TARGET[5], TARGET[6], (TARGET[7] + 1) % 40, MASK, MASK]]
     # committed: prompt 5; [t5, t6] (pending + 1 accepted); [t7] (no drafts); [t8, t9]
     assert cache.lengths[0] == 5 + 2 + 1 + 2
+
+
+def test_verify_branched_block_layout():
+    seq, cache, stub = run_stub("verify:3", good_depth=1, max_new=5)
+    wrong7 = (TARGET[7] + 1) % 40
+    # pass 2: pending t5, drafts t6 and a wrong t7, then mask groups after both drafts, after none, after t6
+    assert stub.calls[1].tolist() == [[TARGET[5], TARGET[6], wrong7] + [MASK] * 6]
+    assert stub.positions[1].tolist() == [[5, 6, 7, 8, 9, 6, 7, 7, 8]]
+    # one draft accepted -> the group after t6 proposed t8 (right) and a wrong t9: pass 3 checks them
+    assert stub.calls[2].tolist()[0][:3] == [TARGET[7], TARGET[8], (TARGET[9] + 1) % 40]
+    assert seq.output == TARGET[5:10] and seq.stats.chunks == [1, 2, 2]
+    # committed: prompt 5; [t5, t6]; [t7, t8]
+    assert cache.lengths[0] == 5 + 2 + 2
 
 
 def test_static_emits_unverified_guesses_exactly():
@@ -159,11 +178,11 @@ def test_verify_equals_ntp_tiny(k, proposer, packed):
 
 def test_batched_ragged_rows_equal_single_rows():
     model = tiny_with_mask(1)
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [1, 2]]
-    strategies = ["ntp", "verify:3", "static:2"]
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [1, 2], [4, 4, 2, 9]]
+    strategies = ["ntp", "verify:3", "static:2", "verify:4"]  # verify:4 with branched mask groups
     singles = [generate(model, p, s, SamplingParams(max_new_tokens=12), proposer=PromptLookupProposer()
                         if s == "verify:3" else MaskProposer()).output for p, s in zip(prompts, strategies)]
-    cache = KVCache.for_model(model, 3, 64)
+    cache = KVCache.for_model(model, 4, 64)
     seqs = [Sequence(p, Strategy.parse(s), SamplingParams(max_new_tokens=12),
                      PromptLookupProposer() if s == "verify:3" else MaskProposer(), slot=i)
             for i, (p, s) in enumerate(zip(prompts, strategies))]
@@ -239,3 +258,32 @@ def test_verify_equals_ntp_smollm2(smollm2, k):
         smollm2.config.proposer = "mask"
     assert out.token_ids == ref.token_ids
     assert out.summary["forward_passes"] <= ref.summary["forward_passes"]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_branched_mask_groups_equal_separate_passes(packed):
+    """Group a of a branched verify pass gives the logits the masks would give right after draft a."""
+    model = tiny_with_mask(2)
+    if packed:
+        from mtp.model import pack_weights
+        pack_weights(model)
+    mid = model.config.mask_token_id
+    prompt, pending, drafts, g = [5, 9, 2, 7, 1], [3], [8, 4, 6], 3
+    cache = KVCache.for_model(model, 1, 64)
+    with torch.inference_mode():
+        model(torch.tensor([prompt]), torch.arange(5).view(1, 5), cache=cache)
+        cache.commit(0, 5)
+        seq = Sequence(prompt, Strategy.parse("verify:4"), SamplingParams(), MaskProposer())
+        seq.pending, seq.drafts = pending, drafts
+        assert seq.n_appended() == g * 4 and seq.groups() == 4
+        block = pending + drafts + [mid] * seq.n_appended()
+        slots = 5 + torch.arange(len(block)).view(1, -1)
+        positions, attn = _branch_layout([seq], slots, [True])
+        got = model(torch.tensor([block]), positions, cache=cache, attn_mask=attn, cache_positions=slots)[0]
+        for a in range(4):  # a accepted drafts; a == 3: the group right after the drafts
+            first = 4 + (0 if a == 3 else g * (1 + a))
+            ref = model(torch.tensor([prompt + pending + drafts[:a] + [mid] * g]))[0, -g:]
+            torch.testing.assert_close(got[first:first + g], ref, rtol=1e-4, atol=1e-4)
+        # the draft rows are the plain causal pass's rows
+        ref = model(torch.tensor([prompt + pending + drafts]))[0, 5:]
+        torch.testing.assert_close(got[:4], ref, rtol=1e-4, atol=1e-4)

@@ -48,10 +48,12 @@ def mtp_tiny(seed: int = 0, **cfg) -> Transformer:
 
 
 def _run_batch(model, mask_id) -> list[list[int]]:
-    """Two sequences in one batch, in cache rows 1 and 0, different prompt lengths (ragged blocks)."""
-    cache = KVCache.for_model(model, 2, 64)
-    seqs = [_job(model, "verify:3", "lookup", 0.0, None), _job(model, "static:2", "mask", 0.0, None)]
-    seqs[0].slot, seqs[1].slot, seqs[1].pending = 1, 0, PROMPT[:7]
+    """Three sequences in one batch, in cache rows 1, 0 and 2, different prompt lengths (ragged blocks),
+    one with branched mask groups (its own attention layout) beside plainly causal rows."""
+    cache = KVCache.for_model(model, 3, 64)
+    seqs = [_job(model, "verify:3", "lookup", 0.0, None), _job(model, "static:2", "mask", 0.0, None),
+            _job(model, "verify:4", "mask", 0.0, None)]
+    seqs[0].slot, seqs[1].slot, seqs[2].slot, seqs[1].pending = 1, 0, 2, PROMPT[:7]
     seqs[1].prompt_ids = PROMPT[:7]
     with torch.inference_mode():
         while not all(s.finished for s in seqs):
@@ -73,8 +75,8 @@ def _run_jobs(pipe, jobs, outdir, kill=None):
             pass
         results.append({"output": seq.output, "chunks": seq.stats.chunks, "wall_s": seq.stats.wall_s})
     results.append({"batch": _run_batch(pipe, pipe.config.mask_token_id)})
-    # the last sequence's cache, for the rollback check
-    seq = _job(pipe, "verify:3", "lookup", 0.0, None, max_new=20)
+    # the last sequence's cache, for the rollback check (mask drafts: branched groups write beyond the block)
+    seq = _job(pipe, "verify:3", "mask", 0.0, None, max_new=20)
     cache = KVCache.for_model(pipe, 1, 64)
     for _ in stream(pipe, seq, pipe.config.mask_token_id, cache):
         pass
@@ -180,7 +182,7 @@ def _rejections(model, strategy, proposer, max_new):
     with torch.inference_mode():
         while not seq.finished:
             drafts = list(seq.drafts)
-            emitted = decode_step(model, cache, [seq], None)[0]
+            emitted = decode_step(model, cache, [seq], model.config.mask_token_id)[0]
             n += bool(drafts) and emitted[:len(drafts)] != drafts
     return n
 
@@ -191,7 +193,7 @@ def test_rollback_consistency_across_stages(tmp_path, one_thread):
     from safetensors.torch import load_file
     model = mtp_tiny(1, n_layers=3)
     ref_model = mtp_tiny(1, n_layers=3)
-    assert _rejections(ref_model, "verify:3", "lookup", 20) > 0  # the run does roll back
+    assert _rejections(ref_model, "verify:3", "mask", 20) > 0  # the run does roll back
     assert launch_local(3, _stage, (model, [], str(tmp_path))) == 0
     committed = json.loads((tmp_path / "stage0.json").read_text())[-1]["committed"]
     L = len(committed)

@@ -461,10 +461,10 @@ def test_shadow_report_rejects_garbage(tmp_path):
 
 # ---- adaptive K ------------------------------------------------------------------------------------
 class FakeSeq:
-    def __init__(self, strategy, pending=1, drafts=0):
+    def __init__(self, strategy, pending=1, drafts=0, branch=True):
         from mtp.proposers import MaskProposer
         from mtp.strategy import Strategy
-        self.strategy, self.proposer = Strategy.parse(strategy), MaskProposer()
+        self.strategy, self.proposer = Strategy.parse(strategy), MaskProposer(branch)
         self.pending, self.drafts = [0] * pending, [0] * drafts
 
 
@@ -487,11 +487,18 @@ def test_adaptive_policy_decides_verify_on_its_steady_state():
     # (k-1 drafts + k-1 masks); priced on this pass's drafts, a row without drafts looked cheap (K=4 wins),
     # the next pass with 3 drafts dear (capped, drafts dropped), and verify alternated down to 1 token a pass
     cost = lambda q: 1 + 0.25 * q  # noqa: E731
-    without, with_drafts = FakeSeq("verify:4", drafts=0), FakeSeq("verify:4", drafts=3)
+    without, with_drafts = FakeSeq("verify:4", drafts=0, branch=False), FakeSeq("verify:4", drafts=3, branch=False)
     assert AdaptiveK(cost).choose([without]) == AdaptiveK(cost).choose([with_drafts])
     # the steady-state prices: K=2 -> 1.5 tokens over t(3); K=4 -> 1.875 over t(7) -> K=2 beats K=4 and K=1
     assert AdaptiveK(cost).choose([without]) == 2
     assert AdaptiveK.block(without, 4, steady=True) == 7 and AdaptiveK.block(without, 4) == 4
+    # branched mask groups (the default): K=4 feeds 1 + 3 drafts + 4 groups of 3 masks
+    without, with_drafts = FakeSeq("verify:4", drafts=0), FakeSeq("verify:4", drafts=3)
+    assert AdaptiveK.block(without, 4, steady=True) == 16 and AdaptiveK.block(without, 4) == 4
+    assert AdaptiveK.block(with_drafts, 4) == 16 and AdaptiveK.block(with_drafts, 2) == 4
+    # t(q) = 1 + 0.25 q now prefers K=1 (K=2: 1.5 over t(4) = 2.0 < 1 over t(2)); 1 + 0.05 q: K=2 (1.5/1.2)
+    assert AdaptiveK(cost).choose([without]) == AdaptiveK(cost).choose([with_drafts]) == 1
+    assert AdaptiveK(lambda q: 1 + 0.05 * q).choose([with_drafts]) == 2
 
 
 def test_adaptive_policy_learns_acceptance():
