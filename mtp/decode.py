@@ -137,7 +137,8 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
     # 2. one forward pass
     out = model(tokens.to(dev), positions.to(dev), cache=cache, slots=None if slots is None else slots.to(dev),
                 out_index=out_index.to(dev), return_hidden=need_hidden,
-                **({} if attn_mask is None else {"attn_mask": attn_mask.to(dev), "cache_positions": slots_pos.to(dev)}))
+                attn_mask=None if attn_mask is None else attn_mask.to(dev),
+                cache_positions=None if attn_mask is None else slots_pos.to(dev))
     logits, hidden = out if need_hidden else (out, None)
     logits = logits.float().cpu()
     if mask_id is not None and mask_id < logits.shape[-1]:
@@ -156,7 +157,7 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         context = s.prompt_ids + s.output + s.drafts[:a] + [own]
         g = s.proposer.n_appended(s.k)  # masks per group; groups: after all D drafts, then after 0, 1, ...
         has_group = a == D or a < s.groups() - 1
-        first_mask = D + 1 + (0 if a == D or not has_group else g * (1 + a))
+        first_mask = D + 1 + (0 if a == D else g * (1 + a))
         view = PassView(context=context, mask_logits=lg[first_mask: first_mask + g],
                         hidden=hidden[i, a] if hidden is not None else None, masks_valid=has_group)
         guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 else Guesses.none()
@@ -184,9 +185,9 @@ def _branch_layout(seqs: list[Sequence], slots_pos: torch.Tensor, branched: list
 
     A branched row's block is pending (P) + drafts (D) + G groups of g masks: first the group after
     all D drafts (plainly causal, as without branching), then the groups after 0, 1, ..., G-2 accepted
-    drafts (G = D+1 unless capped by MAX_MASK_GROUPS). Every row is written to its own cache slot (`slots_pos`), but group a's masks take the
-    RoPE positions that follow draft a and see only the prefix up to draft a plus the earlier masks
-    of their own group. E.g. P=1, D=2, g=2 at cache length c (x = pending, d = drafts, m = masks):
+    drafts (G = D+1 unless capped by MAX_MASK_GROUPS). Every row is written to its own cache slot
+    (`slots_pos`), but group a's masks take the RoPE positions that follow draft a and see only the
+    prefix up to draft a plus the earlier masks of their own group. E.g. P=1, D=2, g=2 at cache length c (x = pending, d = drafts, m = masks):
         block  x   d1  d2  m   m   m   m   m   m
         RoPE   c   c+1 c+2 c+3 c+4 c+1 c+2 c+2 c+3
         group              [ D=2 ] [a=0  ] [a=1  ]     a=1's masks see slots 0..c+1 and their group."""
