@@ -26,7 +26,7 @@ import torch
 
 from . import gsm8k, metrics
 from .peers import PEERS, make_peer, parse_baselines
-from .proposers import PROPOSERS
+from .proposers import check_proposer
 from .sampling import SamplingParams
 from .strategy import Strategy, expand_sweep, split_list
 
@@ -80,11 +80,9 @@ def parse_strategies(text: str) -> list[Spec]:
     out = [Spec(Strategy.parse("ntp"))]
     for piece in split_list(text or "ntp"):
         strategy, _, proposer = piece.partition("@")
-        if proposer and proposer.strip() not in ("heads",) + tuple(PROPOSERS):
-            raise ValueError(f"unknown proposer {proposer.strip()!r} in {piece!r}; choose from heads, "
-                             f"{', '.join(sorted(PROPOSERS))}")
+        proposer = check_proposer(proposer.strip()) if proposer.strip() else None
         for s in expand_sweep(strategy):
-            spec = Spec(s, proposer.strip() or None)
+            spec = Spec(s, proposer)
             if spec not in out:
                 out.append(spec)
     return out

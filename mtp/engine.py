@@ -14,7 +14,7 @@ import torch
 from . import loading
 from .decode import Sequence, stream
 from .metrics import DecodeStats
-from .proposers import PROPOSERS, Proposer, make_proposer
+from .proposers import Proposer, check_proposer, make_proposer
 from .sampling import SamplingParams
 from .strategy import Strategy
 
@@ -62,9 +62,7 @@ class Engine:
     def load(cls, config: EngineConfig) -> "Engine":
         if config.threads:
             torch.set_num_threads(config.threads)
-        if config.proposer not in ("heads",) + tuple(PROPOSERS):
-            raise ValueError(f"unknown proposer {config.proposer!r}; choose from heads, "
-                             f"{', '.join(sorted(PROPOSERS))}")
+        check_proposer(config.proposer)
         engine = cls(loading.load(config.model, device=config.device), config)
         adapter = engine._resolve_asset(config.adapter, "adapter")
         if adapter is not None:

@@ -117,6 +117,13 @@ PROPOSERS = {"mask": MaskProposer, "mask-single": lambda: MaskProposer(branch=Fa
              "lookup": PromptLookupProposer}
 
 
+def check_proposer(name: str) -> str:
+    """`name` if it names a proposer (`heads` lives in mtp.heads and needs its checkpoint), else ValueError."""
+    if name not in ("heads",) + tuple(PROPOSERS):
+        raise ValueError(f"unknown proposer {name!r}; choose from heads, {', '.join(sorted(PROPOSERS))}")
+    return name
+
+
 def make_proposer(name: str, **kwargs) -> Proposer:
     if name not in PROPOSERS:
         raise ValueError(f"unknown proposer {name!r}; choose from {', '.join(sorted(PROPOSERS))}")
