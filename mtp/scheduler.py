@@ -311,7 +311,10 @@ class Scheduler:
         self.cond = threading.Condition()
         self.draining = False
         self.stopped = False
-        self.thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None  # set by start(); run() may use the caller's thread
+        self.running_loop: threading.Thread | None = None
+        self.loop_done = threading.Event()
+        self.hosted = False  # the owner calls run() itself (mtp serve: the main thread); start() is not used
         # counters for /metrics (read without a lock: ints and deques)
         self.passes = 0  # forward passes, prefills included
         self.prefill_passes = 0
@@ -346,7 +349,11 @@ class Scheduler:
         return len(self.active)
 
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._loop, name="mtp-engine", daemon=True)
+        """Run the engine loop on a new thread (tests, embedding). `mtp serve` instead runs it on the
+        process's main thread (`run`): oneDNN and OpenMP calls from a second thread that does torch
+        work pay ~0.1 ms each on 2 cores (two OpenMP pools oversubscribe the cores), which made a
+        1-row pass ~35% slower than in `mtp generate`."""
+        self.thread = threading.Thread(target=self.run, name="mtp-engine", daemon=True)
         self.thread.start()
 
     def drain(self) -> None:
@@ -366,14 +373,26 @@ class Scheduler:
             self.cond.notify()
         if self.thread is not None:
             self.thread.join(timeout)
+        elif self.running_loop is not threading.current_thread():
+            self.loop_done.wait(timeout)
 
     # ---- engine thread -------------------------------------------------------------------------
-    def _loop(self) -> None:
+    def run(self, alive: Callable[[], bool] = lambda: True) -> None:
+        """The engine loop, on the calling thread, until `stop()` (or `alive()` turns False while idle)."""
+        self.running_loop = threading.current_thread()
+        try:
+            self._loop(alive)
+        finally:
+            self.loop_done.set()
+
+    def _loop(self, alive: Callable[[], bool]) -> None:
         with torch.inference_mode():
             while True:
                 with self.cond:
                     while not self.stopped and not (self.queue or self.active or self.background):
-                        self.cond.wait()
+                        self.cond.wait(0.5)
+                        if not alive():
+                            self.stopped = True
                     if self.stopped:
                         break
                     newcomers = self._admit()
