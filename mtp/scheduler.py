@@ -79,6 +79,7 @@ class Request:
     seq: Sequence
     on_event: Callable[["Request", list[int], bool], None] = lambda r, t, f: None
     background: bool = False  # shadow work: admitted only when no live request waits
+    adaptive: bool = True  # False: the policy never caps this row's K (exact `generate` output for lossy strategies)
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False
     error: str | None = None
@@ -102,20 +103,25 @@ class AdaptiveK:
 
     For a cap K every row r yields E_r(K) = 1 + sum_{i<K} prod_{j<=i} p_j tokens (p_j: running rate
     at which position j is emitted once position j-1 was, per strategy and proposer). The pass
-    feeds q = rows x max_r block_r(K) tokens (right padding) and makes P = sum_r (K_r - 1) proposals,
-    so it takes T(K) = t'(q) + c * P: t'(q) the running observed time of passes of q tokens once
-    seen twice; for an unseen q a line a + b*q fitted to recent observed passes (once two block
-    sizes were seen), else scale * t(q) from the start-up cost model, `scale` the running ratio of
-    observed to modelled time (the machine's load now); all pass times exclude proposing; `c`
-    the running measured time of one proposal depth per proposer (the heads proposer runs its heads
-    and the LM head per row and depth; the mask proposer almost nothing). The cap maximising
-    sum_r E_r(K) / T(K) wins. Unseen positions start from the previous position's rate (position 1
-    from `prior`), and `c` starts at 0, so a cheap enough K gets tried and then learnt.
+    feeds q = rows x max_r block_r(K) tokens (right padding; blocks in steady state under K, where a
+    conf_adapt/static row feeds back what it emitted) and makes P = sum_r (K_r - 1) proposals,
+    so it takes T(K) = t'(q) + c * P. t'(q): the running observed time of passes of q tokens once
+    seen twice; between observed sizes, interpolated from the neighbours (t(q) on 2 cores bends:
+    ~1.6 ms a token at 16 rows x 1, ~0.7 at 16 x 4); beyond them, a line a + b*q fitted to recent
+    passes (once two block sizes were seen); else scale * t(q) from the start-up cost model, `scale`
+    the running ratio of observed to modelled time (the machine's load now). Pass times exclude
+    proposing; `c` is the running measured time of one proposal depth per proposer (the heads
+    proposer runs its heads and the LM head per row and depth; the mask proposer almost nothing).
+    The cap maximising sum_r E_r(K) / T(K) wins if it beats K = 1 by `margin`. Unseen positions
+    start from the previous position's rate (position 1 from `prior`), and `c` starts at 0, so a
+    cheap enough K gets tried and then learnt.
     """
 
     def __init__(self, pass_time: Callable[[float], float], prior: float = 0.5, prior_weight: float = 2.0,
-                 window: float = 2000.0, smoothing: float = 0.1):
+                 window: float = 2000.0, smoothing: float = 0.1, margin: float = 0.05):
         self.pass_time, self.prior, self.w, self.window = pass_time, prior, prior_weight, window
+        self.margin = margin  # proposals must promise this much over K=1: what the model leaves out
+        # (per-row verify and sampling work, prediction error) must not turn a predicted tie into a loss
         self.reached: dict[str, list[float]] = {}
         self.accepted: dict[str, list[float]] = {}
         self.alpha = smoothing
@@ -150,23 +156,46 @@ class AdaptiveK:
         return total
 
     @staticmethod
-    def block(seq: Sequence, k: int, steady: bool = False) -> int:
+    def block(seq: Sequence, k: int, steady: bool = False, pending: float | None = None) -> float:
         """Tokens the row feeds a pass with cap k: pending + drafts checked + appended masks.
 
-        steady: a `verify` row as it is in steady state under cap k, with k-1 drafts to check. The cap
-        is chosen on that, not on this pass's drafts: a pass without drafts (the previous one was
-        capped) would otherwise look cheap and win, the next one, with drafts, look dear and be
-        capped, dropping the drafts; alternating so, verify fell to 1 token a pass."""
+        steady: the row as it is in steady state under cap k, which is what the cap is chosen on.
+        A `verify` row then checks k-1 drafts behind its one pending token: priced on this pass's
+        drafts instead, a pass without drafts (the previous one was capped) looked cheap and won, the
+        next one, with drafts, looked dear and was capped, dropping the drafts; alternating so, verify
+        fell to 1 token a pass. Any other row feeds back, as pending, the tokens it emitted last pass
+        (guesses have no KV yet): `pending` (expected, see `steady_pending`), else k."""
         k = min(k, seq.strategy.k)
-        drafts = k - 1 if steady and seq.strategy.kind == "verify" else min(len(seq.drafts), k - 1)
-        return len(seq.pending) + drafts + seq.proposer.n_appended(k, drafts)
+        if not steady:
+            drafts = min(len(seq.drafts), k - 1)
+            return len(seq.pending) + drafts + seq.proposer.n_appended(k, drafts)
+        if seq.strategy.kind == "verify":
+            return 1 + (k - 1) + seq.proposer.n_appended(k, k - 1)
+        return (k if pending is None else pending) + seq.proposer.n_appended(k, 0)
+
+    def steady_pending(self, seqs: list[Sequence], k: int, ks: list[int] | None = None) -> float:
+        """Expected padded pending length next pass under cap k (row r at K = ks[r], default min(k, its
+        K)): the most tokens any non-verify row emits, E[max_r n_r] = sum_n P(some row emits >= n),
+        each row's P(n_r >= n) from its rates."""
+        ks = ks or [min(k, s.strategy.k) for s in seqs]
+        top = max(ks, default=1)
+        none_reach = [1.0] * (top + 1)  # n -> P(no row emits >= n)
+        for s, kk in zip(seqs, ks):
+            if s.strategy.kind == "verify":
+                continue
+            reach, rates = 1.0, self.rates(self.key(s), kk - 1)
+            for n in range(1, kk + 1):
+                if n > 1:
+                    reach *= rates[n - 2]
+                none_reach[n] *= 1 - reach
+        return sum(1 - none_reach[n] for n in range(1, top + 1))
 
     @staticmethod
-    def proposals(seqs: list[Sequence], k: int | None = None) -> dict[str, int]:
-        """Proposal depths a pass makes per proposer (each row with K > 1 proposes K - 1)."""
+    def proposals(seqs: list[Sequence], ks: list[int] | None = None) -> dict[str, int]:
+        """Proposal depths a pass makes per proposer (each row with K > 1 proposes K - 1; row r's K is
+        ks[r], default its K this pass)."""
         out: dict[str, int] = {}
-        for s in seqs:
-            kk = s.k if k is None else min(k, s.strategy.k)
+        for s, kk in zip(seqs, ks or [s.k for s in seqs]):
             if kk > 1:
                 out[s.proposer.name] = out.get(s.proposer.name, 0) + kk - 1
         return out
@@ -176,6 +205,11 @@ class AdaptiveK:
         seen = self.seen.get(q)
         if seen is not None and seen[1] >= 2:
             return seen[0]
+        below = max((k for k in self.seen if k < q), default=None)
+        above = min((k for k in self.seen if k > q), default=None)
+        if below is not None and above is not None:  # between observed block sizes: interpolate
+            (t0, _), (t1, _) = self.seen[below], self.seen[above]
+            return t0 + (t1 - t0) * (q - below) / (above - below)
         line = self.line()
         if line is not None:
             return line[0] + line[1] * q
@@ -211,9 +245,10 @@ class AdaptiveK:
                 prev = self.proposal_s.get(name)
                 self.proposal_s[name] = per if prev is None else prev + self.alpha * (per - prev)
 
-    def choose(self, seqs: list[Sequence]) -> int | None:
-        """The cap for this pass (None: no row proposes, nothing to decide)."""
-        k_top = max(s.strategy.k for s in seqs)
+    def choose(self, seqs: list[Sequence], fixed: list[Sequence] = ()) -> int | None:
+        """The cap for this pass (None: no row proposes, nothing to decide). Rows in `fixed` are not
+        capped (their requests opted out); they are priced at their full K whatever the cap."""
+        k_top = max((s.strategy.k for s in seqs if s not in fixed), default=1)
         if k_top <= 1:
             return None
         cum: dict[str, list[float]] = {}  # per strategy: E(K) for K = 1..k_top
@@ -225,13 +260,16 @@ class AdaptiveK:
                     run *= p
                     e.append(e[-1] + run)
                 cum[key] = e
-        best_k, best_rate = 1, -1.0
+        best_k, best_rate, plain = 1, -1.0, None
         for k in range(1, k_top + 1):
-            q = len(seqs) * max(self.block(s, k, steady=True) for s in seqs)
-            tokens = sum(cum[self.key(s)][min(k, s.strategy.k) - 1] for s in seqs)
-            rate = tokens / self.predicted_time(q, self.proposals(seqs, k))
-            if rate >= best_rate:  # ties keep the larger K: cap only when capping pays
-                best_k, best_rate = k, rate
+            ks = [s.strategy.k if s in fixed else min(k, s.strategy.k) for s in seqs]
+            pending = self.steady_pending(seqs, k, ks)
+            q = len(seqs) * max(self.block(s, kk, steady=True, pending=pending) for s, kk in zip(seqs, ks))
+            tokens = sum(cum[self.key(s)][kk - 1] for s, kk in zip(seqs, ks))
+            rate = tokens / self.predicted_time(q, self.proposals(seqs, ks))
+            plain = rate if plain is None else plain
+            if rate >= best_rate and (k == 1 or rate >= (1 + self.margin) * plain):
+                best_k, best_rate = k, rate  # ties keep the larger K, but proposing must beat K=1 clearly
         return best_k
 
     def observe(self, seq: Sequence, attempted: int, emitted: int) -> None:
@@ -454,14 +492,15 @@ class Scheduler:
 
     def _pass(self, rows: list[Request], prefill: bool) -> None:
         seqs = [r.seq for r in rows]  # ordered by slot: active rows are contiguous
-        k = self.policy.choose(seqs) if self.policy is not None else None  # prefills too: masks cost there
+        fixed = [r.seq for r in rows if not r.adaptive]
+        k = self.policy.choose(seqs, fixed) if self.policy is not None else None  # prefills too: masks cost there
         if k is not None:
             self.k_caps[k] += 1
             for r in rows:
-                r.seq.k_override = k
-                if k < r.seq.strategy.k:
-                    r.capped_passes += 1
-            if k < max(s.strategy.k for s in seqs):
+                if r.adaptive:
+                    r.seq.k_override = k
+                    r.capped_passes += k < r.seq.strategy.k
+            if any(r.adaptive and k < r.seq.strategy.k for r in rows):
                 self.capped_passes += 1
         # what each row can emit at most: the model's own token + drafts (verify) or guesses
         attempted = [len(s.drafts[: s.k - 1]) + 1 if s.strategy.kind == "verify" else s.k for s in seqs]

@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI schema, `stream: true` as
 server-sent events ending in `data: [DONE]`), GET /v1/models, /health, /metrics (Prometheus text).
-A request may carry `"mtp": {"strategy": "conf_adapt:0.9"}`; omitted fields take the server's flags.
+A request may carry `"mtp": {"strategy": "conf_adapt:0.9", "adaptive": false}`; omitted fields take the
+server's flags (`adaptive: false` exempts the request from the per-pass K cap, see `mtp.scheduler`).
 Every bad input is HTTP 400 with an OpenAI-style `{"error": {...}}`; `--api-key` guards every path
 but /health; SIGTERM stops admitting, lets running requests finish (up to --shutdown-timeout) and
 exits 0.
@@ -71,6 +72,9 @@ class _Strict(BaseModel):
 class MTPOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     strategy: str | None = None
+    # false: this request's K is never capped by the adaptive policy, so a lossy strategy
+    # (conf_adapt, static) emits exactly what `mtp generate` does, at whatever it costs the batch
+    adaptive: bool = True
 
 
 class _Common(_Strict):
@@ -288,7 +292,7 @@ class ServerState:
             seq = self.engine.new_sequence(ids, strategy, params)
         except ValueError as e:
             raise APIError(400, str(e), "mtp.strategy") from None
-        return Request(seq)
+        return Request(seq, adaptive=body.mtp.adaptive if body.mtp else True)
 
     def completion_ids(self, body: CompletionRequest) -> list[int]:
         p = body.prompt

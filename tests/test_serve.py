@@ -223,6 +223,28 @@ def test_concurrent_mixed_strategies_equal_generate(engine, adaptive):
         assert out.usage.completion_tokens == len(ref.token_ids)
 
 
+def test_opted_out_requests_are_never_capped(engine):
+    """`"mtp": {"adaptive": false}`: a steep cost model caps the other rows to K=1, but the opted-out
+    lossy rows keep their K and emit exactly what `mtp generate` does."""
+    jobs = [("The quick brown fox", "conf_adapt:0.6", 40, False), ("x", "static:3", 30, False),
+            ("Tell me a story", "verify:2", 40, True)]
+    refs = [reference(engine, p, s, n, chat=True) for p, s, n, _ in jobs]
+    app = make_app(engine, pass_time=lambda q: float(q), max_batch=3, max_model_len=200)
+    with LiveServer(app) as srv:
+        c = client_for(srv)
+
+        def ask(job):
+            p, s, n, adaptive = job
+            return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=n,
+                                             temperature=0, extra_body={"mtp": {"strategy": s, "adaptive": adaptive}})
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            outs = list(pool.map(ask, jobs))
+    for out, ref, (_, s, _, adaptive) in zip(outs, refs, jobs):
+        assert out.choices[0].message.content == ref.text
+        assert (out.model_extra["mtp"]["capped_passes"] > 0) == adaptive, s
+
+
 def scheduled(engine, jobs, **cfg):
     """Run (prompt, strategy, max_tokens) jobs through a Scheduler directly; return the Requests."""
     sched = Scheduler(engine.model, engine.mask_id, SchedulerConfig(**cfg.pop("config", {})), cfg.pop("pass_time", None))
@@ -293,6 +315,7 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "static:999"}}, "invalid_request_error",
      "mtp.strategy"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"strategi": "ntp"}}, "invalid_request_error", "mtp"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"adaptive": "no"}}, "invalid_request_error", "mtp"),
     ("/v1/completions", {"model": "tiny", "prompt": [5, 99999]}, "invalid_request_error", "prompt"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "invalid_request_error", "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "invalid_request_error", "messages"),
@@ -501,6 +524,28 @@ def test_adaptive_policy_decides_verify_on_its_steady_state():
     assert AdaptiveK(lambda q: 1 + 0.05 * q).choose([with_drafts]) == 2
 
 
+def test_adaptive_policy_prices_emitted_guesses_as_next_pending():
+    # a conf_adapt row feeds back what it emitted: with the 0.5 prior, k=3 emits 1 + 0.5 + 0.25 tokens
+    pol = AdaptiveK(lambda q: 1.0)
+    one, ver = FakeSeq("conf_adapt:0.9:3"), FakeSeq("verify:3")
+    assert pol.steady_pending([one], 3) == pytest.approx(1.75)
+    # two rows pad to the longer: P(max >= 2) = 1 - 0.5^2, P(max >= 3) = 1 - 0.75^2
+    assert pol.steady_pending([one, one], 3) == pytest.approx(1 + 0.75 + 0.4375)
+    assert pol.steady_pending([one, ver], 3) == pytest.approx(1.75)  # verify rows feed 1 pending
+    # steady block: expected pending + 2 masks; verify: 1 pending + 2 drafts + 3 groups of 2 masks
+    assert AdaptiveK.block(one, 3, steady=True, pending=1.75) == pytest.approx(3.75)
+    assert AdaptiveK.block(ver, 3, steady=True) == 9
+
+
+def test_adaptive_policy_needs_a_clear_gain_to_propose():
+    # static:2 at the 0.5 prior: K=2 yields 1.5 tokens over a block of 1.5 pending + 1 mask; with
+    # t(q) = 0.7 + 0.3 q that is 1.5 / 1.45 = 1.034x the rate of K=1 -- under the 5% margin
+    seqs, cost = [FakeSeq("static:2")], (lambda q: 0.7 + 0.3 * q)
+    assert AdaptiveK(cost).choose(seqs) == 1
+    assert AdaptiveK(cost, margin=0.0).choose(seqs) == 2
+    assert AdaptiveK(lambda q: 0.8 + 0.2 * q).choose(seqs) == 2  # 1.5 / 1.3 = 1.15x clears it
+
+
 def test_adaptive_policy_learns_acceptance():
     pol = AdaptiveK(lambda q: float(q) ** 0.5)
     s = FakeSeq("static:4")
@@ -508,7 +553,7 @@ def test_adaptive_policy_learns_acceptance():
     for _ in range(50):
         pol.observe(s, attempted=4, emitted=4)  # static: every guess is emitted
     assert all(p > 0.95 for p in pol.rates(pol.key(s), 3))
-    assert pol.choose([s]) == 4  # 4 tokens for sqrt(4) = 2x the time of one
+    assert pol.choose([s]) == 4  # 4 tokens for sqrt(4 pending + 3 masks) = 2.6x the time of one
     v = FakeSeq("verify:4", drafts=3)
     for _ in range(50):
         pol.observe(v, attempted=4, emitted=1)  # drafts always rejected
