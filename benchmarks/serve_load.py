@@ -7,7 +7,8 @@ every strategy at a concurrency before the next concurrency, the strategy order 
 so machine drift spreads evenly. Each cell sends a bounded number of requests (and stops issuing
 after --cell-timeout seconds). Afterwards (server stopped, so timings are not disturbed) it decodes
 the first --check prompts alone with `Engine.generate` and counts the server outputs that are
-identical (temperature 0).
+identical (temperature 0), in every cell and for those prompts sent once more with `mtp.adaptive:
+false` (a capped pass changes what a lossy strategy emits; an uncapped request must match exactly).
 
     python benchmarks/serve_load.py --data $MTP_DATA_DIR/gsm8k --out results/serve_load
 
@@ -65,6 +66,12 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise SystemExit(f"server not ready after {timeout:.0f} s")
 
 
+def ask(client, prompt: str, strategy: str, max_tokens: int, adaptive: bool = True):
+    return client.chat.completions.create(
+        model="bench", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        extra_body={"mtp": {"strategy": strategy, "adaptive": adaptive}})
+
+
 def run_cell(client, prompts: list[str], strategy: str, concurrency: int, n_requests: int, max_tokens: int,
              timeout: float) -> dict:
     """n_requests requests over `concurrency` client threads; aggregate tokens/s over the cell's wall."""
@@ -75,9 +82,7 @@ def run_cell(client, prompts: list[str], strategy: str, concurrency: int, n_requ
         if time.perf_counter() > deadline:
             return None
         t0 = time.perf_counter()
-        r = client.chat.completions.create(
-            model="bench", messages=[{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens=max_tokens,
-            temperature=0, extra_body={"mtp": {"strategy": strategy}})
+        r = ask(client, prompts[i % len(prompts)], strategy, max_tokens)
         return {"i": i % len(prompts), "latency_s": time.perf_counter() - t0, "text": r.choices[0].message.content,
                 "tokens": r.usage.completion_tokens, "mtp": r.model_extra.get("mtp", {})}
 
@@ -110,8 +115,20 @@ def merge_cells(cells: list[dict]) -> dict:
             "capped_passes": sum(c["capped_passes"] for c in cells), "row_passes": passes, "outputs": outputs}
 
 
+def uncapped_outputs(client, args, prompts: list[str], strategies: list[str]) -> dict:
+    """The first --check prompts per strategy, sent together with `mtp.adaptive: false` (never capped)."""
+    n = min(args.check, len(prompts))
+    out = {}
+    with ThreadPoolExecutor(max(1, n)) as pool:
+        for s in strategies:
+            rs = pool.map(lambda i: ask(client, prompts[i], s, args.max_tokens, adaptive=False), range(n))
+            out[("uncapped", s)] = {"outputs": {i: r.choices[0].message.content for i, r in enumerate(rs)}}
+    return out
+
+
 def check_identical(args, prompts: list[str], strategies: list[str], table: dict) -> dict:
-    """Decode the first --check prompts alone per strategy; count identical server outputs."""
+    """Decode the first --check prompts alone per strategy; count identical server outputs (every cell
+    of the table, and the "uncapped" cells of `uncapped_outputs`)."""
     from mtp.engine import Engine, EngineConfig
     from mtp.sampling import SamplingParams
     engine = Engine.load(EngineConfig(model=args.model, adapter=args.adapter, proposer=args.proposer,
@@ -120,7 +137,9 @@ def check_identical(args, prompts: list[str], strategies: list[str], table: dict
     for s in strategies:
         refs = {i: engine.generate(prompts[i], s, SamplingParams(max_new_tokens=args.max_tokens)).text
                 for i in range(min(args.check, len(prompts)))}
-        for c in args.concurrency:
+        for c in [*args.concurrency, "uncapped"]:
+            if (c, s) not in table:
+                continue
             got = table[(c, s)]["outputs"]
             same = [got[i] == refs[i] for i in refs if i in got]
             out[(c, s)] = (sum(same), len(same))
@@ -183,6 +202,7 @@ def main(argv=None) -> int:
                     cells.setdefault((c, s), []).append(cell)
                     print(f"c={c:<3} {s:<18} {cell['requests']} req {cell['tokens']} tok {cell['wall_s']:.1f} s "
                           f"{cell['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        uncapped = uncapped_outputs(client, args, prompts, strategies) if args.check else {}
         import httpx
         metrics_text = httpx.get(url + "/metrics", timeout=30).text
     finally:
@@ -193,7 +213,7 @@ def main(argv=None) -> int:
             proc.kill()
     (out / "metrics.prom").write_text(metrics_text)
     table = {key: merge_cells(v) for key, v in cells.items()}
-    same = check_identical(args, prompts, strategies, table) if args.check else {}
+    same = check_identical(args, prompts, strategies, {**table, **uncapped}) if args.check else {}
 
     rows, lines = [], ["| concurrency | strategy | requests | tokens/s | vs ntp | p50 s | p95 s | tokens/pass | "
                        "capped passes | identical to generate |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -210,6 +230,10 @@ def main(argv=None) -> int:
                          f"{fmt(t['p50_latency_s'], '.1f')} | {fmt(t['p95_latency_s'], '.1f')} | "
                          f"{fmt(t['tokens_per_forward'], '.2f')} | {t['capped_passes']}/{t['row_passes']} | "
                          f"{f'{ok[0]}/{ok[1]}' if ok else '-'} |")
+    if uncapped:
+        lines += ["", f"Sent with `mtp.adaptive: false` (never capped), the first {args.check} prompts together, "
+                      "identical to `Engine.generate`: " + ", ".join(
+                          f"{s} {same[('uncapped', s)][0]}/{same[('uncapped', s)][1]}" for s in strategies)]
     text = "\n".join(lines)
     (out / "serve_load.md").write_text(text + "\n")
     (out / "serve_load.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
