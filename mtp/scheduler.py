@@ -106,7 +106,7 @@ class AdaptiveK:
     feeds q = rows x max_r block_r(K) tokens (right padding; blocks in steady state under K, where a
     conf_adapt/static row feeds back what it emitted) and makes P = sum_r (K_r - 1) proposals,
     so it takes T(K) = t'(q) + c * P. t'(q): the running observed time of passes of q tokens once
-    seen twice; between observed sizes, interpolated from the neighbours (t(q) on 2 cores bends:
+    seen; between observed sizes, interpolated from the neighbours (t(q) on 2 cores bends:
     ~1.6 ms a token at 16 rows x 1, ~0.7 at 16 x 4); beyond them, a line a + b*q fitted to recent
     passes (once two block sizes were seen); else scale * t(q) from the start-up cost model, `scale`
     the running ratio of observed to modelled time (the machine's load now). Pass times exclude
@@ -203,7 +203,7 @@ class AdaptiveK:
     def trunk_time(self, q: int) -> float:
         """Predicted seconds of a pass feeding q tokens, proposing excluded."""
         seen = self.seen.get(q)
-        if seen is not None and seen[1] >= 2:
+        if seen is not None and seen[1] >= 1:
             return seen[0]
         below = max((k for k in self.seen if k < q), default=None)
         above = min((k for k in self.seen if k > q), default=None)
