@@ -127,8 +127,8 @@ class AdaptiveK:
         self.alpha = smoothing
         self.scale = 1.0  # observed / modelled time of passes, proposing excluded
         self.proposal_s: dict[str, float] = {}  # proposer name -> seconds per proposal depth
-        self.seen: dict[int, tuple[float, int]] = {}  # q -> (running pass seconds, passes observed)
-        self.fit = [0.0] * 5  # decayed sums for the line t = a + b*q: n, q, t, q*q, q*t
+        self.seen: dict[tuple[int, bool], tuple[float, int]] = {}  # (q, masks) -> (running seconds, passes)
+        self.fit: dict[bool, list[float]] = {}  # masks -> decayed sums for t = a + b*q: n, q, t, q*q, q*t
 
     @staticmethod
     def key(seq: Sequence) -> str:
@@ -200,45 +200,54 @@ class AdaptiveK:
                 out[s.proposer.name] = out.get(s.proposer.name, 0) + kk - 1
         return out
 
-    def trunk_time(self, q: int) -> float:
-        """Predicted seconds of a pass feeding q tokens, proposing excluded."""
-        seen = self.seen.get(q)
-        if seen is not None and seen[1] >= 1:
-            return seen[0]
-        below = max((k for k in self.seen if k < q), default=None)
-        above = min((k for k in self.seen if k > q), default=None)
-        if below is not None and above is not None:  # between observed block sizes: interpolate
-            (t0, _), (t1, _) = self.seen[below], self.seen[above]
-            return t0 + (t1 - t0) * (q - below) / (above - below)
-        line = self.line()
-        if line is not None:
-            return line[0] + line[1] * q
-        return self.scale * self.pass_time(q)
+    def trunk_time(self, q: float, masks: bool = False) -> float:
+        """Predicted seconds of a pass feeding q tokens, proposing excluded. Passes with mask tokens
+        (`masks`) are timed apart: they also run the adapter's low-rank path, a cost per pass that
+        passes of the same q without masks (plain decoding, capped rows) do not pay."""
+        t = self._observed(q, masks)
+        if t is None and masks:
+            t = self._observed(q, False)  # no pass with masks timed yet: price it as one without
+        return t if t is not None else self.scale * self.pass_time(q)
 
-    def line(self) -> tuple[float, float] | None:
-        """(a, b) of t = a + b*q over recent passes; None until two block sizes were seen."""
-        n, sq, st, sqq, sqt = self.fit
+    def _observed(self, q: float, masks: bool) -> float | None:
+        seen = {k: v for (k, m), v in self.seen.items() if m == masks}
+        if q in seen:
+            return seen[q][0]
+        below = max((k for k in seen if k < q), default=None)
+        above = min((k for k in seen if k > q), default=None)
+        if below is not None and above is not None:  # between observed block sizes: interpolate
+            (t0, _), (t1, _) = seen[below], seen[above]
+            return t0 + (t1 - t0) * (q - below) / (above - below)
+        line = self.line(masks)
+        return None if line is None else line[0] + line[1] * q
+
+    def line(self, masks: bool = False) -> tuple[float, float] | None:
+        """(a, b) of t = a + b*q over recent passes (with or without masks); None until two block sizes
+        were seen."""
+        n, sq, st, sqq, sqt = self.fit.get(masks, [0.0] * 5)
         var = n * sqq - sq * sq
-        if sum(1 for _, c in self.seen.values() if c >= 1) < 2 or var <= 1e-9 * max(n * sqq, 1e-12):
+        if sum(1 for (_, m) in self.seen if m == masks) < 2 or var <= 1e-9 * max(n * sqq, 1e-12):
             return None
         b = max(0.0, (n * sqt - sq * st) / var)
         a = max(0.0, (st - b * sq) / n)
         return a, b
 
-    def predicted_time(self, q: int, proposals: dict[str, int]) -> float:
-        return self.trunk_time(q) + sum(self.proposal_s.get(n, 0.0) * d for n, d in proposals.items())
+    def predicted_time(self, q: float, proposals: dict[str, int], masks: bool = False) -> float:
+        return self.trunk_time(q, masks) + sum(self.proposal_s.get(n, 0.0) * d for n, d in proposals.items())
 
     def observe_time(self, q: int, proposals: dict[str, float], seconds: float,
-                     proposing_s: dict[str, float] | None = None) -> None:
-        """One pass of q tokens took `seconds`, of which proposing_s[name] went into `proposals[name]`
-        proposal depths (timed by `TimedProposer`): calibrate `scale` and the per-depth costs."""
+                     proposing_s: dict[str, float] | None = None, masks: bool = False) -> None:
+        """One pass of q tokens (with mask tokens or not) took `seconds`, of which proposing_s[name]
+        went into `proposals[name]` proposal depths (timed by `TimedProposer`): calibrate `scale`,
+        the observed times and the per-depth costs."""
         proposing_s = proposing_s or {}
         trunk = max(seconds - sum(proposing_s.values()), 1e-9)
         self.scale += self.alpha * (trunk / self.pass_time(q) - self.scale)
-        prev, n = self.seen.get(q, (trunk, 0))
-        self.seen[q] = (prev + max(self.alpha, 1 / (n + 1)) * (trunk - prev), n + 1)
+        prev, n = self.seen.get((q, masks), (trunk, 0))
+        self.seen[(q, masks)] = (prev + max(self.alpha, 1 / (n + 1)) * (trunk - prev), n + 1)
         decay = 1 - self.alpha / 5  # the line remembers ~50 passes
-        self.fit = [x * decay + y for x, y in zip(self.fit, (1.0, q, trunk, q * q, q * trunk))]
+        fit = self.fit.get(masks, [0.0] * 5)
+        self.fit[masks] = [x * decay + y for x, y in zip(fit, (1.0, q, trunk, q * q, q * trunk))]
         for name, depths in proposals.items():
             if depths > 0 and name in proposing_s:
                 per = proposing_s[name] / depths
@@ -266,7 +275,8 @@ class AdaptiveK:
             pending = self.steady_pending(seqs, k, ks)
             q = len(seqs) * max(self.block(s, kk, steady=True, pending=pending) for s, kk in zip(seqs, ks))
             tokens = sum(cum[self.key(s)][kk - 1] for s, kk in zip(seqs, ks))
-            rate = tokens / self.predicted_time(q, self.proposals(seqs, ks))
+            masks = any(s.proposer.n_appended(kk) > 0 for s, kk in zip(seqs, ks))
+            rate = tokens / self.predicted_time(q, self.proposals(seqs, ks), masks)
             plain = rate if plain is None else plain
             if rate >= best_rate and (k == 1 or rate >= (1 + self.margin) * plain):
                 best_k, best_rate = k, rate  # ties keep the larger K, but proposing must beat K=1 clearly
@@ -505,12 +515,13 @@ class Scheduler:
         # what each row can emit at most: the model's own token + drafts (verify) or guesses
         attempted = [len(s.drafts[: s.k - 1]) + 1 if s.strategy.kind == "verify" else s.k for s in seqs]
         q = len(seqs) * max(AdaptiveK.block(s, s.k) for s in seqs)
+        masks = any(s.n_appended() > 0 for s in seqs)
         proposals = AdaptiveK.proposals(seqs)
         self.proposing_s.clear()
         t0 = time.perf_counter()
         emitted = decode_step(self.model, self.cache, seqs, self.mask_id)
         if self.policy is not None:
-            self.policy.observe_time(q, proposals, time.perf_counter() - t0, self.proposing_s)
+            self.policy.observe_time(q, proposals, time.perf_counter() - t0, self.proposing_s, masks)
         self.passes += 1
         self.prefill_passes += prefill
         self.row_passes += len(rows)

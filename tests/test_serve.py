@@ -620,3 +620,17 @@ def test_adaptive_policy_extrapolates_unseen_blocks_from_observed_passes():
     assert a == pytest.approx(1.0) and b == pytest.approx(0.1)
     assert pol.trunk_time(256) == pytest.approx(1.0 + 25.6)  # not the start-up model's flat guess
     assert pol.trunk_time(16) == pytest.approx(2.6)  # seen block sizes use their own running time
+
+
+def test_adaptive_policy_times_passes_with_masks_apart():
+    """A pass with mask tokens also runs the adapter's low-rank path: the same q costs more."""
+    pol = AdaptiveK(lambda q: 1.0)
+    for _ in range(3):
+        pol.observe_time(16, {}, 1.0)
+        pol.observe_time(32, {}, 2.0)
+    assert pol.trunk_time(16, masks=True) == pytest.approx(1.0)  # none with masks timed yet: as without
+    for _ in range(3):
+        pol.observe_time(16, {"mask": 3}, 1.5, masks=True)
+        pol.observe_time(32, {"mask": 3}, 2.5, masks=True)
+    assert pol.trunk_time(16) == pytest.approx(1.0) and pol.trunk_time(16, masks=True) == pytest.approx(1.5)
+    assert pol.trunk_time(24, masks=True) == pytest.approx(2.0) and pol.trunk_time(24) == pytest.approx(1.5)
