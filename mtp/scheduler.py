@@ -520,7 +520,8 @@ class Scheduler:
         self.proposing_s.clear()
         t0 = time.perf_counter()
         emitted = decode_step(self.model, self.cache, seqs, self.mask_id)
-        if self.policy is not None:
+        if self.policy is not None and not prefill:  # a prompt pass (1 row, a long block) would skew
+            # the times of the decoding passes the policy decides on
             self.policy.observe_time(q, proposals, time.perf_counter() - t0, self.proposing_s, masks)
         self.passes += 1
         self.prefill_passes += prefill
