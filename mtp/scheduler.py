@@ -105,21 +105,25 @@ class AdaptiveK:
     at which position j is emitted once position j-1 was, per strategy and proposer). The pass
     feeds q = rows x max_r block_r(K) tokens (right padding; blocks in steady state under K, where a
     conf_adapt/static row feeds back what it emitted) and makes P = sum_r (K_r - 1) proposals,
-    so it takes T(K) = t'(q) + c * P. t'(q): the running observed time of passes of q tokens once
-    seen; between observed sizes, interpolated from the neighbours (t(q) on 2 cores bends:
-    ~1.6 ms a token at 16 rows x 1, ~0.7 at 16 x 4); beyond them, a line a + b*q fitted to recent
-    passes (once two block sizes were seen); else scale * t(q) from the start-up cost model, `scale`
-    the running ratio of observed to modelled time (the machine's load now). Pass times exclude
-    proposing; `c` is the running measured time of one proposal depth per proposer (the heads
-    proposer runs its heads and the LM head per row and depth; the mask proposer almost nothing).
-    The cap maximising sum_r E_r(K) / T(K) wins if it beats K = 1 by `margin`. Unseen positions
-    start from the previous position's rate (position 1 from `prior`), and `c` starts at 0, so a
-    cheap enough K gets tried and then learnt.
+    so it takes T(K) = t'(q) + c * P. t'(q): the running observed time of decoding passes of q
+    tokens, with or without mask tokens (those also run the adapter), once seen; between observed
+    sizes, interpolated from the neighbours (t(q) on 2 cores bends: ~1.6 ms a token at 16 rows x 1,
+    ~0.7 at 16 x 4); beyond them, a line a + b*q fitted to recent passes (once two block sizes were
+    seen); else scale * t(q) from the start-up cost model, `scale` the running ratio of observed to
+    modelled time (the machine's load now). Pass times exclude proposing; `c` is the running
+    measured time of one proposal depth per proposer (the heads proposer runs its heads and the LM
+    head per row and depth; the mask proposer almost nothing). The cap maximising sum_r E_r(K) / T(K)
+    wins if it beats K = 1 by `margin`, with an exploring pass now and then while K = 1 wins. Unseen
+    positions start from the previous position's rate (position 1 from `prior`), and `c` starts at
+    0, so a cheap enough K gets tried and then learnt.
     """
 
     def __init__(self, pass_time: Callable[[float], float], prior: float = 0.5, prior_weight: float = 2.0,
-                 window: float = 2000.0, smoothing: float = 0.1, margin: float = 0.05):
+                 window: float = 2000.0, smoothing: float = 0.1, margin: float = 0.05, explore_every: int = 32):
         self.pass_time, self.prior, self.w, self.window = pass_time, prior, prior_weight, window
+        # while K = 1 wins, every `explore_every`-th pass proposes anyway (the best K > 1): without it one
+        # slow sample of a proposing pass, or acceptance learnt long ago, would keep K = 1 for good
+        self.explore_every, self.decisions = explore_every, 0
         self.margin = margin  # proposals must promise this much over K=1: what the model leaves out
         # (per-row verify and sampling work, prediction error) must not turn a predicted tie into a loss
         self.reached: dict[str, list[float]] = {}
@@ -269,7 +273,7 @@ class AdaptiveK:
                     run *= p
                     e.append(e[-1] + run)
                 cum[key] = e
-        best_k, best_rate, plain = 1, -1.0, None
+        best_k, best_rate, plain, runner_up, runner_rate = 1, -1.0, None, None, -1.0
         for k in range(1, k_top + 1):
             ks = [s.strategy.k if s in fixed else min(k, s.strategy.k) for s in seqs]
             pending = self.steady_pending(seqs, k, ks)
@@ -280,6 +284,11 @@ class AdaptiveK:
             plain = rate if plain is None else plain
             if rate >= best_rate and (k == 1 or rate >= (1 + self.margin) * plain):
                 best_k, best_rate = k, rate  # ties keep the larger K, but proposing must beat K=1 clearly
+            if k > 1 and rate >= runner_rate:
+                runner_up, runner_rate = k, rate
+        self.decisions += 1
+        if best_k == 1 and runner_up is not None and self.explore_every and self.decisions % self.explore_every == 0:
+            return runner_up  # now and then: re-time proposing passes and re-learn acceptance
         return best_k
 
     def observe(self, seq: Sequence, attempted: int, emitted: int) -> None:

@@ -214,6 +214,8 @@ class ServerMetrics:
                [f"mtp_row_passes_total {sched.row_passes}"])
         metric("mtp_capped_passes_total", "counter", "passes where the cost model capped K",
                [f"mtp_capped_passes_total {sched.capped_passes}"])
+        metric("mtp_k_cap_passes_total", "counter", "passes by the K cap the adaptive policy chose",
+               [f'mtp_k_cap_passes_total{{k="{k}"}} {n}' for k, n in sorted(dict(sched.k_caps).items())])
         tpf, acc = [], []
         for strat, dq in sorted(sched.chunks.items()):
             chunks = list(dq)

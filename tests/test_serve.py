@@ -240,6 +240,8 @@ def test_opted_out_requests_are_never_capped(engine):
 
         with ThreadPoolExecutor(len(jobs)) as pool:
             outs = list(pool.map(ask, jobs))
+        caps = httpx.get(srv.url + "/metrics").text
+    assert int(caps.split('mtp_k_cap_passes_total{k="1"} ')[1].split()[0]) > 0  # the verify row was capped
     for out, ref, (_, s, _, adaptive) in zip(outs, refs, jobs):
         assert out.choices[0].message.content == ref.text
         assert (out.model_extra["mtp"]["capped_passes"] > 0) == adaptive, s
@@ -544,6 +546,13 @@ def test_adaptive_policy_needs_a_clear_gain_to_propose():
     assert AdaptiveK(cost).choose(seqs) == 1
     assert AdaptiveK(cost, margin=0.0).choose(seqs) == 2
     assert AdaptiveK(lambda q: 0.8 + 0.2 * q).choose(seqs) == 2  # 1.5 / 1.3 = 1.15x clears it
+
+
+def test_adaptive_policy_explores_now_and_then():
+    pol = AdaptiveK(lambda q: float(q), explore_every=8)  # proposals never pay at this cost
+    picks = [pol.choose([FakeSeq("static:3")]) for _ in range(16)]
+    assert [i for i, k in enumerate(picks) if k > 1] == [7, 15]
+    assert AdaptiveK(lambda q: float(q), explore_every=0).choose([FakeSeq("static:3")]) == 1
 
 
 def test_adaptive_policy_learns_acceptance():
