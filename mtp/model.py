@@ -134,14 +134,21 @@ class Linear(nn.Linear):
     packed_version: int = -1
 
     def forward(self, x, gate=None):
-        if (self.packed is not None and self.packed_version == self.weight._version and not torch.is_grad_enabled()
-                and (x.numel() >= PACKED_MIN_ROWS_OFF_MAIN * x.shape[-1]
-                     or threading.current_thread() is threading.main_thread())):
-            # x: [..., in] -> [rows, in] (oneDNN wants 2-D, dense) -> [..., out]
-            y = torch._C._nn.mkldnn_linear(x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn(),
-                                          self.packed, self.packed_bias).to_dense()
+        if self.packed is not None and self.packed_version == self.weight._version and use_packed(x):
+            y = packed_matmul(x, self.packed, self.packed_bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         return super().forward(x)
+
+
+def use_packed(x: torch.Tensor) -> bool:
+    """Whether a packed oneDNN weight should serve this call (see `Linear`)."""
+    return not torch.is_grad_enabled() and (x.numel() >= PACKED_MIN_ROWS_OFF_MAIN * x.shape[-1]
+                                            or threading.current_thread() is threading.main_thread())
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ packed^T -> [rows, out] (oneDNN wants 2-D, dense input)."""
+    return torch._C._nn.mkldnn_linear(x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn(), packed, bias).to_dense()
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -165,6 +172,8 @@ def pack_weights(model: nn.Module) -> int:
                 mod.packed_bias = None if mod.bias is None else mod.bias.detach().contiguous().to_mkldnn()
                 mod.packed_version = mod.weight._version
                 n += 1
+            elif hasattr(mod, "pack"):  # e.g. an adapter's LoRA projection
+                mod.pack()
     return n
 
 
@@ -172,6 +181,8 @@ def unpack_weights(model: nn.Module) -> None:
     for mod in model.modules():
         if isinstance(mod, Linear):
             mod.packed = mod.packed_bias = None
+        elif hasattr(mod, "unpack"):
+            mod.unpack()
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

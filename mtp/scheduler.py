@@ -118,12 +118,14 @@ class AdaptiveK:
     0, so a cheap enough K gets tried and then learnt.
     """
 
+    EXPLORE_PASSES = 3  # an exploring verify row needs a pass to draft before passes that check drafts
+
     def __init__(self, pass_time: Callable[[float], float], prior: float = 0.5, prior_weight: float = 2.0,
                  window: float = 2000.0, smoothing: float = 0.1, margin: float = 0.05, explore_every: int = 32):
         self.pass_time, self.prior, self.w, self.window = pass_time, prior, prior_weight, window
         # while K = 1 wins, every `explore_every`-th pass proposes anyway (the best K > 1): without it one
         # slow sample of a proposing pass, or acceptance learnt long ago, would keep K = 1 for good
-        self.explore_every, self.decisions = explore_every, 0
+        self.explore_every, self.decisions, self.exploring = explore_every, 0, 0
         self.margin = margin  # proposals must promise this much over K=1: what the model leaves out
         # (per-row verify and sampling work, prediction error) must not turn a predicted tie into a loss
         self.reached: dict[str, list[float]] = {}
@@ -287,8 +289,13 @@ class AdaptiveK:
             if k > 1 and rate >= runner_rate:
                 runner_up, runner_rate = k, rate
         self.decisions += 1
-        if best_k == 1 and runner_up is not None and self.explore_every and self.decisions % self.explore_every == 0:
-            return runner_up  # now and then: re-time proposing passes and re-learn acceptance
+        if best_k == 1 and runner_up is not None and self.explore_every:
+            if self.decisions % self.explore_every == 0:
+                self.exploring = self.EXPLORE_PASSES
+            if self.exploring:  # now and then: re-time proposing passes and re-learn acceptance
+                self.exploring -= 1
+                return runner_up
+        self.exploring = 0
         return best_k
 
     def observe(self, seq: Sequence, attempted: int, emitted: int) -> None:

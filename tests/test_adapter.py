@@ -64,6 +64,25 @@ def test_verify_with_gated_adapter_equals_plain_greedy():
     assert seq.stats.forward_passes <= len(want)
 
 
+def test_packed_adapter_matches_the_plain_path():
+    """pack_weights fuses each LoRA projection's A into its base matmul: same numbers up to rounding,
+    and verify still reproduces plain greedy."""
+    from mtp.model import pack_weights
+    model = adapted("gated")
+    mid = model.config.mask_token_id
+    with_masks = torch.cat([TOKENS, torch.full((2, 3), mid)], 1)  # [B, T+3]
+    with torch.inference_mode():
+        want = model(with_masks)
+        pack_weights(model)
+        assert all(m.fused is not None for m in model.modules() if isinstance(m, adapter.LoRALinear))
+        got = model(with_masks)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(got[:, 6:], model(with_masks.masked_fill(with_masks == mid, 5))[:, 6:])
+    base = tiny_model(0)
+    seq = generate(model, [5, 17, 3, 44], "verify:4", params=_params(24))
+    assert seq.output == generate(base, [5, 17, 3, 44], "ntp", params=_params(24)).output
+
+
 def test_save_load_roundtrip(tmp_path):
     model = adapted("gated")
     save_adapter(model, tmp_path / "a", {"note": "x"})

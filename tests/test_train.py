@@ -92,7 +92,6 @@ def test_loss_variants_differ():
 def test_hard_teacher_weights_by_proposal_prefix():
     """Depth-1 weight is 1; deeper entries weigh prod P_T(y'_<d): a hand-built example."""
     from mtp.train import Batch
-    V = 4
     s = torch.log(torch.tensor([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]]]))
     t = torch.log(torch.tensor([[[0.5, 0.5, 0.0 + 1e-9, 0.0 + 1e-9], [0.1, 0.2, 0.7, 0.0 + 1e-9],
                                  [0.1, 0.1, 0.1, 0.7]]]))
