@@ -121,7 +121,7 @@ class AdaptiveK:
     EXPLORE_PASSES = 3  # an exploring verify row needs a pass to draft before passes that check drafts
 
     def __init__(self, pass_time: Callable[[float], float], prior: float = 0.5, prior_weight: float = 2.0,
-                 window: float = 2000.0, smoothing: float = 0.1, margin: float = 0.05, explore_every: int = 32):
+                 window: float = 2000.0, smoothing: float = 0.1, margin: float = 0.05, explore_every: int = 128):
         self.pass_time, self.prior, self.w, self.window = pass_time, prior, prior_weight, window
         # while K = 1 wins, every `explore_every`-th pass proposes anyway (the best K > 1): without it one
         # slow sample of a proposing pass, or acceptance learnt long ago, would keep K = 1 for good
