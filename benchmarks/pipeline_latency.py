@@ -226,8 +226,10 @@ def main(argv=None) -> int:
     p.add_argument("--proposer", default="mask", help="mask, heads or lookup, for strategies without @PROPOSER")
     p.add_argument("--stages", default="2,4")
     p.add_argument("--delays", default="0,1,2,5,10,20", help="link delays in ms")
-    p.add_argument("--strategies", default="ntp,verify:4,conf_adapt:0.9",
-                   help="comma list; STRATEGY@PROPOSER picks a proposer (e.g. verify:4@lookup)")
+    p.add_argument("--strategies", default="ntp,verify:4,conf_adapt:0.9:4,verify:4@heads,conf_adapt:0.9@heads",
+                   help="comma list; STRATEGY@PROPOSER picks a proposer (e.g. verify:4@lookup); conf_adapt:0.9 "
+                        "with the mask adapter at K 4: deeper guesses are almost never kept at tau 0.9, "
+                        "and each would add a mask to every pass")
     p.add_argument("--prompts", type=int, default=2, help=f"how many of the {len(PROMPTS)} fixed prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (more: less noise)")
