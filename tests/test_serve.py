@@ -247,6 +247,22 @@ def test_opted_out_requests_are_never_capped(engine):
         assert (out.model_extra["mtp"]["capped_passes"] > 0) == adaptive, s
 
 
+def test_newcomers_are_prefilled_together_within_the_token_budget(engine, monkeypatch):
+    from types import SimpleNamespace
+    import mtp.scheduler as S
+    monkeypatch.setattr(S, "PREFILL_TOKENS", 100)
+    reqs = [SimpleNamespace(seq=SimpleNamespace(pending=[0] * n)) for n in (30, 20, 40, 10, 90)]
+    assert S.prefill_group(reqs) == reqs[:2]  # a third would pad 3 rows to 40: 120 > 100
+    assert S.prefill_group(reqs[3:]) == reqs[3:4]  # 10 then 90: 2 x 90 > 100
+    assert S.prefill_group(reqs[4:]) == reqs[4:]  # one prompt always goes, whatever its length
+    # a wave of 4 requests: one prefill pass for all, outputs still those of generate alone
+    jobs = [("Hello", "verify:3", 20), ("abc", "conf_adapt:0.6", 20), ("xyz", "ntp", 20), ("q", "static:2", 20)]
+    sched, got = scheduled(engine, jobs, config=dict(max_batch=4, max_model_len=100))
+    assert sched.prefill_passes == 1
+    for r, (p, st, n) in zip(got, jobs):
+        assert r.seq.output == reference(engine, p, st, n, chat=True).token_ids
+
+
 def scheduled(engine, jobs, **cfg):
     """Run (prompt, strategy, max_tokens) jobs through a Scheduler directly; return the Requests."""
     sched = Scheduler(engine.model, engine.mask_id, SchedulerConfig(**cfg.pop("config", {})), cfg.pop("pass_time", None))
