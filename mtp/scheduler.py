@@ -281,7 +281,8 @@ class AdaptiveK:
     def choose(self, seqs: list[Sequence], fixed: list[Sequence] = ()) -> int | None:
         """The cap for this pass (None: no row proposes, nothing to decide). Rows in `fixed` are not
         capped (their requests opted out); they are priced at their full K whatever the cap."""
-        k_top = max((s.strategy.k for s in seqs if s not in fixed), default=1)
+        fixed = {id(s) for s in fixed}  # by identity: Sequence compares by value
+        k_top = max((s.strategy.k for s in seqs if id(s) not in fixed), default=1)
         if k_top <= 1:
             return None
         cum: dict[str, list[float]] = {}  # per strategy: E(K) for K = 1..k_top
@@ -295,7 +296,7 @@ class AdaptiveK:
                 cum[key] = e
         best_k, best_rate, plain, runner_up, runner_rate = 1, -1.0, None, None, -1.0
         for k in range(1, k_top + 1):
-            ks = [s.strategy.k if s in fixed else min(k, s.strategy.k) for s in seqs]
+            ks = [s.strategy.k if id(s) in fixed else min(k, s.strategy.k) for s in seqs]
             pending = self.steady_pending(seqs, k, ks)
             q = len(seqs) * max(self.block(s, kk, steady=True, pending=pending) for s, kk in zip(seqs, ks))
             tokens = sum(cum[self.key(s)][kk - 1] for s, kk in zip(seqs, ks))

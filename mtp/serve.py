@@ -624,6 +624,9 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout)
     server = uvicorn.Server(config)
+    if threading.current_thread() is not threading.main_thread():  # no signals here; the lifespan
+        server.run()  # starts an engine thread
+        return 0 if server.started else 1
 
     def on_signal(sig, frame):
         state.scheduler.drain()  # stop admitting at once; running requests finish
@@ -631,10 +634,6 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "
             server.force_exit = True  # a second Ctrl-C: stop waiting for open connections
         server.should_exit = True
 
-    if threading.current_thread() is not threading.main_thread():
-        state.scheduler.hosted = False  # no signals here; the lifespan starts an engine thread
-        server.run()
-        return 0 if server.started else 1
     state.scheduler.hosted = True
     prev = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     http = threading.Thread(target=server.run, name="mtp-http", daemon=True)
