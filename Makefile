@@ -17,7 +17,7 @@ $(BIN)/mtp: pyproject.toml
 install: $(BIN)/mtp
 
 demo: install
-	$(BIN)/python -m mtp.demo
+	$(BIN)/python -m mtp.cli.demo
 
 test: install
 	$(BIN)/pytest -q

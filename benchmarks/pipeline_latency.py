@@ -1,7 +1,7 @@
 """MTP's value as pipeline link latency grows (issue 7): tokens/s and the speedup over `ntp` for
 each (stages, link delay, strategy), measured in one run, with the cost model's prediction beside.
 
-Protocol: one pipeline session per stage count (`mtp.pipeline.launch_local`). The link delay
+Protocol: one pipeline session per stage count (`mtp.pipeline.stages.launch_local`). The link delay
 travels in every message header, so the same processes serve every delay, and stage 0 interleaves
 all (delay, strategy) pairs prompt by prompt, the order rotated each round, so drift (other jobs
 on shared cores) falls on all points alike; one untimed warm-up first. Greedy decoding: every delay
@@ -9,7 +9,7 @@ yields the same tokens and passes, only time changes. tokens/s counts the decodi
 prompt pass (the prefill is the same for every strategy).
 
 Prediction: every pass at delay 0 is timed (stage 0's forward call, all stages included), giving a
-`mtp.costmodel.CostModel` t(q) of the pipeline over block size q; at delay D a run is predicted to
+`mtp.core.costmodel.CostModel` t(q) of the pipeline over block size q; at delay D a run is predicted to
 take sum over its passes of [t(q) + pipeline_comm_time(P, D)] plus its measured non-forward time at
 delay 0 (proposing, accepting), and the predicted speedup is the ratio of those to ntp's.
 
@@ -30,12 +30,14 @@ from pathlib import Path
 
 import torch
 
-from mtp import costmodel, metrics
-from mtp.decode import Sequence, stream
-from mtp.pipeline import launch_local, run_stage, PipelineConfig
-from mtp.proposers import make_proposer
-from mtp.sampling import SamplingParams
-from mtp.strategy import Strategy
+from mtp.core import costmodel
+
+from mtp.core import metrics
+from mtp.core.decode import Sequence, stream
+from mtp.pipeline.stages import launch_local, run_stage, PipelineConfig
+from mtp.core.proposers import make_proposer
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy
 
 PROMPTS = [  # fixed, GSM8K-style (the task the adapter is distilled on)
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -73,14 +75,14 @@ def parse_spec(spec: str) -> tuple[Strategy, str | None]:
 
 
 def _bench_stage(rank: int, world: int, args) -> int:
-    from mtp.engine import Engine, EngineConfig
+    from mtp.core.engine import Engine, EngineConfig
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     adapter = "none" if args.adapter == "untrained" else args.adapter
     wants = {parse_spec(s)[1] or args.proposer for s in args.strategies}
     engine = Engine.load(EngineConfig(model=args.model, adapter=adapter,
                                       proposer="heads" if "heads" in wants else "mask"))
     if args.adapter == "untrained":  # no trained adapter yet: the mask token and zero LoRA, same on every stage
-        from mtp.adapter import add_adapters
+        from mtp.core.adapter import add_adapters
         torch.manual_seed(0)
         add_adapters(engine.model, n_used_tokens=len(engine.tokenizer))
     elif engine.mask_id is None and any((parse_spec(s)[1] or args.proposer).startswith("mask") and parse_spec(s)[0].k > 1

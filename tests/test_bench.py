@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp import bench, gsm8k, metrics
-from mtp.bench import BenchConfig, Row, Run
-from mtp.costmodel import CostModel, best_k, block_tokens_for, measure, predict_speedup
-from mtp.proposers import MaskProposer, PromptLookupProposer
-from mtp.peers import Peer
-from mtp.strategy import Strategy
+from mtp.eval import bench
+from mtp.eval import gsm8k
+from mtp.core import metrics
+from mtp.eval.bench import BenchConfig, Row, Run
+from mtp.core.costmodel import CostModel, best_k, block_tokens_for, measure, predict_speedup
+from mtp.core.proposers import MaskProposer, PromptLookupProposer
+from mtp.eval.peers import Peer
+from mtp.core.strategy import Strategy
 
 
 # ---------------------------------------------------------------------------------------------- gsm8k
@@ -170,9 +172,9 @@ def char_tokenizer():
 def tiny_engine(tmp_path):
     """An Engine around a tiny random model with a mask token and a character tokenizer, saved as a
     HF directory so the transformers peer can load the same weights."""
-    from mtp import loading
-    from mtp.engine import Engine, EngineConfig
-    from mtp.model import add_mask_token
+    from mtp.core import loading
+    from mtp.core.engine import Engine, EngineConfig
+    from mtp.core.model import add_mask_token
     model = tiny_model(3)
     add_mask_token(model)
     tok = char_tokenizer()
@@ -206,7 +208,7 @@ class FlakyPeer(Peer):
 
 
 def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
-    from mtp import peers
+    from mtp.eval import peers
     monkeypatch.setitem(peers.PEERS, "flaky", FlakyPeer)
     monkeypatch.setattr(peers.LlamaCppPeer, "package", "llama_cpp_absent_for_this_test")
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
@@ -294,8 +296,8 @@ def test_cli_bad_input(extra, message, tmp_path, capsys):
 
 
 def test_strategy_needing_adapter_fails_before_running(tmp_path):
-    from mtp import loading
-    from mtp.engine import Engine, EngineConfig
+    from mtp.core import loading
+    from mtp.core.engine import Engine, EngineConfig
     plain = Engine(loading.Loaded(tiny_model(), char_tokenizer(), "tiny", "tiny"), EngineConfig(adapter="none"))
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
     with pytest.raises(ValueError, match="adapter"):
@@ -303,8 +305,8 @@ def test_strategy_needing_adapter_fails_before_running(tmp_path):
 
 
 def test_results_name_shipped_assets_without_machine_paths(tmp_path):
-    from mtp.bench import _asset_name
-    from mtp.engine import ASSETS
+    from mtp.eval.bench import _asset_name
+    from mtp.core.engine import ASSETS
     assert _asset_name(ASSETS / "smollm2-135m" / "adapter") == "shipped:smollm2-135m/adapter"
     assert _asset_name(tmp_path / "my-adapter") == str(tmp_path / "my-adapter")
     assert _asset_name(None) is None

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp import data
-from mtp.data import Example, build_examples, load_examples, load_prompts
+from mtp.training import data
+from mtp.training.data import Example, build_examples, load_examples, load_prompts
 
 WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(95)]  # 97 = the tiny model's vocabulary
 
@@ -19,7 +19,7 @@ def make_tiny_model_dir(path, seed: int = 0):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from mtp.loading import save_hf_dir
+    from mtp.core.loading import save_hf_dir
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
@@ -29,7 +29,7 @@ def make_tiny_model_dir(path, seed: int = 0):
 
 @pytest.fixture
 def tiny_engine(tmp_path, monkeypatch):
-    from mtp.engine import Engine, EngineConfig
+    from mtp.core.engine import Engine, EngineConfig
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
     return Engine.load(EngineConfig(model=str(make_tiny_model_dir(tmp_path / "tiny")), adapter="none"))
 
@@ -99,7 +99,7 @@ def test_examples_from_responses(tiny_engine, tmp_path):
 
 def test_self_generate_equals_greedy_and_is_cached(tiny_engine, tmp_path, monkeypatch):
     """Batched, continuously refilled generation gives each prompt its own greedy answer."""
-    from mtp.decode import generate
+    from mtp.core.decode import generate
     prompts = load_prompts(prompts_file(tmp_path, n=5))
     got = build_examples(tiny_engine, prompts, self_generate=True, max_new_tokens=7, batch_size=2)
     eos = tiny_engine.loaded.eos_ids
@@ -109,7 +109,7 @@ def test_self_generate_equals_greedy_and_is_cached(tiny_engine, tmp_path, monkey
         assert ex.prompt_ids == ids
         assert ex.response_ids == seq.output + ([WORDS.index("<eos>")] if seq.finish_reason == "stop" else [])
     # cached: a second call never decodes
-    monkeypatch.setattr("mtp.decode.decode_step", _boom)
+    monkeypatch.setattr("mtp.core.decode.decode_step", _boom)
     assert build_examples(tiny_engine, prompts, self_generate=True, max_new_tokens=7, batch_size=2) == got
 
 
@@ -125,7 +125,7 @@ def test_self_generate_resumes_after_a_torn_write(tiny_engine, tmp_path):
 
 
 def _params(n):
-    from mtp.sampling import SamplingParams
+    from mtp.core.sampling import SamplingParams
     return SamplingParams(max_new_tokens=n)
 
 
@@ -135,7 +135,7 @@ def _boom(*a, **k):
 
 def test_tiny_model_dir_logits_roundtrip(tmp_path):
     """The fixture's directory loads back into the same model (so the other tests mean something)."""
-    from mtp.loading import load
+    from mtp.core.loading import load
     loaded = load(str(make_tiny_model_dir(tmp_path / "m")))
     x = torch.tensor([[5, 6, 7]])
     assert torch.equal(loaded.model(x), tiny_model(0)(x))

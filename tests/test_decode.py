@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.cache import KVCache
-from mtp.decode import Sequence, decode_step, generate, _branch_layout
-from mtp.model import add_mask_token
-from mtp.proposers import MaskProposer, PromptLookupProposer
-from mtp.sampling import SamplingParams, verify_drafts
-from mtp.strategy import Strategy, StrategyError, expand_sweep
+from mtp.core.cache import KVCache
+from mtp.core.decode import Sequence, decode_step, generate, _branch_layout
+from mtp.core.model import add_mask_token
+from mtp.core.proposers import MaskProposer, PromptLookupProposer
+from mtp.core.sampling import SamplingParams, verify_drafts
+from mtp.core.strategy import Strategy, StrategyError, expand_sweep
 
 V = 50
 MASK = 49
@@ -43,7 +43,7 @@ class StubModel:
             for t in range(T):
                 p = int(positions[b, t])
                 if int(tokens[b, t]) == MASK:
-                    # a mask group (mtp.decode's branched layout) restarts where the positions step back
+                    # a mask group (mtp.core.decode's branched layout) restarts where the positions step back
                     depth = depth + 1 if t > 0 and p == int(positions[b, t - 1]) + 1 else 1
                     good = depth <= self.good_depth
                     tok = TARGET[p + 1] if good else (TARGET[p + 1] + 1) % 40
@@ -164,7 +164,7 @@ def tiny_with_mask(seed=0):
 def test_verify_equals_ntp_tiny(k, proposer, packed):
     model = tiny_with_mask()
     if packed:
-        from mtp.model import pack_weights
+        from mtp.core.model import pack_weights
         pack_weights(model)
     prop = MaskProposer() if proposer == "mask" else PromptLookupProposer()
     for seed in range(3):
@@ -265,7 +265,7 @@ def test_branched_mask_groups_equal_separate_passes(packed):
     """Group a of a branched verify pass gives the logits the masks would give right after draft a."""
     model = tiny_with_mask(2)
     if packed:
-        from mtp.model import pack_weights
+        from mtp.core.model import pack_weights
         pack_weights(model)
     mid = model.config.mask_token_id
     prompt, pending, drafts, g = [5, 9, 2, 7, 1], [3], [8, 4, 6], 3

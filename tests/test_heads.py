@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp import heads as H
+from mtp.training import heads_train as H
 from mtp.cli import main as cli_main
-from mtp.data import Example
-from mtp.decode import generate
-from mtp.sampling import SamplingParams
+from mtp.training.data import Example
+from mtp.core.decode import generate
+from mtp.core.sampling import SamplingParams
 
 
 def random_heads(model, depths=3, blocks=0, width=0, seed=1) -> H.MTPHeads:
@@ -22,7 +22,7 @@ def random_heads(model, depths=3, blocks=0, width=0, seed=1) -> H.MTPHeads:
 
 
 def saved_heads(model, tmp_path, **kw):
-    from mtp.adapter import write_dir_atomic
+    from mtp.core.adapter import write_dir_atomic
     path = tmp_path / "heads"
     write_dir_atomic(path, H.heads_files(random_heads(model, **kw), model))
     return path
@@ -153,7 +153,7 @@ def test_heads_refuse_another_base_model(tmp_path):
 
 
 def test_draft_vocabulary_keeps_verify_lossless_and_round_trips(tmp_path):
-    from mtp.adapter import write_dir_atomic
+    from mtp.core.adapter import write_dir_atomic
     model = tiny_model(3)
     heads = random_heads(model, depths=3)
     heads.draft_vocab = torch.tensor([2, 5, 11, 17, 23, 40, 41, 60, 77, 90])
@@ -296,7 +296,7 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
 def test_smollm2_shipped_heads_verify_equals_ntp(smollm2):
     """Lossless on the real model through the engine's `--proposer heads` path (the shipped heads),
     and the shipped heads do propose: more than one token per pass on a math answer."""
-    from mtp.engine import SHIPPED, Engine, EngineConfig
+    from mtp.core.engine import SHIPPED, Engine, EngineConfig
     with pytest.raises(ValueError, match="another base model"):
         H.load_heads(tiny_model(0), SHIPPED["smollm2-135m"] / "heads")
     engine = Engine.load(EngineConfig(adapter="none", proposer="heads"))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp import loading
-from mtp.model import add_mask_token
+from mtp.core import loading
+from mtp.core.model import add_mask_token
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,7 +51,7 @@ def test_logits_match_transformers(arch, tmp_path):
 
 
 def test_cached_decoding_matches_full_forward(tiny):
-    from mtp.cache import KVCache
+    from mtp.core.cache import KVCache
     tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
     full = tiny(tokens)
     cache = KVCache.for_model(tiny, 1, 32)
@@ -122,7 +122,7 @@ def test_smollm2_gguf_matches_transformers_gguf_loader(smollm2):
 
 
 def test_packed_weights_match_plain_and_fall_back_after_a_change(tiny):
-    from mtp.model import can_pack, pack_weights, unpack_weights
+    from mtp.core.model import can_pack, pack_weights, unpack_weights
     if not can_pack(tiny):
         pytest.skip("this torch build has no oneDNN")
     tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -146,7 +146,7 @@ def test_packed_weights_match_plain_and_fall_back_after_a_change(tiny):
 
 def test_packed_weights_off_the_main_thread_only_for_several_rows(tiny, monkeypatch):
     import threading
-    from mtp.model import can_pack, pack_weights
+    from mtp.core.model import can_pack, pack_weights
     if not can_pack(tiny):
         pytest.skip("this torch build has no oneDNN")
     pack_weights(tiny)

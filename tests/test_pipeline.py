@@ -1,4 +1,4 @@
-"""Pipeline-parallel decoding (mtp.pipeline): the same tokens as one process for every strategy,
+"""Pipeline-parallel decoding (mtp.pipeline.stages): the same tokens as one process for every strategy,
 every stage's KV cache consistent after rollbacks, the link delay paid on every message, and a
 dead or hung stage failing the run cleanly within the timeout. Stages are real processes on gloo."""
 from __future__ import annotations
@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp import costmodel
-from mtp.cache import KVCache
+from mtp.core import costmodel
+from mtp.core.cache import KVCache
 from mtp.cli import main as cli_main
-from mtp.decode import Sequence, decode_step, generate, stream
-from mtp.model import Transformer
-from mtp.pipeline import PipelineConfig, keep_slice, launch_local, layer_ranges, run_stage
-from mtp.proposers import make_proposer
-from mtp.sampling import SamplingParams
-from mtp.strategy import Strategy
+from mtp.core.decode import Sequence, decode_step, generate, stream
+from mtp.core.model import Transformer
+from mtp.pipeline.stages import PipelineConfig, keep_slice, launch_local, layer_ranges, run_stage
+from mtp.core.proposers import make_proposer
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 3]  # repeats, so prompt lookup finds drafts
 JOBS = [  # (strategy, proposer, temperature, seed)
@@ -36,7 +36,7 @@ JOBS = [  # (strategy, proposer, temperature, seed)
 def mtp_tiny(seed: int = 0, **cfg) -> Transformer:
     """A tiny model with the mask token and gated LoRA adapters whose B factors are random, so the
     adapter gate (mask positions) changes the numbers and has to travel between the stages."""
-    from mtp.adapter import add_adapters
+    from mtp.core.adapter import add_adapters
     model = tiny_model(seed, **cfg)
     add_adapters(model, rank=4, mode="gated")
     g = torch.Generator().manual_seed(seed + 1)

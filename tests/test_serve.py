@@ -22,11 +22,11 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from conftest import tiny_model  # noqa: E402
-from mtp.engine import Engine, EngineConfig  # noqa: E402
-from mtp.sampling import SamplingParams  # noqa: E402
-from mtp.scheduler import AdaptiveK, Request, Scheduler, SchedulerConfig  # noqa: E402
-from mtp.serve import ServeConfig, create_app  # noqa: E402
-from mtp import shadow  # noqa: E402
+from mtp.core.engine import Engine, EngineConfig  # noqa: E402
+from mtp.core.sampling import SamplingParams  # noqa: E402
+from mtp.serving.scheduler import AdaptiveK, Request, Scheduler, SchedulerConfig  # noqa: E402
+from mtp.serving.app import ServeConfig, create_app  # noqa: E402
+from mtp.serving import shadow# noqa: E402
 
 EOS = 95
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
@@ -36,8 +36,8 @@ def save_tiny(path: Path) -> Path:
     """A tiny random Transformer (+ mask token) with a character-level HF tokenizer, as a model dir."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from mtp.loading import save_hf_dir
-    from mtp.model import add_mask_token
+    from mtp.core.loading import save_hf_dir
+    from mtp.core.model import add_mask_token
 
     vocab = {chr(c): i for i, c in enumerate(range(32, 127))}  # 95 printable characters
     vocab.update({"<eos>": EOS, "<unk>": 96})
@@ -249,7 +249,7 @@ def test_opted_out_requests_are_never_capped(engine):
 
 def test_newcomers_are_prefilled_together_within_the_token_budget(engine, monkeypatch):
     from types import SimpleNamespace
-    import mtp.scheduler as S
+    import mtp.serving.scheduler as S
     monkeypatch.setattr(S, "PREFILL_TOKENS", 100)
     reqs = [SimpleNamespace(seq=SimpleNamespace(pending=[0] * n)) for n in (30, 20, 40, 10, 90)]
     assert S.prefill_group(reqs) == reqs[:2]  # a third would pad 3 rows to 40: 120 > 100
@@ -402,8 +402,8 @@ SERVER_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from test_serve import make_app, slow_engine
-from mtp.engine import Engine, EngineConfig
-from mtp.serve import serve_app
+from mtp.core.engine import Engine, EngineConfig
+from mtp.serving.app import serve_app
 engine = slow_engine(Engine.load(EngineConfig(model={model!r}, adapter="none")), 0.02)
 sys.exit(serve_app(make_app(engine), "127.0.0.1", {port}, "warning", 30))
 """
@@ -503,8 +503,8 @@ def test_shadow_report_rejects_garbage(tmp_path):
 # ---- adaptive K ------------------------------------------------------------------------------------
 class FakeSeq:
     def __init__(self, strategy, pending=1, drafts=0, branch=True):
-        from mtp.proposers import MaskProposer
-        from mtp.strategy import Strategy
+        from mtp.core.proposers import MaskProposer
+        from mtp.core.strategy import Strategy
         self.strategy, self.proposer = Strategy.parse(strategy), MaskProposer(branch)
         self.pending, self.drafts = [0] * pending, [0] * drafts
 
@@ -597,7 +597,7 @@ def test_capped_k_keeps_lossless_outputs(engine):
 
 
 def test_measured_cost_is_monotone_and_covers_the_batch():
-    from mtp.scheduler import measured_cost
+    from mtp.serving.scheduler import measured_cost
     cost = measured_cost(tiny_model(0), max_batch=4, cache_len=32, repeats=1)
     qs = sorted(cost.points)
     assert {1, 4, 8, 16, 64}.issubset(qs)  # batch-1 blocks and 4 rows x {1, 2, 4}

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_model
-from mtp.adapter import add_adapters
-from mtp.data import Example
-from mtp.train import (Span, TrainConfig, build_layout, distill_loss, forward_pair, make_batch, train,
+from mtp.core.adapter import add_adapters
+from mtp.training.data import Example
+from mtp.training.distill import (Span, TrainConfig, build_layout, distill_loss, forward_pair, make_batch, train,
                        batch_indices)
 
 
@@ -91,7 +91,7 @@ def test_loss_variants_differ():
 
 def test_hard_teacher_weights_by_proposal_prefix():
     """Depth-1 weight is 1; deeper entries weigh prod P_T(y'_<d): a hand-built example."""
-    from mtp.train import Batch
+    from mtp.training.distill import Batch
     s = torch.log(torch.tensor([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]]]))
     t = torch.log(torch.tensor([[[0.5, 0.5, 0.0 + 1e-9, 0.0 + 1e-9], [0.1, 0.2, 0.7, 0.0 + 1e-9],
                                  [0.1, 0.1, 0.1, 0.7]]]))

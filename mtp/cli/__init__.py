@@ -8,13 +8,13 @@ import importlib
 import sys
 
 SUBCOMMANDS = [
-    "mtp.generate_cmd",
-    "mtp.train",
-    "mtp.heads",
-    "mtp.bench",
-    "mtp.serve",
-    "mtp.shadow",
-    "mtp.pipeline",
+    "mtp.cli.generate",
+    "mtp.training.distill",
+    "mtp.training.heads_train",
+    "mtp.eval.bench",
+    "mtp.serving.app",
+    "mtp.serving.shadow",
+    "mtp.pipeline.stages",
 ]
 
 
@@ -48,6 +48,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

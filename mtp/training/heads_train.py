@@ -1,5 +1,5 @@
 """DeepSeek-style MTP heads: small modules that guess the tokens after the next one from the trunk's
-last hidden state, as a second source of proposals beside the mask token (mtp.proposers).
+last hidden state, as a second source of proposals beside the mask token (mtp.core.proposers).
 
 Depth d (DeepSeek-V3, PAPER.md part A) takes the previous depth's hidden state h_{d-1} (h_0 = the
 trunk's last-layer hidden state, before the final norm) and the embedding of the token that follows
@@ -10,7 +10,7 @@ it, and returns h_d, read out through the base model's *shared* final norm and o
 
 Size knobs: `blocks` (L; 0 = the projection alone), `width` (< dim: the blocks run narrower and
 `Out` projects back to dim) and `depths` (D, each chained on the previous one's hidden state and
-token, so the causal chain is kept). The blocks are `mtp.model.Block`s at `width`.
+token, so the causal chain is kept). The blocks are `mtp.core.model.Block`s at `width`.
 
 Choice: a head block attends only to its own position (each position is a length-1 sequence), so
 the heads need no KV cache of their own and decoding runs them on the one hidden state the
@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .adapter import base_hash, check_trained_on, write_dir_atomic
-from .model import Block, Linear, ModelConfig, RMSNorm, Transformer
-from .proposers import Guesses, PassView, Proposer
-from .sampling import pick
+from mtp.core.adapter import base_hash, check_trained_on, write_dir_atomic
+from mtp.core.model import Block, Linear, ModelConfig, RMSNorm, Transformer
+from mtp.core.proposers import Guesses, PassView, Proposer
+from mtp.core.sampling import pick
 
 FORMAT = "mtp-heads"
 WEIGHTS = "heads.safetensors"
@@ -631,8 +631,9 @@ def add_cli(sub) -> None:
 
 
 def run_train_heads(args) -> int:
-    from . import data, loading
-    from .engine import Engine, EngineConfig
+    from mtp.training import data
+    from mtp.core import loading
+    from mtp.core.engine import Engine, EngineConfig
     cfg = TrainHeadsConfig(depths=args.depths, blocks=args.blocks, width=args.width, steps=args.steps,
                            batch_size=args.batch_size, lr=args.lr, save_every=args.save_every,
                            val_fraction=args.val_fraction, seed=args.seed, draft_vocab=args.draft_vocab)

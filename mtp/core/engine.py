@@ -2,7 +2,7 @@
 
 The glue every front end shares (CLI, server, benchmarks, pipeline): prompt encoding with the chat
 template, context-window checks, proposer construction, and turning a finished `decode.Sequence`
-into a result with the metrics of `mtp.metrics`. The decoding itself is `mtp.decode`.
+into a result with the metrics of `mtp.core.metrics`. The decoding itself is `mtp.core.decode`.
 """
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from . import loading
-from .decode import Sequence, stream
-from .metrics import DecodeStats
-from .proposers import Proposer, check_proposer, make_proposer
-from .sampling import SamplingParams
-from .strategy import Strategy
+from mtp.core import loading
+from mtp.core.decode import Sequence, stream
+from mtp.core.metrics import DecodeStats
+from mtp.core.proposers import Proposer, check_proposer, make_proposer
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"  # mtp/assets
 SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads per embedded model
 
 
@@ -66,18 +66,18 @@ class Engine:
         engine = cls(loading.load(config.model, device=config.device), config)
         adapter = engine._resolve_asset(config.adapter, "adapter")
         if adapter is not None:
-            from .adapter import load_adapter
+            from mtp.core.adapter import load_adapter
             load_adapter(engine.model, adapter)
             engine.adapter_dir = adapter
         if config.proposer == "heads":
             heads = engine._resolve_asset(config.heads, "heads")
             if heads is None:
                 raise ValueError("--proposer heads needs --heads DIR (no shipped heads for this model)")
-            from .heads import load_heads_proposer
+            from mtp.training.heads_train import load_heads_proposer
             engine._heads_proposer = load_heads_proposer(engine.model, heads)
             engine.heads_dir = heads
         if config.pack:
-            from .model import pack_weights
+            from mtp.core.model import pack_weights
             pack_weights(engine.model)  # after every weight is final
         return engine
 

@@ -7,7 +7,7 @@ Definitions (one forward pass = one call of the model on one block, the prompt's
 - time to first token (ttft_s): from the start of decoding to the end of the first pass.
 - tokens_per_s: tokens emitted / wall time.
 - mean_block_tokens: tokens fed to the model per pass (pending + drafts + masks), the q of the
-  cost model t(q) in mtp.costmodel; prompt passes excluded by the caller when it wants steady state.
+  cost model t(q) in mtp.core.costmodel; prompt passes excluded by the caller when it wants steady state.
 - speedup (vs a reference): tokens_per_s / reference tokens_per_s, both from the same run.
 - match_rate: fraction of items equal to their reference (exact_match of whole outputs against the
   `ntp` output, answer_agreement of extracted answers, accuracy against gold answers).

@@ -20,7 +20,7 @@ One iteration of the engine thread:
 
 Adaptivity (seed 002's integration fell to 0.26x of plain decoding at 16 concurrent requests): before
 each pass `AdaptiveK` picks the cap K that maximises expected tokens / predicted pass time, with
-t(q) from `mtp.costmodel` (q = rows x padded block) and expected tokens from running per-strategy
+t(q) from `mtp.core.costmodel` (q = rows x padded block) and expected tokens from running per-strategy
 acceptance. K = 1 means no proposals this pass. Capping K keeps lossless strategies (`ntp`,
 `verify`) exact; for `static` / `conf_adapt` a capped pass emits what `conf_adapt:TAU:K` would.
 """
@@ -37,10 +37,10 @@ from typing import Callable
 
 import torch
 
-from .cache import KVCache
-from .decode import Sequence, block_slack, decode_step
-from .metrics import DecodeStats
-from .proposers import Proposer
+from mtp.core.cache import KVCache
+from mtp.core.decode import Sequence, block_slack, decode_step
+from mtp.core.metrics import DecodeStats
+from mtp.core.proposers import Proposer
 
 log = logging.getLogger("mtp.serve")
 
@@ -343,7 +343,7 @@ def measured_cost(model, max_batch: int, cache_len: int = 256, repeats: int = 3)
     On a shared machine other processes inflate some timings, so each point is the fastest of its
     repeats (the pass's own cost), and t is made non-decreasing in q (a bigger block never costs less).
     """
-    from .costmodel import CostModel, measure
+    from mtp.core.costmodel import CostModel, measure
     cache_len = max(0, min(cache_len, model.config.max_seq_len - 64))
 
     def fastest(cm) -> dict[int, float]:

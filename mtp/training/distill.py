@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .adapter import (MODES, TARGETS, WEIGHTS, adapter_files, add_adapters, load_trainable,
+from mtp.core.adapter import (MODES, TARGETS, WEIGHTS, adapter_files, add_adapters, load_trainable,
                       write_dir_atomic)
-from .data import Example
+from mtp.training.data import Example
 
 OPTIMIZER = "optimizer.safetensors"
 STATE = "trainer_state.json"
@@ -519,8 +519,8 @@ def add_cli(sub) -> None:
 
 
 def run(args) -> int:
-    from .data import build_examples, load_examples, load_prompts
-    from .engine import Engine, EngineConfig
+    from mtp.training.data import build_examples, load_examples, load_prompts
+    from mtp.core.engine import Engine, EngineConfig
     if bool(args.data) == bool(args.examples):
         raise ValueError("give exactly one of --data FILE or --examples FILE")
     if args.data and not args.self_generate and not args.response_field:

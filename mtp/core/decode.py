@@ -25,11 +25,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from .cache import KVCache
-from .metrics import DecodeStats
-from .proposers import Guesses, MaskProposer, PassView, Proposer, max_appended
-from .sampling import SamplingParams, verify_drafts
-from .strategy import Strategy
+from mtp.core.cache import KVCache
+from mtp.core.metrics import DecodeStats
+from mtp.core.proposers import Guesses, MaskProposer, PassView, Proposer, max_appended
+from mtp.core.sampling import SamplingParams, verify_drafts
+from mtp.core.strategy import Strategy
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     text: str | None = None  # set when a stop string cut the output
     gen: torch.Generator | None = None
-    k_override: int | None = None  # a scheduler's cap on K for the next pass (mtp.scheduler); None = strategy.k
+    k_override: int | None = None  # a scheduler's cap on K for the next pass (mtp.serving.scheduler); None = strategy.k
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -1,9 +1,9 @@
-"""`mtp serve`: an OpenAI-compatible HTTP server over continuous batching (mtp.scheduler).
+"""`mtp serve`: an OpenAI-compatible HTTP server over continuous batching (mtp.serving.scheduler).
 
 Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI schema, `stream: true` as
 server-sent events ending in `data: [DONE]`), GET /v1/models, /health, /metrics (Prometheus text).
 A request may carry `"mtp": {"strategy": "conf_adapt:0.9", "adaptive": false}`; omitted fields take the
-server's flags (`adaptive: false` exempts the request from the per-pass K cap, see `mtp.scheduler`).
+server's flags (`adaptive: false` exempts the request from the per-pass K cap, see `mtp.serving.scheduler`).
 Every bad input is HTTP 400 with an OpenAI-style `{"error": {...}}`; `--api-key` guards every path
 but /health; SIGTERM stops admitting, lets running requests finish (up to --shutdown-timeout) and
 exits 0.
@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from . import metrics as M
-from .engine import Engine
-from .sampling import SamplingParams
-from .scheduler import K_LIMIT, Request, Scheduler, SchedulerClosed, SchedulerConfig
-from .shadow import ShadowLog, compare
-from .strategy import Strategy
+from mtp.core import metrics as M
+from mtp.core.engine import Engine
+from mtp.core.sampling import SamplingParams
+from mtp.serving.scheduler import K_LIMIT, Request, Scheduler, SchedulerClosed, SchedulerConfig
+from mtp.serving.shadow import ShadowLog, compare
+from mtp.core.strategy import Strategy
 
 log = logging.getLogger("mtp.serve")
 
@@ -415,7 +415,7 @@ def _stop_holdback(text: str, stops: list[str]) -> int:
 
 def create_app(engine: Engine, config: ServeConfig, pass_time=None):
     """The FastAPI app around an Engine. `pass_time(q)` (seconds per pass of q tokens) turns on the
-    adaptive K policy; `mtp serve` measures it at start-up (mtp.costmodel)."""
+    adaptive K policy; `mtp serve` measures it at start-up (mtp.core.costmodel)."""
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -648,7 +648,7 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "
 
 
 def add_cli(sub) -> None:
-    from .generate_cmd import add_model_args, add_sampling_args
+    from mtp.cli.generate import add_model_args, add_sampling_args
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and shadow mode")
     add_model_args(p)
     add_sampling_args(p)
@@ -687,7 +687,7 @@ def build_config(args, context_window: int) -> ServeConfig:
 
 
 def run(args) -> int:
-    from .generate_cmd import engine_config
+    from mtp.cli.generate import engine_config
     Strategy.parse(args.strategy)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
@@ -696,12 +696,12 @@ def run(args) -> int:
     config = build_config(args, engine.context_window)
     pass_time = None
     if config.scheduler.adaptive:
-        from .costmodel import CostModel
+        from mtp.core.costmodel import CostModel
         if args.cost_model:
             pass_time = CostModel.load(args.cost_model).pass_time
         elif engine.mask_id is not None or not engine.config.proposer.startswith("mask"):
             print("mtp serve: measuring the pass-time cost model (--cost-model PATH skips this)...", file=sys.stderr)
-            from .scheduler import measured_cost
+            from mtp.serving.scheduler import measured_cost
             cost = measured_cost(engine.model, config.scheduler.max_batch)
             pass_time = cost.pass_time
             print("mtp serve: t(q) ms: " + ", ".join(f"{q}:{1000 * t:.0f}" for q, t in cost.points.items()),

@@ -60,7 +60,7 @@ class HFPeer(Peer):
             raise ValueError(f"{self.name} needs a HF model directory, not {src!r}")
         self.model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().to(engine.model.device)
         self.eos = list(engine.loaded.eos_ids)
-        # as in mtp.decode, the <mtp_mask> token is never a prediction
+        # as in mtp.core.decode, the <mtp_mask> token is never a prediction
         mid = engine.mask_id
         self.suppress = [mid] if mid is not None and mid < self.model.config.vocab_size else None
 
@@ -94,7 +94,7 @@ class LlamaCppPeer(Peer):
 
     def setup(self, engine) -> None:
         from llama_cpp import Llama
-        from . import loading
+        from mtp.core import loading
         path = loading.resolve(engine.loaded.name)
         if not (path.is_file() and path.suffix == ".gguf"):
             raise ValueError(f"{self.name} needs a .gguf model (the default smollm2-135m is one), not {path.name!r}")

@@ -8,8 +8,8 @@ import argparse
 import json
 import sys
 
-from .engine import Engine, EngineConfig
-from .strategy import Strategy
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.strategy import Strategy
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

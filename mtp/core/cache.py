@@ -3,7 +3,7 @@
 Buffers are `[layers, rows, kv_heads, capacity, head_dim]`, written at explicit positions. A row's
 `lengths[row]` is how many positions hold committed (accepted) tokens. Every forward pass writes its
 block contiguously from that length, and a query in slot p attends to slots 0..p only (a branched
-`verify` block's extra mask groups see less: mtp.decode._branch_layout), so whatever lies beyond a
+`verify` block's extra mask groups see less: mtp.core.decode._branch_layout), so whatever lies beyond a
 row's length (rejected drafts, mask tokens, padding) is never read before it is overwritten. Rejecting proposals is therefore just *not advancing the length*: nothing is copied
 or freed.
 """
@@ -23,7 +23,7 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, rows: int, capacity: int) -> "KVCache":
-        if hasattr(model, "new_cache"):  # a pipeline stage caches only its own layers (mtp.pipeline)
+        if hasattr(model, "new_cache"):  # a pipeline stage caches only its own layers (mtp.pipeline.stages)
             return model.new_cache(rows, capacity)
         cfg = model.config
         w = model.embed_tokens.weight

@@ -1,7 +1,7 @@
 """The lean Llama-family transformer every part of mtp runs on.
 
 Why our own model code instead of wrapping `transformers` modules: decoding needs a preallocated KV
-cache whose rollback is moving a position pointer (mtp.cache), training needs arbitrary attention
+cache whose rollback is moving a position pointer (mtp.core.cache), training needs arbitrary attention
 masks with explicit RoPE position ids, and the mask-token adapters must act on mask positions only.
 Logits match `transformers` for every supported architecture (tests/test_model.py).
 
@@ -278,7 +278,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.adapters_enabled = True  # False = the frozen base model (the teacher)
-        self.gated_adapters = True  # adapters act on mask positions only (see mtp.adapter)
+        self.gated_adapters = True  # adapters act on mask positions only (see mtp.core.adapter)
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -324,7 +324,7 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,  # [B, T]
         positions: torch.Tensor | None = None,  # [B, T] RoPE positions (and cache slots)
-        cache=None,  # mtp.cache.KVCache; writes this block at `positions`
+        cache=None,  # mtp.core.cache.KVCache; writes this block at `positions`
         slots: torch.Tensor | None = None,  # [B] cache rows used by this batch (default: 0..B-1)
         attn_mask: torch.Tensor | None = None,  # [B, T, T] bool (True = attend; [B, T, S] with a cache)
         out_index: torch.Tensor | None = None,  # [B, N] positions in the block whose logits we need
@@ -345,10 +345,10 @@ class Transformer(nn.Module):
     def forward_layers(self, x, positions, cache=None, slots=None, attn_mask=None, gate=None, cache_positions=None):
         """Run every block of `self.layers` over hidden states x [B, T, dim] -> [B, T, dim].
 
-        Split out of `forward` so a pipeline stage (mtp.pipeline), whose `layers` is its slice of the
+        Split out of `forward` so a pipeline stage (mtp.pipeline.stages), whose `layers` is its slice of the
         model, runs the same code on hidden states it received; its `cache` holds just those layers.
         gate: [B, T, 1] adapter gate or None. cache_positions: [B, T] where the block's keys and values
-        go in the cache when that differs from the RoPE positions (branched mask groups, mtp.decode);
+        go in the cache when that differs from the RoPE positions (branched mask groups, mtp.core.decode);
         attn_mask then says which slots each row sees."""
         B, T = x.shape[:2]
         cos, sin = self.rope(positions, x.dtype)

@@ -9,13 +9,13 @@ One forward pass through P stages (any batch the decoding loop builds):
   stage 0    embeddings + its layers    --[header, positions/slots/out rows, hidden ⊕ gate (, layout)]-->  stage 1
   stage i    its layers                 --[same message, new hidden]----------------------->  stage i+1
   stage P-1  its layers + norm + lm_head --[header, logits (⊕ hidden)]--------------------->  stage 0
-so a pass crosses P links. Stage 0 runs the one decoding loop (`mtp.decode.decode_step`) unchanged,
+so a pass crosses P links. Stage 0 runs the one decoding loop (`mtp.core.decode.decode_step`) unchanged,
 with `PipelineModel` standing in for the Transformer; proposing, accepting and committing happen on
 stage 0 only. The other stages need no rollback message: every block carries its positions, and a
 query at position p reads cache slots 0..p only, so the KV entries of rejected drafts and of masks
 are overwritten by the next block that reaches those positions, on every stage, before anything
 reads them (tests/test_pipeline.py checks every stage's cache against a fresh prefill). A `verify`
-block with branched mask groups (mtp.decode) also carries its layout: the cache slot of each row and
+block with branched mask groups (mtp.core.decode) also carries its layout: the cache slot of each row and
 the [B, T, S] attention mask (a few KB), since its masks' RoPE positions are not their slots.
 
 Faults: every wait is bounded (`timeout_s`); a watchdog thread per stage beats a heartbeat into the
@@ -24,7 +24,7 @@ the stage at fault there, and every stage exits non-zero with it.
 
 Run: `mtp pipeline --stages P PROMPT ...` (P local processes), or across machines
 `torchrun --nnodes P --nproc-per-node 1 --node-rank R --master-addr HOST --master-port PORT \\
- -m mtp.pipeline PROMPT --strategy conf_adapt:0.9 ...` (same options as `mtp generate`).
+ -m mtp.pipeline.stages PROMPT --strategy conf_adapt:0.9 ...` (same options as `mtp generate`).
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .cache import KVCache
-from .model import Transformer
+from mtp.core.cache import KVCache
+from mtp.core.model import Transformer
 
 # message header: [op, B, T, N, flags, cache_epoch, cache_rows, cache_capacity, delay_us, spare]
 HEADER = 10
@@ -313,7 +313,7 @@ class PipelineModel:
 
     def __call__(self, tokens, positions=None, cache=None, slots=None, attn_mask=None, out_index=None,
                  return_hidden=False, cache_positions=None):
-        # tokens, positions: [B, T]; slots: [B]; out_index: [B, N]; with a branched layout (mtp.decode)
+        # tokens, positions: [B, T]; slots: [B]; out_index: [B, N]; with a branched layout (mtp.core.decode)
         # cache_positions [B, T] and attn_mask [B, T, S] travel along
         if (attn_mask is None) != (cache_positions is None) or (attn_mask is not None and cache is None):
             raise ValueError("pipeline stages decode with a KV cache; an attn_mask needs cache_positions")
@@ -517,7 +517,7 @@ def launch_local(stages: int, fn, args: tuple = (), grace_s: float = 3.0) -> int
 
 
 # ---------------------------------------------------------------------------------------------
-# the command: `mtp pipeline` (launches local stages) and `python -m mtp.pipeline` (under torchrun)
+# the command: `mtp pipeline` (launches local stages) and `python -m mtp.pipeline.stages` (under torchrun)
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-delay-ms", type=float, default=0.0,
@@ -528,7 +528,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from .generate_cmd import add_model_args, add_sampling_args
+    from mtp.cli.generate import add_model_args, add_sampling_args
     p.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
     add_model_args(p)
     add_sampling_args(p)
@@ -540,7 +540,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def add_cli(sub) -> None:
     p = sub.add_parser("pipeline", help="decode across P pipeline stages (local processes) on torch.distributed",
                        description="Split the model's layers over P local processes linked by torch.distributed "
-                                   "and decode one prompt; across machines run `torchrun ... -m mtp.pipeline` "
+                                   "and decode one prompt; across machines run `torchrun ... -m mtp.pipeline.stages` "
                                    "with the same options.")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = local processes (default 2)")
     _add_common(p)
@@ -564,8 +564,8 @@ def run(args) -> int:
     if args.predict:
         print_prediction(args.predict)
         return 0
-    from .generate_cmd import read_prompt
-    from .strategy import Strategy
+    from mtp.cli.generate import read_prompt
+    from mtp.core.strategy import Strategy
     Strategy.parse(args.strategy)
     config_from_args(args)
     if args.stages < 1:
@@ -575,9 +575,9 @@ def run(args) -> int:
 
 
 def _cli_stage(rank: int, world: int, args) -> int:
-    from .cli import UserError
-    from .engine import Engine
-    from .generate_cmd import engine_config
+    from mtp.cli import UserError
+    from mtp.core.engine import Engine
+    from mtp.cli.generate import engine_config
     if not args.threads:  # stages on one machine share its cores; oversubscribed OpenMP threads crawl
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         args.threads = max(1, (os.cpu_count() or 1) // local)
@@ -608,14 +608,14 @@ def _cli_generate(engine, pipe: PipelineModel, args, world: int) -> None:
 
 
 def print_prediction(spec: str) -> None:
-    from .costmodel import parse_cluster, predict_cluster
+    from mtp.core.costmodel import parse_cluster, predict_cluster
     cluster = parse_cluster(spec)
     print(predict_cluster(**cluster)["text"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m mtp.pipeline` under torchrun: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the env."""
-    p = argparse.ArgumentParser(prog="python -m mtp.pipeline",
+    """`python -m mtp.pipeline.stages` under torchrun: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the env."""
+    p = argparse.ArgumentParser(prog="python -m mtp.pipeline.stages",
                                 description="One pipeline stage; start one per node with torchrun.")
     _add_common(p)
     args = p.parse_args(argv)
@@ -626,11 +626,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        from .strategy import Strategy
+        from mtp.core.strategy import Strategy
         Strategy.parse(args.strategy)
         config_from_args(args)
         if rank == 0:
-            from .generate_cmd import read_prompt
+            from mtp.cli.generate import read_prompt
             args.prompt = read_prompt(args)
     except ValueError as e:
         print(f"mtp: error: {e}", file=sys.stderr)

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .loading import atomic_dir
-from .model import Linear, Transformer, add_mask_token, packed_matmul, use_packed
+from mtp.core.loading import atomic_dir
+from mtp.core.model import Linear, Transformer, add_mask_token, packed_matmul, use_packed
 
 FORMAT = "mtp-adapter"
 MODES = ("gated", "plain", "full")

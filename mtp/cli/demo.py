@@ -1,15 +1,15 @@
-"""`make demo` / `python -m mtp.demo`: the embedded SmolLM2-135M decodes a few prompts with plain
+"""`make demo` / `python -m mtp.cli.demo`: the embedded SmolLM2-135M decodes a few prompts with plain
 next-token decoding and with MTP strategies, alternating prompt by prompt, and prints tokens per
-forward pass and tokens/s side by side (metrics from mtp.metrics)."""
+forward pass and tokens/s side by side (metrics from mtp.core.metrics)."""
 from __future__ import annotations
 
 import argparse
 
 import torch
 
-from .engine import Engine, EngineConfig
-from .metrics import merge
-from .sampling import SamplingParams
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.metrics import merge
+from mtp.core.sampling import SamplingParams
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

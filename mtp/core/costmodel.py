@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import metrics
+from mtp.core import metrics
 
 
 class CostModel:
@@ -100,7 +100,7 @@ def measure(model, qs: Sequence[int] = range(1, 33), cache_len: int = 300, batch
     at every block position, as a verify or mask pass needs. The cache content is irrelevant to the
     time, so it is left as zeros and only its length is set.
     """
-    from .cache import KVCache
+    from mtp.core.cache import KVCache
     qs = sorted({int(q) for q in qs})
     if not qs or qs[0] < 1:
         raise ValueError("qs must be positive block sizes")
@@ -191,7 +191,7 @@ def block_tokens_for(kind: str, proposer) -> Callable[[int, float], float]:
     return lambda k, n: n + proposer.n_appended(k)
 
 
-# --- pipeline parallelism: a per-pass communication term (mtp.pipeline, benchmarks/pipeline_latency.py)
+# --- pipeline parallelism: a per-pass communication term (mtp.pipeline.stages, benchmarks/pipeline_latency.py)
 #
 # A pass through P pipeline stages crosses P links (stage 0 -> 1 -> ... -> P-1, then the logits back
 # to stage 0), each costing the link latency plus its message's bytes / bandwidth:

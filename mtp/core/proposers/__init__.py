@@ -1,6 +1,6 @@
 """Where proposals for the next tokens come from.
 
-A proposer answers two questions for the decoding loop (mtp.decode):
+A proposer answers two questions for the decoding loop (mtp.core.decode):
 1. `n_appended(k, drafts)`: how many extra tokens to append to the next pass's block so that this pass
    also yields guesses (mask tokens append k-1 masks, and under `verify` one such group per possible
    number of accepted drafts; heads and prompt lookup append nothing);
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import pick
+from mtp.core.sampling import pick
 
 
 MAX_MASK_GROUPS = 8  # mask groups a branched `verify` pass carries at most (see MaskProposer)
@@ -65,7 +65,7 @@ class MaskProposer(Proposer):
     Under `verify` the masks must follow the prefix that survives verification, unknown before the
     pass. With `branch` (the default) the pass carries one group of k-1 masks after each possible
     accepted prefix (after the pending token, after draft 1, ..., after the last draft), each group
-    attending only to its prefix (mtp.decode builds the layout), so the next pass always has drafts.
+    attending only to its prefix (mtp.core.decode builds the layout), so the next pass always has drafts.
     Without it, masks follow the last draft only and every rejection leaves the next pass draftless:
     on SmolLM2 with the shipped adapter that was half the passes (1.46 tokens/pass for `verify:4`).
     The price is (k-1)·D more rows a pass, cheap where a pass is latency-bound (pipelines, GPUs).
@@ -118,7 +118,7 @@ PROPOSERS = {"mask": MaskProposer, "mask-single": lambda: MaskProposer(branch=Fa
 
 
 def check_proposer(name: str) -> str:
-    """`name` if it names a proposer (`heads` lives in mtp.heads and needs its checkpoint), else ValueError."""
+    """`name` if it names a proposer (`heads` lives in mtp.training.heads_train and needs its checkpoint), else ValueError."""
     if name not in ("heads",) + tuple(PROPOSERS):
         raise ValueError(f"unknown proposer {name!r}; choose from heads, {', '.join(sorted(PROPOSERS))}")
     return name

@@ -8,9 +8,9 @@ Protocol (so that the numbers can be trusted):
    prompts, reported as median and spread, and `speedup_vs_ntp` is the per-repeat ratio against the
    `ntp` row on the same prompts (its median and spread);
 4. quality compares the first repeat's outputs with `ntp`'s (greedy decoding, so repeats agree);
-5. with `--profile`, the cost model of mtp.costmodel predicts each row's speedup from its block
+5. with `--profile`, the cost model of mtp.core.costmodel predicts each row's speedup from its block
    sizes and acceptance, printed beside the measured one.
-Decoding goes through the engine (mtp.decode's loop); every number comes from mtp.metrics.
+Decoding goes through the engine (mtp.core.decode's loop); every number comes from mtp.core.metrics.
 """
 from __future__ import annotations
 
@@ -24,11 +24,13 @@ from pathlib import Path
 
 import torch
 
-from . import gsm8k, metrics
-from .peers import PEERS, make_peer, parse_baselines
-from .proposers import check_proposer
-from .sampling import SamplingParams
-from .strategy import Strategy, expand_sweep, split_list
+from mtp.eval import gsm8k
+
+from mtp.core import metrics
+from mtp.eval.peers import PEERS, make_peer, parse_baselines
+from mtp.core.proposers import check_proposer
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy, expand_sweep, split_list
 
 WARMUP_TOKENS = 8
 
@@ -175,7 +177,7 @@ def _asset_name(path) -> str | None:
     else the path as given (results get shared: no machine-specific prefix for shipped assets)."""
     if path is None:
         return None
-    from .engine import ASSETS
+    from mtp.core.engine import ASSETS
     try:
         return "shipped:" + Path(path).resolve().relative_to(ASSETS.resolve()).as_posix()
     except ValueError:
@@ -183,7 +185,7 @@ def _asset_name(path) -> str | None:
 
 
 def _packed(model) -> bool:
-    from .model import Linear
+    from mtp.core.model import Linear
     return any(isinstance(m, Linear) and m.packed is not None for m in model.modules())
 
 
@@ -252,7 +254,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
                     row.runs[j].walls.append(run.walls[0])
     cost = None
     if cfg.profile:
-        from .costmodel import measure
+        from mtp.core.costmodel import measure
         tick("profile t(q)")
         cache_len = min(cfg.profile_cache_len, engine.context_window - max(cfg.profile_qs))
         cost = measure(engine.model, cfg.profile_qs, cache_len, 1, cfg.profile_repeats)
@@ -319,7 +321,7 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 if row.strategy.kind == "conf_adapt" and common:
                     rec["oracle_tokens_per_forward"] = _oracle(ref, common, row.strategy)
                 if cost is not None and steady_blocks:
-                    from .costmodel import predict_speedup
+                    from mtp.core.costmodel import predict_speedup
                     steady_chunks = [c for r in runs for c in r.chunks[1:]]
                     rec["predicted_speedup"] = predict_speedup(cost, metrics.tokens_per_forward(steady_chunks),
                                                                steady_blocks)
@@ -351,8 +353,8 @@ def _oracle(ref: Row, idx: list[int], strategy: Strategy) -> float | None:
 def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) -> list[str]:
     """Best K for verify and the K cap for conf_adapt on this machine, from measured acceptance.
     proposer_of(name or None) -> the row's Proposer (default: one that appends nothing)."""
-    from .costmodel import best_k, block_tokens_for
-    from .proposers import Proposer
+    from mtp.core.costmodel import best_k, block_tokens_for
+    from mtp.core.proposers import Proposer
     lines = []
     for row, rec in zip(rows, records):
         if row.is_peer or not rec["acceptance_by_position"] or row.strategy.kind not in ("verify", "conf_adapt"):
@@ -374,7 +376,7 @@ def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) ->
 # ---------------------------------------------------------------------------------------------- outputs
 
 def write_outputs(res: BenchResult, out: Path, engine=None, command: str = "", chunk_examples: int = 2) -> None:
-    from . import report
+    from mtp.eval import report
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w") as f:
         for rec in res.records:
@@ -438,7 +440,7 @@ def _f(x, digits=2) -> str:
 # ---------------------------------------------------------------------------------------------- CLI
 
 def add_cli(sub) -> None:
-    from .generate_cmd import add_model_args
+    from mtp.cli.generate import add_model_args
     p = sub.add_parser("bench", help="benchmark strategies and peers: speed, quality, cost model, report",
                        description="Greedy decoding of every prompt by every strategy and peer, interleaved; "
                                    "writes results.jsonl, pareto.png, acceptance.png and report.html to --out.")
@@ -466,8 +468,8 @@ def run(args) -> int:
     import sys
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from .engine import Engine
-    from .generate_cmd import engine_config
+    from mtp.core.engine import Engine
+    from mtp.cli.generate import engine_config
     # every input check before the model loads
     for flag in ("limit", "repeats", "max_new_tokens"):
         v = getattr(args, flag)
