@@ -26,7 +26,7 @@ import torch
 from mtp.core import metrics
 from mtp.core.decode import Sequence
 from mtp.core.engine import Engine, EngineConfig
-from mtp.training.heads_train import load_heads_proposer, read_heads_config
+from mtp.core.proposers.heads import load_heads_proposer, read_heads_config
 from mtp.core.proposers import MaskProposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy

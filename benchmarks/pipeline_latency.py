@@ -34,7 +34,9 @@ from mtp.core import costmodel
 
 from mtp.core import metrics
 from mtp.core.decode import Sequence, stream
-from mtp.pipeline.stages import launch_local, run_stage, PipelineConfig
+from mtp.pipeline.launch import launch_local
+from mtp.pipeline.stages import run_stage
+from mtp.pipeline.transport import PipelineConfig
 from mtp.core.proposers import make_proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy

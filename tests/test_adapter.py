@@ -9,7 +9,8 @@ import torch
 
 from conftest import tiny_model
 from mtp.core import adapter
-from mtp.core.adapter import add_adapters, base_hash, load_adapter, save_adapter
+from mtp.core.adapter import add_adapters, load_adapter, save_adapter
+from mtp.core.artifacts import base_hash
 from mtp.core.decode import generate
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from mtp.core.proposers import heads as N
 from mtp.training import heads_train as H
 from mtp.cli import main as cli_main
 from mtp.training.data import Example
@@ -16,15 +17,15 @@ from mtp.core.decode import generate
 from mtp.core.sampling import SamplingParams
 
 
-def random_heads(model, depths=3, blocks=0, width=0, seed=1) -> H.MTPHeads:
+def random_heads(model, depths=3, blocks=0, width=0, seed=1) -> N.MTPHeads:
     torch.manual_seed(seed)
-    return H.MTPHeads(H.HeadsConfig.for_model(model.config, depths, blocks, width)).eval().requires_grad_(False)
+    return N.MTPHeads(N.HeadsConfig.for_model(model.config, depths, blocks, width)).eval().requires_grad_(False)
 
 
 def saved_heads(model, tmp_path, **kw):
-    from mtp.core.adapter import write_dir_atomic
+    from mtp.core.artifacts import write_dir_atomic
     path = tmp_path / "heads"
-    write_dir_atomic(path, H.heads_files(random_heads(model, **kw), model))
+    write_dir_atomic(path, N.heads_files(random_heads(model, **kw), model))
     return path
 
 
@@ -42,7 +43,7 @@ def test_sizes_and_shapes(tiny):
         h = torch.randn(5, 64)
         logits = heads(tiny, h, torch.randint(0, 97, (5, 2)))
         assert [tuple(x.shape) for x in logits] == [(5, 97), (5, 97)]
-        n[H.HeadsConfig.for_model(tiny.config, 2, **kw).label()] = heads.n_params()
+        n[N.HeadsConfig.for_model(tiny.config, 2, **kw).label()] = heads.n_params()
     # projection only: 2 * (2*dim*dim + 2 norms)
     assert n["linear x2"] == 2 * (2 * 64 * 64 + 2 * 64)
     assert n["linear x2"] < n["1 block @32 x2"] < n["1 block x2"] < n["2 blocks x2"]
@@ -50,9 +51,9 @@ def test_sizes_and_shapes(tiny):
 
 def test_bad_sizes_fail_loudly(tiny):
     with pytest.raises(ValueError, match="depths"):
-        H.HeadsConfig.for_model(tiny.config, depths=0)
+        N.HeadsConfig.for_model(tiny.config, depths=0)
     with pytest.raises(ValueError, match="width"):
-        H.HeadsConfig.for_model(tiny.config, 1, blocks=1, width=65)
+        N.HeadsConfig.for_model(tiny.config, 1, blocks=1, width=65)
     with pytest.raises(ValueError, match="blocks"):
         H.TrainHeadsConfig(blocks=-1)
 
@@ -61,7 +62,7 @@ def test_base_logits_unchanged_with_heads_attached(tiny, tmp_path):
     tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     before = tiny(tokens)
     state = {k: v.clone() for k, v in tiny.state_dict().items()}
-    proposer = H.load_heads_proposer(tiny, saved_heads(tiny, tmp_path, blocks=1))
+    proposer = N.load_heads_proposer(tiny, saved_heads(tiny, tmp_path, blocks=1))
     greedy(tiny, [1, 2, 3], "verify:4", proposer)
     assert torch.equal(tiny(tokens), before)
     assert state.keys() == tiny.state_dict().keys()
@@ -72,7 +73,7 @@ def test_base_logits_unchanged_with_heads_attached(tiny, tmp_path):
 @pytest.mark.parametrize("k", [2, 4])
 def test_greedy_verify_with_heads_equals_ntp(size, k):
     model = tiny_model(3)
-    proposer = H.HeadsProposer(model, random_heads(model, depths=3, **size), readout_dtype="float32")
+    proposer = N.HeadsProposer(model, random_heads(model, depths=3, **size), readout_dtype="float32")
     for prompt in ([5, 17, 3], [44, 2, 9, 9, 81, 30]):
         ref = greedy(model, prompt, "ntp")
         got = greedy(model, prompt, f"verify:{k}", proposer)
@@ -85,7 +86,7 @@ def test_heads_see_the_hidden_state_of_the_last_accepted_position():
     """view.hidden must be the trunk's state at the position whose prediction is context[-1]."""
     model = tiny_model(3)
 
-    class Spy(H.HeadsProposer):
+    class Spy(N.HeadsProposer):
         seen = []
 
         def propose(self, view, k, params, gen):
@@ -117,7 +118,7 @@ def copy_head_model():
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_copy_head_is_always_accepted(k):
     model, heads = copy_head_model()
-    proposer = H.HeadsProposer(model, heads, readout_dtype="float32")
+    proposer = N.HeadsProposer(model, heads, readout_dtype="float32")
     n = 1 + 5 * k  # the prompt's pass emits 1 token, every later pass k
     got = greedy(model, [3, 14, 15], f"verify:{k}", proposer, n=n)
     assert got.output == greedy(model, [3, 14, 15], "ntp", n=n).output
@@ -126,7 +127,7 @@ def test_copy_head_is_always_accepted(k):
 
 def test_conf_adapt_uses_head_confidence():
     model, heads = copy_head_model()
-    proposer = H.HeadsProposer(model, heads, readout_dtype="float32")
+    proposer = N.HeadsProposer(model, heads, readout_dtype="float32")
     everything = greedy(model, [3, 14, 15], "conf_adapt:0.000001:4", proposer, n=13)
     assert everything.stats.chunks == [4, 4, 4, 1]  # own token + 3 guesses, every pass
     assert everything.output == greedy(model, [3, 14, 15], "ntp", n=13).output  # copy head: right guesses
@@ -136,7 +137,7 @@ def test_conf_adapt_uses_head_confidence():
 
 def test_sampled_verify_with_heads_runs():
     model = tiny_model(3)
-    proposer = H.HeadsProposer(model, random_heads(model, depths=2), readout_dtype="float32")
+    proposer = N.HeadsProposer(model, random_heads(model, depths=2), readout_dtype="float32")
     params = SamplingParams(temperature=0.8, seed=1, max_new_tokens=30)
     a = generate(model, [1, 2, 3], "verify:3", params, proposer=proposer)
     b = generate(model, [1, 2, 3], "verify:3", SamplingParams(temperature=0.8, seed=1, max_new_tokens=30),
@@ -147,19 +148,19 @@ def test_sampled_verify_with_heads_runs():
 def test_heads_refuse_another_base_model(tmp_path):
     path = saved_heads(tiny_model(0), tmp_path)
     with pytest.raises(ValueError, match="another base model"):
-        H.load_heads(tiny_model(1), path)
+        N.load_heads(tiny_model(1), path)
     with pytest.raises(ValueError, match="no config.json"):
-        H.load_heads(tiny_model(0), tmp_path)
+        N.load_heads(tiny_model(0), tmp_path)
 
 
 def test_draft_vocabulary_keeps_verify_lossless_and_round_trips(tmp_path):
-    from mtp.core.adapter import write_dir_atomic
+    from mtp.core.artifacts import write_dir_atomic
     model = tiny_model(3)
     heads = random_heads(model, depths=3)
     heads.draft_vocab = torch.tensor([2, 5, 11, 17, 23, 40, 41, 60, 77, 90])
-    write_dir_atomic(tmp_path / "h", H.heads_files(heads, model))
-    assert json.loads((tmp_path / "h" / H.CONFIG).read_text())["draft_vocab"] == 10
-    proposer = H.load_heads_proposer(model, tmp_path / "h", readout_dtype="float32")
+    write_dir_atomic(tmp_path / "h", N.heads_files(heads, model))
+    assert json.loads((tmp_path / "h" / N.CONFIG).read_text())["draft_vocab"] == 10
+    proposer = N.load_heads_proposer(model, tmp_path / "h", readout_dtype="float32")
     assert torch.equal(proposer.vocab, heads.draft_vocab)
     drafted = []
     orig = proposer.propose
@@ -208,8 +209,8 @@ def test_feature_rows_and_targets(tiny):
     _, hidden = tiny(torch.tensor([seq]), return_hidden=True)
     P = len(ex.prompt_ids)
     assert torch.allclose(feats["hidden"][rows], hidden[0, P - 1:len(seq) - 1], rtol=1e-4, atol=1e-4)
-    assert feats["ahead"][rows[0]].tolist() == seq[P:P + H.MAX_AHEAD + 1]
-    assert feats["ahead"][rows[-1]].tolist() == [seq[-1]] + [-1] * H.MAX_AHEAD
+    assert feats["ahead"][rows[0]].tolist() == seq[P:P + N.MAX_AHEAD + 1]
+    assert feats["ahead"][rows[-1]].tolist() == [seq[-1]] + [-1] * N.MAX_AHEAD
     assert feats["hidden"].shape == (sum(len(e.response_ids) for e in exs), 64)
 
 
@@ -247,17 +248,17 @@ def test_resume_after_interruption_matches_uninterrupted_run(tiny, tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         H.train_heads(tiny, feats, train_cfg(), tmp_path / "b", log=lambda m: None, on_step=crash)
-    saved = json.loads((tmp_path / "b" / H.CHECKPOINT / "trainer.json").read_text())
+    saved = json.loads((tmp_path / "b" / H.CHECKPOINT / H.STATE).read_text())
     assert saved["step"] == 5
     with pytest.raises(ValueError, match="--resume"):  # no silent overwrite
         H.train_heads(tiny, feats, train_cfg(), tmp_path / "b", log=lambda m: None)
     with pytest.raises(ValueError, match="other --depths"):
         H.train_heads(tiny, feats, train_cfg(depths=3), tmp_path / "b", resume=True, log=lambda m: None)
     metrics = H.train_heads(tiny, feats, train_cfg(), tmp_path / "b", resume=True, log=lambda m: None)
-    a, b = H.load_heads(tiny, tmp_path / "a"), H.load_heads(tiny, tmp_path / "b")
+    a, b = N.load_heads(tiny, tmp_path / "a"), N.load_heads(tiny, tmp_path / "b")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert not (tmp_path / "b" / H.CHECKPOINT).exists()  # finished: only config + weights remain
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [H.CONFIG, H.WEIGHTS]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [N.CONFIG, N.WEIGHTS]
     assert len(metrics["val_acc_by_depth"]) == 2 and metrics["val_tokens_per_pass"] >= 1
 
 
@@ -271,7 +272,7 @@ def test_training_learns_a_learnable_target(tiny):
     feats = H.extract_features(tiny, exs)
     rows, _ = H.split_rows(feats, 0.0, 0)
     cfg = train_cfg(depths=1, blocks=0, steps=150, batch_size=64, lr=1e-2, warmup=5, val_fraction=0.0)
-    heads = H.MTPHeads(H.HeadsConfig.for_model(tiny.config, 1))
+    heads = N.MTPHeads(N.HeadsConfig.for_model(tiny.config, 1))
     before = H.evaluate(heads, tiny, feats, rows, None)["val_acc_by_depth"][0]
     torch.manual_seed(0)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr)
@@ -298,7 +299,7 @@ def test_smollm2_shipped_heads_verify_equals_ntp(smollm2):
     and the shipped heads do propose: more than one token per pass on a math answer."""
     from mtp.core.engine import SHIPPED, Engine, EngineConfig
     with pytest.raises(ValueError, match="another base model"):
-        H.load_heads(tiny_model(0), SHIPPED["smollm2-135m"] / "heads")
+        N.load_heads(tiny_model(0), SHIPPED["smollm2-135m"] / "heads")
     engine = Engine.load(EngineConfig(adapter="none", proposer="heads"))
     assert engine.heads_dir == SHIPPED["smollm2-135m"] / "heads"
     ids = engine.encode("Tom has 3 boxes of 12 apples. How many apples does he have?")

@@ -17,7 +17,9 @@ from mtp.core.cache import KVCache
 from mtp.cli import main as cli_main
 from mtp.core.decode import Sequence, decode_step, generate, stream
 from mtp.core.model import Transformer
-from mtp.pipeline.stages import PipelineConfig, keep_slice, launch_local, layer_ranges, run_stage
+from mtp.pipeline.launch import launch_local
+from mtp.pipeline.stages import keep_slice, layer_ranges, run_stage
+from mtp.pipeline.transport import PipelineConfig
 from mtp.core.proposers import make_proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy

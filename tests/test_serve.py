@@ -24,9 +24,11 @@ openai = pytest.importorskip("openai")
 from conftest import tiny_model  # noqa: E402
 from mtp.core.engine import Engine, EngineConfig  # noqa: E402
 from mtp.core.sampling import SamplingParams  # noqa: E402
-from mtp.serving.scheduler import AdaptiveK, Request, Scheduler, SchedulerConfig  # noqa: E402
-from mtp.serving.app import ServeConfig, create_app  # noqa: E402
-from mtp.serving import shadow# noqa: E402
+from mtp.serving.adaptive import AdaptiveK  # noqa: E402
+from mtp.serving.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
+from mtp.serving.app import create_app  # noqa: E402
+from mtp.serving.config import ServeConfig  # noqa: E402
+from mtp.serving import shadow  # noqa: E402
 
 EOS = 95
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
@@ -597,7 +599,7 @@ def test_capped_k_keeps_lossless_outputs(engine):
 
 
 def test_measured_cost_is_monotone_and_covers_the_batch():
-    from mtp.serving.scheduler import measured_cost
+    from mtp.core.costmodel import measured_cost
     cost = measured_cost(tiny_model(0), max_batch=4, cache_len=32, repeats=1)
     qs = sorted(cost.points)
     assert {1, 4, 8, 16, 64}.issubset(qs)  # batch-1 blocks and 4 rows x {1, 2, 4}

@@ -114,11 +114,22 @@ def cfg(out, **kw):
     return TrainConfig(**base)
 
 
+class Killed(BaseException):
+    """A hard kill (SIGKILL) between checkpoints: nothing gets a chance to save."""
+
+
+def kill_after(n):
+    def on_step(step):
+        if step >= n:
+            raise Killed
+    return on_step
+
+
 def test_resume_is_bit_for_bit(tmp_path):
     exs = examples()
     train(cfg(tmp_path / "full"), tiny_model(0), exs, progress=False)
-    with pytest.raises(KeyboardInterrupt):  # killed after step 3; the last checkpoint is step 2
-        train(cfg(tmp_path / "cut"), tiny_model(0), exs, progress=False, _kill_after=3)
+    with pytest.raises(Killed):  # killed after step 3; the last checkpoint is step 2
+        train(cfg(tmp_path / "cut"), tiny_model(0), exs, progress=False, on_step=kill_after(3))
     assert json.loads((tmp_path / "cut" / "trainer_state.json").read_text())["step"] == 2
     state = train(cfg(tmp_path / "cut", resume=True), tiny_model(0), exs, progress=False)
     assert state["step"] == 4

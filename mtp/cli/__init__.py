@@ -1,38 +1,21 @@
-"""The `mtp` command. Subcommands live beside the code they run: each module listed in SUBCOMMANDS
-has `add_cli(subparsers)` that registers its parser and sets `func`. Bad input ends in a one-line
-`mtp: error: ...` and exit status 2, never a traceback."""
+"""The `mtp` command: one module per subcommand under `mtp.cli`, each with `add_parser(subparsers)`
+that registers its parser and sets `func`. Bad input ends in a one-line `mtp: error: ...` and exit
+status 2 (`report`), never a traceback."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 
-SUBCOMMANDS = [
-    "mtp.cli.generate",
-    "mtp.training.distill",
-    "mtp.training.heads_train",
-    "mtp.eval.bench",
-    "mtp.serving.app",
-    "mtp.serving.shadow",
-    "mtp.pipeline.stages",
-]
+from mtp.cli import bench, data, generate, pipeline, serve, shadow, train, train_heads
+from mtp.cli.errors import USER_ERRORS, report
 
-
-class UserError(Exception):
-    """An input problem to report in one line."""
+COMMANDS = [generate, train, train_heads, data, bench, serve, shadow, pipeline]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtp", description="Multi-token prediction decoding for causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMANDS:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # not written yet
-                continue
-            raise
-        mod.add_cli(sub)
+    for command in COMMANDS:
+        command.add_parser(sub)
     return parser
 
 
@@ -41,10 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UserError, ValueError, FileNotFoundError, KeyError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"mtp: error: {msg}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        return report(e)
     except KeyboardInterrupt:
         return 130
-

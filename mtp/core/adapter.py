@@ -15,15 +15,13 @@ An adapter directory holds `adapter.safetensors` (trainable tensors by parameter
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from mtp.core.loading import atomic_dir
+from mtp.core.artifacts import base_hash, check_trained_on, has_format, load_safetensors, read_json, write_dir_atomic
 from mtp.core.model import Linear, Transformer, add_mask_token, packed_matmul, use_packed
 
 FORMAT = "mtp-adapter"
@@ -116,22 +114,6 @@ class MaskEmbedding(nn.Module):
         return torch.where(is_mask, self.mask_row.to(x.dtype), x)
 
 
-def base_hash(model: Transformer) -> str:
-    """Fingerprint of the base weights (before any adapter): names, shapes and a strided sample of
-    every tensor. Cheap (well under a second for 135M parameters) and enough to tell models apart."""
-    cached = getattr(model, "base_weights_hash", None)
-    if cached:
-        return cached
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        flat = t.detach().reshape(-1)
-        step = max(1, flat.numel() // 4096)
-        sample = flat[::step][:4096].float().cpu().contiguous()
-        h.update(f"{name}:{tuple(t.shape)}:".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def add_adapters(model: Transformer, rank: int = 16, alpha: float = 32, targets=TARGETS, mode: str = "gated",
                  n_used_tokens: int | None = None) -> list[nn.Parameter]:
     """Add the mask token and the adapters in place; return the trainable parameters.
@@ -182,18 +164,6 @@ def trainable_state(model: Transformer) -> dict[str, torch.Tensor]:
     return {k: state[k].detach() for k in sorted(keep)}
 
 
-def write_dir_atomic(path: Path, files: dict[str, dict | bytes | dict[str, torch.Tensor]]) -> None:
-    """Write a directory all at once (`loading.atomic_dir`): `files` maps a file name to a dict of
-    tensors (-> safetensors) or a JSON-able dict (-> JSON)."""
-    from safetensors.torch import save_file
-    with atomic_dir(path) as tmp:
-        for name, content in files.items():
-            if name.endswith(".safetensors"):
-                save_file({k: v.detach().contiguous().cpu() for k, v in content.items()}, str(tmp / name))
-            else:
-                (tmp / name).write_text(json.dumps(content, indent=1))
-
-
 def adapter_files(model: Transformer, extra_meta: dict | None = None, dtype=None) -> dict:
     """{file name: content} of an adapter directory (what save_adapter writes)."""
     tensors = trainable_state(model)
@@ -205,45 +175,67 @@ def adapter_files(model: Transformer, extra_meta: dict | None = None, dtype=None
     return {WEIGHTS: tensors, CONFIG: config}
 
 
+ALLOWED = {CONFIG, WEIGHTS, "optimizer.safetensors", "trainer_state.json"}  # what an adapter/run dir holds
+is_adapter_dir = has_format(FORMAT, ALLOWED)
+
+
 def save_adapter(model: Transformer, path, extra_meta: dict | None = None, dtype=None) -> None:
-    write_dir_atomic(Path(path), adapter_files(model, extra_meta, dtype))
+    write_dir_atomic(Path(path), adapter_files(model, extra_meta, dtype), kind=is_adapter_dir)
+
+
+_FIELDS = {"rank": int, "alpha": (int, float), "targets": list, "mode": str, "mask_token_id": int,
+           "vocab_size": int, "base_hash": str}
 
 
 def read_adapter_config(path) -> dict:
+    """The adapter's config.json, every field it needs present and of the right type."""
     path = Path(path)
     cfg_path = path / CONFIG
     if not cfg_path.exists():
         raise ValueError(f"no {CONFIG} in adapter directory {path}")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = read_json(cfg_path, "adapter config")
     if cfg.get("format") != FORMAT:
         raise ValueError(f"{cfg_path} is not an mtp adapter config")
+    for name, typ in _FIELDS.items():
+        if name not in cfg:
+            raise ValueError(f"{cfg_path}: missing field {name!r}")
+        if not isinstance(cfg[name], typ) or isinstance(cfg[name], bool):
+            raise ValueError(f"{cfg_path}: field {name!r} has the wrong type ({type(cfg[name]).__name__})")
+    if cfg["mode"] not in MODES or cfg["rank"] < 1 or not all(x in TARGETS for x in cfg["targets"]):
+        raise ValueError(f"{cfg_path}: bad mode, rank or targets")
     return cfg
 
 
-def check_trained_on(model: Transformer, cfg: dict, path: Path, kind: str, weights: str) -> None:
-    """Refuse a saved adapter/heads directory made for other base weights, or missing its weights."""
-    have = base_hash(model)
-    if cfg["base_hash"] != have:
-        raise ValueError(f"{kind} {path} was trained on another base model (base weights hash "
-                         f"{cfg['base_hash']}, this model {have})")
-    if not (path / weights).exists():
-        raise ValueError(f"no {weights} in {kind} directory {path}")
+def check_mask_id(cfg: dict, model: Transformer, n_tokenizer: int | None, path) -> None:
+    """The mask token must be the row the adapter added: past every token the tokenizer uses (an
+    unused padded row of the embedding) or the one appended row, and the vocabulary size must
+    be the one that results. Anything else would overwrite a real token's embedding."""
+    vocab = model.config.vocab_size  # before the adapter adds anything
+    mid, n_used = cfg["mask_token_id"], n_tokenizer if n_tokenizer is not None else vocab
+    want = vocab if n_used >= vocab else n_used
+    if mid != want or cfg["vocab_size"] != max(vocab, mid + 1):
+        raise ValueError(f"adapter {path}: mask_token_id {mid} (vocab_size {cfg['vocab_size']}) is not the row an "
+                         f"adapter adds to this model (expected {want}, vocab_size {max(vocab, want + 1)}); "
+                         "refusing to load a tampered or foreign adapter")
 
 
-def load_adapter(model: Transformer, path) -> dict:
+def load_adapter(model: Transformer, path, n_tokenizer: int | None = None) -> dict:
     """Add the saved adapter to a freshly loaded base model (inference mode); return its config.
 
-    Refuses an adapter trained on other base weights (hash of the base weights differs)."""
-    from safetensors.torch import load_file
+    Refuses an adapter trained on other base weights (hash of the base weights differs), a config
+    with missing or mistyped fields, and a mask token id that is not the row an adapter adds
+    (`check_mask_id`; n_tokenizer: tokens the tokenizer uses)."""
     path = Path(path)
     cfg = read_adapter_config(path)
     check_trained_on(model, cfg, path, "adapter", WEIGHTS)
+    check_mask_id(cfg, model, n_tokenizer, path)
+    tensors = load_safetensors(path / WEIGHTS)
     add_adapters(model, cfg["rank"], cfg["alpha"], tuple(cfg["targets"]), cfg["mode"],
                  n_used_tokens=cfg["mask_token_id"])
     if model.config.mask_token_id != cfg["mask_token_id"]:
         raise ValueError(f"adapter expects mask token id {cfg['mask_token_id']}, model gave "
                          f"{model.config.mask_token_id}")
-    load_trainable(model, load_file(str(path / WEIGHTS)))
+    load_trainable(model, tensors)
     model.requires_grad_(False)
     return cfg
 

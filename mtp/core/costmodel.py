@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 import torch
 
 from mtp.core import metrics
+from mtp.core.cache import KVCache
+from mtp.core.strategy import Strategy
 
 
 class CostModel:
@@ -100,7 +102,6 @@ def measure(model, qs: Sequence[int] = range(1, 33), cache_len: int = 300, batch
     at every block position, as a verify or mask pass needs. The cache content is irrelevant to the
     time, so it is left as zeros and only its length is set.
     """
-    from mtp.core.cache import KVCache
     qs = sorted({int(q) for q in qs})
     if not qs or qs[0] < 1:
         raise ValueError("qs must be positive block sizes")
@@ -185,10 +186,34 @@ def best_k(cost: CostModel, acceptance_by_position: Sequence[float], k_max: int,
 
 
 def block_tokens_for(kind: str, proposer) -> Callable[[int, float], float]:
-    """q(K, E[n]) for a strategy kind and a proposer (its `n_appended` masks per pass)."""
-    if kind == "verify":
-        return lambda k, n: 1 + (k - 1) + proposer.n_appended(k, k - 1)
-    return lambda k, n: n + proposer.n_appended(k)
+    """q(K, E[n]) for a strategy kind and a proposer: `Strategy.steady_block` with E[n] fed back."""
+    strategy = Strategy(kind)
+    return lambda k, n: strategy.steady_block(k, proposer, pending=n)
+
+
+def measured_cost(model, max_batch: int, cache_len: int = 256, repeats: int = 3):
+    """A cost model t(q) over total tokens per pass (q = rows x block): batch-1 blocks plus
+    full-batch blocks, so both ends of the batch range are measured, not extrapolated.
+
+    On a shared machine other processes inflate some timings, so each point is the fastest of its
+    repeats (the pass's own cost), and t is made non-decreasing in q (a bigger block never costs less).
+    """
+    cache_len = max(0, min(cache_len, model.config.max_seq_len - 64))
+
+    def fastest(cm) -> dict[int, float]:
+        spread = cm.meta.get("spread", {})
+        return {q: float(spread[str(q)][0]) if str(q) in spread else t for q, t in cm.points.items()}
+
+    points = fastest(measure(model, qs=[1, 4, 16, 64], cache_len=cache_len, batch=1, repeats=repeats))
+    if max_batch > 1:
+        full = fastest(measure(model, qs=[1, 2, 4], cache_len=cache_len, batch=max_batch, repeats=repeats))
+        for q, t in full.items():
+            n = q * max_batch
+            points[n] = min(points[n], t) if n in points else t
+    qs = sorted(points)
+    for a, b in zip(qs, qs[1:]):
+        points[b] = max(points[b], points[a])
+    return CostModel(points, {"cache_len": cache_len, "max_batch": max_batch, "repeats": repeats})
 
 
 # --- pipeline parallelism: a per-pass communication term (mtp.pipeline.stages, benchmarks/pipeline_latency.py)

@@ -59,7 +59,7 @@ class Sequence:
             self.pending = list(self.prompt_ids)
         if self.gen is None and self.params.seed is not None:
             self.gen = torch.Generator().manual_seed(self.params.seed)
-        if self.strategy.kind == "conf_adapt" and not self.proposer.has_confidence:
+        if self.strategy.thresholded and not self.proposer.has_confidence:
             raise ValueError(f"conf_adapt needs a proposer with confidences, not {self.proposer.name!r}")
 
     @property
@@ -87,18 +87,6 @@ def block_slack(k: int) -> int:
     pending tokens, k-1 drafts and the appended masks."""
     k = max(k, 1)
     return k + (k - 1) + max_appended(k) + 1
-
-
-def emit_count(strategy: Strategy, confidences: list[float]) -> int:
-    """How many of [model token, guess 1, guess 2, ...] the strategy emits unverified."""
-    if strategy.kind == "static":
-        return len(confidences)
-    if strategy.kind == "conf_adapt":
-        n = 0
-        while n < len(confidences) and confidences[n] >= strategy.tau:
-            n += 1
-        return max(n, 1)
-    return 1  # ntp, verify: only the model's own token
 
 
 def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None) -> list[list[int]]:
@@ -163,14 +151,14 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 else Guesses.none()
         # 5. emit by strategy
         preds, confs = [own] + guesses.tokens, [own_conf] + guesses.confidences
-        n = emit_count(s.strategy, confs)
+        n = s.strategy.emit_count(confs)
         new = preds[:n]
         emitted = s.drafts[:a] + new
         confs_emitted = [1.0] * a + confs[:n]
         # 6. commit: pending tokens and accepted drafts now hold valid KV; the rest is dropped
         cache.commit(s.slot, len(s.pending) + a)
         s.pending = new
-        if s.strategy.kind == "verify":
+        if s.strategy.verifies:
             s.drafts, s.draft_probs = guesses.tokens, guesses.probs
         else:
             s.drafts, s.draft_probs = [], None

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import torch
 
+import html
+
 from mtp.core import loading
+from mtp.core.adapter import load_adapter
 from mtp.core.decode import Sequence, stream
 from mtp.core.metrics import DecodeStats
-from mtp.core.proposers import Proposer, check_proposer, make_proposer
+from mtp.core.model import pack_weights
+from mtp.core.proposers import REGISTRY, Proposer, check_proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 
@@ -26,7 +30,7 @@ SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads p
 class EngineConfig:
     model: str = loading.DEFAULT_MODEL
     adapter: str | None = "auto"  # directory, 'auto' (shipped, if any) or 'none'
-    proposer: str = "mask"  # mask | mask-single | heads | lookup
+    proposer: str = "mask"  # a name of mtp.core.proposers.REGISTRY
     heads: str | None = "auto"
     threads: int = 0
     device: str = "cpu"
@@ -55,31 +59,33 @@ class Engine:
         self.loaded, self.config = loaded, config
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.adapter_dir: Path | None = None
-        self.heads_dir: Path | None = None
-        self._heads_proposer: Proposer | None = None
+        self.asset_dirs: dict[str, Path] = {}  # asset kind ("heads") -> the directory loaded
+        self._loaded_proposers: dict[str, Proposer] = {}  # proposers built from an asset, once
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
         if config.threads:
             torch.set_num_threads(config.threads)
-        check_proposer(config.proposer)
+        spec = check_proposer(config.proposer)
         engine = cls(loading.load(config.model, device=config.device), config)
         adapter = engine._resolve_asset(config.adapter, "adapter")
         if adapter is not None:
-            from mtp.core.adapter import load_adapter
-            load_adapter(engine.model, adapter)
+            load_adapter(engine.model, adapter, n_tokenizer=len(engine.tokenizer))
             engine.adapter_dir = adapter
-        if config.proposer == "heads":
-            heads = engine._resolve_asset(config.heads, "heads")
-            if heads is None:
-                raise ValueError("--proposer heads needs --heads DIR (no shipped heads for this model)")
-            from mtp.training.heads_train import load_heads_proposer
-            engine._heads_proposer = load_heads_proposer(engine.model, heads)
-            engine.heads_dir = heads
+        if spec.asset is not None:
+            path = engine._resolve_asset(getattr(config, spec.asset), spec.asset)
+            if path is None:
+                raise ValueError(f"--proposer {config.proposer} needs --{spec.asset} DIR "
+                                 f"(no shipped {spec.asset} for this model)")
+            engine._loaded_proposers[config.proposer] = spec.make(engine.model, path)
+            engine.asset_dirs[spec.asset] = path
         if config.pack:
-            from mtp.core.model import pack_weights
             pack_weights(engine.model)  # after every weight is final
         return engine
+
+    @property
+    def heads_dir(self) -> Path | None:
+        return self.asset_dirs.get("heads")
 
     def _resolve_asset(self, value: str | None, kind: str) -> Path | None:
         if value in (None, "none", ""):
@@ -102,18 +108,19 @@ class Engine:
         return self.model.config.max_seq_len
 
     def proposer(self, name: str | None = None) -> Proposer:
-        """A fresh proposer: `name`, default the engine's `--proposer` (heads only when loaded)."""
+        """A proposer: `name`, default the engine's `--proposer`; one built from an asset (heads) is
+        the engine's loaded instance."""
         name = name or self.config.proposer
-        if name == "heads":
-            if self._heads_proposer is None:
-                raise ValueError("the heads proposer needs an engine loaded with --proposer heads")
-            return self._heads_proposer
-        return make_proposer(name)
+        spec = check_proposer(name)
+        if spec.asset is None:
+            return spec.make()
+        if name not in self._loaded_proposers:
+            raise ValueError(f"the {name} proposer needs an engine loaded with --proposer {name}")
+        return self._loaded_proposers[name]
 
-    @staticmethod
-    def sampling(args) -> SamplingParams:
-        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              max_new_tokens=args.max_new_tokens, stop=list(args.stop or []))
+    def can_propose(self, name: str | None = None) -> bool:
+        """Whether proposer `name` (default the engine's) can run: the mask proposers need an adapter."""
+        return not REGISTRY[name or self.config.proposer].needs_mask_token or self.mask_id is not None
 
     def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
         """Text (or chat messages) -> token ids, with the model's chat template when asked."""
@@ -140,7 +147,7 @@ class Engine:
         if n + params.max_new_tokens > self.context_window:
             raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"context window of {self.context_window}")
-        if strategy.k > 1 and proposer.startswith("mask") and self.mask_id is None:
+        if strategy.k > 1 and not self.can_propose(proposer):
             raise ValueError(f"strategy {strategy} needs an MTP adapter (the model has no <mtp_mask> token); "
                              "pass --adapter DIR or use ntp / --proposer lookup")
         return Sequence(list(prompt_ids), strategy, params, self.proposer(proposer), eos_ids=self.loaded.eos_ids,
@@ -164,7 +171,7 @@ class Engine:
             pass
         return self.result(seq)
 
-    def render_chunks(self, result: Result, html: bool = False) -> str:
+    def render_chunks(self, result: Result, as_html: bool = False) -> str:
         """The text with each forward pass's tokens on one background colour (terminal or HTML)."""
         colours = ["44", "42", "45", "46", "43", "41"]
         pieces, i = [], 0
@@ -175,9 +182,8 @@ class Engine:
                 continue
             # decode with the preceding text so multi-token characters come out whole
             text = self.decode_text(result.token_ids[:i])[len(self.decode_text(result.token_ids[:i - n])):]
-            if html:
-                import html as h
-                pieces.append(f'<span class="c{j % 6}" title="pass {j}: {n} tokens">{h.escape(text)}</span>')
+            if as_html:
+                pieces.append(f'<span class="c{j % 6}" title="pass {j}: {n} tokens">{html.escape(text)}</span>')
             else:
                 pieces.append(f"\x1b[{colours[j % 6]}m{text}\x1b[0m")
         return "".join(pieces)

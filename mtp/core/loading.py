@@ -8,17 +8,20 @@ read that directory in seconds. Weights are read from safetensors or GGUF only, 
 """
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import json
 import os
-import contextlib
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
 
+from mtp.core.artifacts import atomic_dir, file_digest, load_safetensors, read_json
 from mtp.core.model import ModelConfig, Transformer, UnsupportedModelError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -53,7 +56,6 @@ def resolve(name: str) -> Path:
     if name in EMBEDDED:
         pkg, fname = EMBEDDED[name]
         try:
-            import importlib.util
             spec = importlib.util.find_spec(pkg)
         except ImportError:
             spec = None
@@ -82,18 +84,69 @@ def load(name: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu") -> Loaded
 
 
 def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise ModelLoadError(f"no tokenizer.json in {path}")
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_hf_dir(path: Path, dtype=torch.float32, device="cpu") -> Transformer:
-    from safetensors.torch import load_file
-    cfg_path = path / "config.json"
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
+
+
+def read_hf_config(cfg_path: Path) -> dict:
+    """A model's config.json, every field we use present and sane; errors name the file and field."""
     if not cfg_path.exists():
-        raise ModelLoadError(f"no config.json in {path}")
-    hf = json.loads(cfg_path.read_text())
+        raise ModelLoadError(f"no config.json in {cfg_path.parent}")
+    hf = read_json(cfg_path, "model config")
+    try:
+        ModelConfig.arch_of(hf)
+    except UnsupportedModelError as e:
+        raise ModelLoadError(str(e)) from None
+
+    def positive_int(name: str, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"{cfg_path}: field {name!r} must be a positive integer, got {value!r}")
+
+    for name in _INT_FIELDS:
+        if name not in hf:
+            raise ModelLoadError(f"{cfg_path}: missing field {name!r}")
+        positive_int(name, hf[name])
+    for name in _OPTIONAL_INT_FIELDS:
+        if hf.get(name) is not None:
+            positive_int(name, hf[name])
+    for name in _OPTIONAL_FLOAT_FIELDS:
+        v = hf.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise ModelLoadError(f"{cfg_path}: field {name!r} must be a positive number, got {v!r}")
+    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    if heads % kv:
+        raise ModelLoadError(f"{cfg_path}: num_attention_heads ({heads}) is not a multiple of "
+                             f"num_key_value_heads ({kv})")
+    if not hf.get("head_dim") and hf["hidden_size"] % heads:
+        raise ModelLoadError(f"{cfg_path}: hidden_size ({hf['hidden_size']}) does not split into "
+                             f"{heads} attention heads")
+    return hf
+
+
+def model_layers(name: str) -> int | None:
+    """The number of layers of a model, read from its config alone (None when it cannot be told
+    cheaply); lets a command check layer counts before loading any weights."""
+    try:
+        path = resolve(name)
+        if path.is_dir():
+            return read_hf_config(path / "config.json")["num_hidden_layers"]
+        if path.suffix == ".gguf":
+            reader = gguf.GGUFReader(str(path))
+            arch = reader.fields["general.architecture"].contents()
+            return int(reader.fields[f"{arch}.block_count"].contents())
+    except (ModelLoadError, KeyError, OSError, ValueError):
+        return None
+    return None
+
+
+def load_hf_dir(path: Path, dtype=torch.float32, device="cpu") -> Transformer:
+    hf = read_hf_config(path / "config.json")
     try:
         cfg = ModelConfig.from_hf(hf)
     except UnsupportedModelError as e:
@@ -105,7 +158,7 @@ def load_hf_dir(path: Path, dtype=torch.float32, device="cpu") -> Transformer:
         raise ModelLoadError(f"no *.safetensors weights in {path} (pickle checkpoints are not loaded)")
     state = {}
     for f in files:
-        for k, v in load_file(str(f)).items():
+        for k, v in load_safetensors(f).items():
             state[k.removeprefix("model.")] = v
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -142,51 +195,29 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return d
 
 
-@contextlib.contextmanager
-def atomic_dir(path: Path):
-    """Build a directory under a temp name (yielded), then swap it into place in two renames.
+HF_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json"}
+def _is_hf_dir(path: Path) -> bool:
+    """A model directory mtp wrote (config, weights, tokenizer files only)."""
+    names = {p.name for p in Path(path).iterdir()}
+    return names <= HF_FILES
 
-    A failure at any point leaves the previous directory (if any) untouched and no partial one;
-    a kill between the two renames leaves the previous one at `.NAME.old` (mtp.training.distill resumes it)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    old = path.parent / f".{path.name}.old"
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        if path.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old.exists():
-            shutil.rmtree(old)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+def hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our parameter names -> a standard Hugging Face checkpoint's (`model.` before the trunk's)."""
+    return {(k if k.startswith("lm_head.") else f"model.{k}"): v.contiguous() for k, v in state.items()}
 
 
 def save_hf_dir(model: Transformer, path: Path, tokenizer=None) -> None:
-    """Write config.json + model.safetensors (+ tokenizer) atomically."""
-    from safetensors.torch import save_file
-    with atomic_dir(path) as tmp:
-        state = {k: v.contiguous() for k, v in model.state_dict().items()
+    """Write config.json + model.safetensors (+ tokenizer) atomically, as a standard Hugging Face
+    checkpoint that transformers and vLLM load unmodified."""
+    with atomic_dir(path, _is_hf_dir) as tmp:
+        state = {k: v for k, v in model.state_dict().items()
                  if not (model.config.tie_embeddings and k == "lm_head.weight")}
-        save_file(state, str(tmp / "model.safetensors"))
+        save_file(hf_names(state), str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-
-
-def file_digest(path: Path, chunk=1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()[:16]
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -205,20 +236,18 @@ GGUF_NAMES = {
 
 def gguf_to_hf_dir(gguf_path: Path) -> Path:
     """Convert a GGUF file once into a cached HF directory; return that directory."""
-    out = cache_root() / f"{gguf_path.stem}-{file_digest(gguf_path)}"
+    out = cache_root() / f"{gguf_path.stem}-{file_digest(gguf_path)}-hf"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    from safetensors.torch import save_file
     state, hf = read_gguf(gguf_path)
-    with atomic_dir(out) as tmp:
-        save_file(state, str(tmp / "model.safetensors"))
+    with atomic_dir(out, _is_hf_dir) as tmp:
+        save_file(hf_names(state), str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(hf, indent=1))
         if out.exists():  # tokenizer files placed there beforehand are kept (no 25 s conversion)
             for f in out.iterdir():
                 if f.name not in ("config.json", "model.safetensors"):
                     shutil.copy(f, tmp / f.name)
         if not (tmp / "tokenizer.json").exists():
-            from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
             tok.save_pretrained(str(tmp))
     return out
@@ -226,9 +255,6 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
 
 def read_gguf(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Dequantised float32 weights under our names, and an HF-style config dict."""
-    import gguf
-    import numpy as np
-
     reader = gguf.GGUFReader(str(gguf_path))
 
     def field(key, default=None):

@@ -56,18 +56,25 @@ class ModelConfig:
         if not self.head_dim:
             self.head_dim = self.dim // self.n_heads
 
-    @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Map a Hugging Face `config.json` dict onto our config; unsupported scope fails loudly."""
+    @staticmethod
+    def arch_of(hf: dict) -> str:
+        """Our architecture name for a Hugging Face config dict; unsupported scope fails loudly."""
         archs = hf.get("architectures") or []
+        archs = archs if isinstance(archs, list) else [archs]
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-                hf.get("model_type", ""))
+                str(hf.get("model_type", "")))
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
                 + ", ".join(sorted(SUPPORTED_ARCHITECTURES)))
+        return arch
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Map a Hugging Face `config.json` dict onto our config; unsupported scope fails loudly."""
+        arch = cls.arch_of(hf)
         n_heads = hf["num_attention_heads"]
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # transformers 5 / 4 names
         theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))

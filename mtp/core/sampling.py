@@ -11,9 +11,13 @@ recovered token is the argmax itself.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+TEMPERATURE_MAX = 2.0  # every front end accepts temperatures in [0, TEMPERATURE_MAX]
+SEED_MAX = 2 ** 63 - 1  # torch.Generator seeds are signed 64-bit
 
 
 @dataclass
@@ -26,14 +30,18 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        """Every limit, checked once for every front end (NaN and infinities fail the range checks)."""
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and 0 <= self.temperature <= TEMPERATURE_MAX):
+            raise ValueError(f"temperature must be a number in [0, {TEMPERATURE_MAX:g}], got {self.temperature}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [0, {SEED_MAX}], got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -1,11 +1,15 @@
 """Decoding strategies, named the way users say them: `ntp`, `static:K`, `conf_adapt:TAU[:KMAX]`,
-`verify:K`. Parsing lives here so the CLI, the server and the benchmarks reject bad strings alike."""
+`verify:K`, and everything that differs between them: parsing (the CLI, the server and the
+benchmarks reject bad strings alike), how many guesses a pass emits, whether guesses become drafts,
+and how many tokens a pass feeds in steady state (what the cost model and the server price)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 KINDS = ("ntp", "static", "conf_adapt", "verify")
 USAGE = "expected one of: ntp, static:K, conf_adapt:TAU[:KMAX], verify:K"
+K_LIMIT = 32  # the largest K any front end accepts (sizes KV-cache slack; checked before a model loads)
+SWEEP_LIMIT = 256  # strategies one sweep may expand to
 
 
 class StrategyError(ValueError):
@@ -21,6 +25,55 @@ class Strategy:
     @property
     def lossless(self) -> bool:
         return self.kind in ("ntp", "verify")
+
+    @property
+    def plain(self) -> bool:
+        """Plain next-token decoding (no proposals at all)."""
+        return self.kind == "ntp"
+
+    @property
+    def verifies(self) -> bool:
+        """Guesses become drafts that the next pass checks (instead of being emitted unverified)."""
+        return self.kind == "verify"
+
+    @property
+    def thresholded(self) -> bool:
+        """Emission depends on the guesses' confidences (needs a proposer that has them)."""
+        return self.kind == "conf_adapt"
+
+    @property
+    def metric_label(self) -> str:
+        """A bounded name for metrics: kind and K, never a threshold (clients choose those freely)."""
+        if self.kind == "conf_adapt":
+            return f"conf_adapt:kmax={self.k}"
+        return str(self)
+
+    def emit_count(self, confidences: list[float]) -> int:
+        """How many of [model token, guess 1, guess 2, ...] (their confidences) a pass emits unverified."""
+        if self.kind == "static":
+            return len(confidences)
+        if self.kind == "conf_adapt":
+            n = 0
+            while n < len(confidences) and confidences[n] >= self.tau:
+                n += 1
+            return max(n, 1)
+        return 1  # ntp, verify: only the model's own token
+
+    def offered(self, k: int, n_drafts: int) -> int:
+        """Positions a pass of block size k can emit at most: the model's own token plus the drafts
+        it checks (verify) or plus its k-1 guesses (static, conf_adapt)."""
+        if self.verifies:
+            return min(n_drafts, k - 1) + 1
+        return k if self.kind != "ntp" else 1
+
+    def steady_block(self, k: int, proposer, pending: float | None = None) -> float:
+        """Tokens one pass of block size k feeds in steady state: a verify pass checks k-1 drafts
+        behind its one pending token (plus the proposer's appended masks for k-1 drafts); any other
+        pass feeds back, as pending, the tokens it emitted last pass (`pending`, default k) plus the
+        proposer's masks."""
+        if self.verifies:
+            return 1 + (k - 1) + proposer.n_appended(k, k - 1)
+        return (k if pending is None else pending) + proposer.n_appended(k, 0)
 
     def __str__(self) -> str:
         if self.kind == "ntp":
@@ -40,14 +93,18 @@ class Strategy:
                 k = int(args[0])
                 if k < 1:
                     raise StrategyError(f"K must be >= 1 in {text!r}")
+                if k > K_LIMIT:
+                    raise StrategyError(f"K is at most {K_LIMIT} in {text!r}")
                 return cls(kind, k)
             if kind == "conf_adapt" and len(args) in (1, 2):
                 tau = float(args[0])
-                if not 0 < tau <= 1:
+                if not 0 < tau <= 1:  # NaN fails this too
                     raise StrategyError(f"tau must be in (0, 1] in {text!r}")
                 k = int(args[1]) if len(args) == 2 else 16
                 if k < 1:
                     raise StrategyError(f"KMAX must be >= 1 in {text!r}")
+                if k > K_LIMIT:
+                    raise StrategyError(f"KMAX is at most {K_LIMIT} in {text!r}")
                 return cls("conf_adapt", k, tau)
         except StrategyError:
             raise
@@ -63,9 +120,17 @@ def expand_sweep(text: str) -> list[Strategy]:
         kind, _, rest = chunk.partition(":")
         if ".." in rest and kind in ("static", "verify"):
             lo, hi = rest.split("..", 1)
-            out += [Strategy.parse(f"{kind}:{k}") for k in range(int(lo), int(hi) + 1)]
+            try:
+                lo, hi = int(lo), int(hi)
+            except ValueError:
+                raise StrategyError(f"malformed range {chunk!r}; expected e.g. {kind}:1..8") from None
+            if not 1 <= lo <= hi <= K_LIMIT:
+                raise StrategyError(f"range {chunk!r} must lie within 1..{K_LIMIT}")
+            out += [Strategy.parse(f"{kind}:{k}") for k in range(lo, hi + 1)]
         else:
             out.append(Strategy.parse(chunk))
+        if len(out) > SWEEP_LIMIT:
+            raise StrategyError(f"a sweep may hold at most {SWEEP_LIMIT} strategies")
     return out
 
 

@@ -14,7 +14,6 @@ Decoding goes through the engine (mtp.core.decode's loop); every number comes fr
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -23,14 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from mtp.eval import gsm8k
+from rich.console import Console
+from rich.table import Table
 
 from mtp.core import metrics
-from mtp.eval.peers import PEERS, make_peer, parse_baselines
+from mtp.core.costmodel import best_k, block_tokens_for, measure
+from mtp.core.proposers import Proposer
+from mtp.eval import gsm8k, report
+from mtp.eval.peers import make_peer
 from mtp.core.proposers import check_proposer
+from mtp.core.engine import ASSETS
+from mtp.core.model import Linear
 from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy, expand_sweep, split_list
+from mtp.core.strategy import SWEEP_LIMIT, Strategy, expand_sweep, split_list
 
 WARMUP_TOKENS = 8
 
@@ -80,13 +84,19 @@ class Spec:
 def parse_strategies(text: str) -> list[Spec]:
     """The sweep list with `ntp` first (always run: it is the reference), duplicates dropped."""
     out = [Spec(Strategy.parse("ntp"))]
+    seen = set(out)
     for piece in split_list(text or "ntp"):
         strategy, _, proposer = piece.partition("@")
-        proposer = check_proposer(proposer.strip()) if proposer.strip() else None
+        proposer = proposer.strip() or None
+        if proposer is not None:
+            check_proposer(proposer)
         for s in expand_sweep(strategy):
             spec = Spec(s, proposer)
-            if spec not in out:
+            if spec not in seen:
+                seen.add(spec)
                 out.append(spec)
+        if len(out) > SWEEP_LIMIT:
+            raise ValueError(f"--strategies expands to more than {SWEEP_LIMIT} rows")
     return out
 
 
@@ -167,7 +177,7 @@ def environment(engine=None) -> dict:
             pass
     if engine is not None:
         env.update(model=engine.loaded.name, adapter=_asset_name(engine.adapter_dir),
-                   heads=_asset_name(engine.heads_dir) if engine.config.proposer == "heads" else None,
+                   heads=_asset_name(engine.asset_dirs.get("heads")),
                    proposer=engine.config.proposer, device=str(engine.model.device), packed=_packed(engine.model))
     return env
 
@@ -177,7 +187,6 @@ def _asset_name(path) -> str | None:
     else the path as given (results get shared: no machine-specific prefix for shipped assets)."""
     if path is None:
         return None
-    from mtp.core.engine import ASSETS
     try:
         return "shipped:" + Path(path).resolve().relative_to(ASSETS.resolve()).as_posix()
     except ValueError:
@@ -185,7 +194,6 @@ def _asset_name(path) -> str | None:
 
 
 def _packed(model) -> bool:
-    from mtp.core.model import Linear
     return any(isinstance(m, Linear) and m.packed is not None for m in model.modules())
 
 
@@ -254,7 +262,6 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
                     row.runs[j].walls.append(run.walls[0])
     cost = None
     if cfg.profile:
-        from mtp.core.costmodel import measure
         tick("profile t(q)")
         cache_len = min(cfg.profile_cache_len, engine.context_window - max(cfg.profile_qs))
         cost = measure(engine.model, cfg.profile_qs, cache_len, 1, cfg.profile_repeats)
@@ -353,8 +360,6 @@ def _oracle(ref: Row, idx: list[int], strategy: Strategy) -> float | None:
 def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) -> list[str]:
     """Best K for verify and the K cap for conf_adapt on this machine, from measured acceptance.
     proposer_of(name or None) -> the row's Proposer (default: one that appends nothing)."""
-    from mtp.core.costmodel import best_k, block_tokens_for
-    from mtp.core.proposers import Proposer
     lines = []
     for row, rec in zip(rows, records):
         if row.is_peer or not rec["acceptance_by_position"] or row.strategy.kind not in ("verify", "conf_adapt"):
@@ -376,7 +381,6 @@ def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) ->
 # ---------------------------------------------------------------------------------------------- outputs
 
 def write_outputs(res: BenchResult, out: Path, engine=None, command: str = "", chunk_examples: int = 2) -> None:
-    from mtp.eval import report
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w") as f:
         for rec in res.records:
@@ -394,8 +398,6 @@ def write_outputs(res: BenchResult, out: Path, engine=None, command: str = "", c
 
 
 def print_summary(res: BenchResult, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
     console = console or Console()
     t = Table(title=f"mtp bench · {res.kind} · {len(res.items)} prompts · {res.env.get('threads')} threads")
     cols = ["strategy", "n", "tok/pass", "tok/s", "min–max", "speedup", "exact", "agree", "acc", "rougeL", "oracle",
@@ -435,69 +437,3 @@ def _short(text: str | None, n: int = 28) -> str:
 
 def _f(x, digits=2) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
-
-
-# ---------------------------------------------------------------------------------------------- CLI
-
-def add_cli(sub) -> None:
-    from mtp.cli.generate import add_model_args
-    p = sub.add_parser("bench", help="benchmark strategies and peers: speed, quality, cost model, report",
-                       description="Greedy decoding of every prompt by every strategy and peer, interleaved; "
-                                   "writes results.jsonl, pareto.png, acceptance.png and report.html to --out.")
-    add_model_args(p)
-    p.add_argument("--data", required=True, help="gsm8k:PATH (GSM8K JSONL or its folder) or prompts:PATH (JSONL "
-                                                 "with 'prompt' or 'turns')")
-    p.add_argument("--strategies", default="ntp",
-                   help="comma list and sweeps, e.g. 'verify:4,conf_adapt:0.99,0.9,static:1..8' (ntp always runs); "
-                        "STRATEGY@PROPOSER gives a row its own proposer, e.g. verify:4@mask-single")
-    p.add_argument("--baselines", default="", help=f"peers to run alongside: {','.join(PEERS)}")
-    p.add_argument("--limit", type=int, default=None, help="use the first N items")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1, help="timed repeats per prompt (median and spread)")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--profile", action="store_true", help="measure t(q), predict speedups, advise K")
-    p.add_argument("--profile-cache-len", type=int, default=300)
-    p.add_argument("--profile-repeats", type=int, default=5)
-    p.add_argument("--chunk-examples", type=int, default=2, help="prompts shown in the report's chunk view")
-    p.add_argument("--out", default="bench-out", help="output directory")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    import sys
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from mtp.core.engine import Engine
-    from mtp.cli.generate import engine_config
-    # every input check before the model loads
-    for flag in ("limit", "repeats", "max_new_tokens"):
-        v = getattr(args, flag)
-        if v is not None and v < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-    strategies = parse_strategies(args.strategies)
-    baselines = parse_baselines(args.baselines)
-    kind, items = load_data(args.data, args.limit)
-    cfg = BenchConfig(strategies, baselines, args.repeats, args.max_new_tokens, args.warmup, args.chat,
-                      args.profile, args.profile_cache_len, args.profile_repeats)
-    console = Console(stderr=True)
-    engine = Engine.load(engine_config(args))
-    n_rows = len(strategies) + len(baselines)
-    total = len(items) * args.repeats * n_rows + (n_rows if args.warmup else 0) + (1 if args.profile else 0)
-    if console.is_terminal:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
-            task = progress.add_task("bench", total=total)
-            res = run_bench(engine, kind, items, cfg,
-                            on_step=lambda label: progress.update(task, advance=1, description=label))
-    else:  # a log file: one plain line per step
-        done = iter(range(1, total + 1))
-        t0 = time.perf_counter()
-        res = run_bench(engine, kind, items, cfg, on_step=lambda label: print(
-            f"[{next(done, total)}/{total} {time.perf_counter() - t0:.0f}s] {label}", file=sys.stderr, flush=True))
-    out = Path(args.out)
-    write_outputs(res, out, engine, "mtp " + " ".join(sys.argv[1:]), args.chunk_examples)
-    print_summary(res, Console() if sys.stdout.isatty() else Console(width=160))
-    console.print(f"wrote {out}/results.jsonl, pareto.png, acceptance.png, report.html"
-                  + (", profile.json" if res.cost is not None else ""))
-    return 0

@@ -147,7 +147,7 @@ def chunk_view_html(res, engine, n_examples: int) -> str:
             r = run.result
             tpf = r.summary.get("tokens_per_forward", 0.0)
             parts.append(f"<h4>{html.escape(row.name)} · {len(r.token_ids)} tokens in {len(r.chunks)} passes "
-                         f"({tpf:.2f} tokens/pass)</h4><div class=chunks>{engine.render_chunks(r, html=True)}</div>")
+                         f"({tpf:.2f} tokens/pass)</h4><div class=chunks>{engine.render_chunks(r, as_html=True)}</div>")
     return "".join(parts)
 
 

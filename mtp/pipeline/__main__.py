@@ -1,6 +1,6 @@
-"""`torchrun ... -m mtp.pipeline PROMPT ...`: one pipeline stage per process."""
+"""`torchrun ... -m mtp.pipeline PROMPT ...`: one pipeline stage per process (the entry point only)."""
 import sys
 
-from mtp.pipeline.stages import main
+from mtp.cli.pipeline import main
 
 sys.exit(main())

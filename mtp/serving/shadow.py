@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -44,12 +43,25 @@ def compare(ids: list[int], text: str, shadow_ids: list[int], shadow_text: str) 
             "shadow_answer": shadow_answer, "answer_agree": agree}
 
 
+def check_log_path(path: str | Path) -> Path:
+    """A file path the shadow log can append to (its folder is created), else a one-line error."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--shadow-log {path} is a directory; give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--shadow-log {path}: cannot append to it ({e.strerror or e})") from None
+    return path
+
+
 class ShadowLog:
     """Appends records as JSON lines; safe to call from several threads."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = check_log_path(path)
         self.lock = threading.Lock()
 
     def write(self, record: dict) -> None:
@@ -119,23 +131,3 @@ def format_summary(summary: dict) -> str:
                      f"{f(s['first_divergence_median']):>8} {agree:>14} {lat:>22} "
                      f"{f(s['tokens_per_forward_mean']):>8}")
     return "\n".join(lines)
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("shadow-report", help="summarise a `mtp serve --shadow-rate` log")
-    p.add_argument("log", help="the shadow JSONL log written by mtp serve")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    records = read_log(args.log)
-    if not records:
-        raise ValueError(f"shadow log {args.log} has no records yet")
-    summary = summarize(records)
-    if args.json:
-        print(json.dumps(summary, indent=1))
-    else:
-        print(format_summary(summary))
-    return 0
-

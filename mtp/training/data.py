@@ -9,31 +9,44 @@ a killed run resumes where it stopped. The test split is never used for training
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from mtp.core.artifacts import base_hash
+from mtp.core.batching import Batch
+from mtp.core.decode import Sequence, block_slack
+from mtp.core.loading import cache_root
+from mtp.core.proposers import MaskProposer
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy
 
 
 @dataclass
 class Example:
     prompt_ids: list[int]
     response_ids: list[int]
+    line: int = field(default=0, compare=False, repr=False)  # where it was read (for error messages)
+
+
+EVAL_SPLITS = {"test", "heldout", "holdout"}  # file or folder names that no training run reads
 
 
 def _is_test_split(path: Path) -> bool:
     words = re.split(r"[._\-]", path.name.lower())
-    return "test" in words or path.parent.name.lower() == "test"
+    return bool(EVAL_SPLITS & set(words)) or path.parent.name.lower() in EVAL_SPLITS
 
 
 def _open_jsonl(path) -> Path:
     path = Path(path)
     if _is_test_split(path):
-        raise ValueError(f"{path.name}: the test split is never used for training")
+        raise ValueError(f"{path.name}: the test split is never used for training (a held-out split neither)")
     if not path.is_file():
         raise ValueError(f"data file not found: {path}")
     return path
@@ -82,7 +95,7 @@ def load_examples(path) -> list[Example]:
                 continue
             try:
                 rec = json.loads(line)
-                ex = Example([int(t) for t in rec["prompt_ids"]], [int(t) for t in rec["response_ids"]])
+                ex = Example([int(t) for t in rec["prompt_ids"]], [int(t) for t in rec["response_ids"]], n)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 raise ValueError(f"{path.name} line {n}: expected {{\"prompt_ids\": [...], \"response_ids\": [...]}}") \
                     from None
@@ -92,6 +105,16 @@ def load_examples(path) -> list[Example]:
     if not out:
         raise ValueError(f"{path.name}: no examples")
     return out
+
+
+def check_example_ids(examples: list[Example], vocab_size: int, source) -> None:
+    """Every token id inside the model's vocabulary, else an error naming the line."""
+    for i, ex in enumerate(examples):
+        for t in (*ex.prompt_ids, *ex.response_ids):
+            if not 0 <= t < vocab_size:
+                where = f"line {ex.line}" if ex.line else f"example {i}"
+                raise ValueError(f"{Path(source).name} {where}: token id {t} is outside the model's vocabulary "
+                                 f"(0..{vocab_size - 1})")
 
 
 def build_examples(engine, prompts: list[dict], self_generate: bool, max_new_tokens: int = 256,
@@ -111,8 +134,6 @@ def build_examples(engine, prompts: list[dict], self_generate: bool, max_new_tok
 
 
 def selfgen_cache_path(engine, prompt_ids: list[list[int]], max_new_tokens: int, cache_dir=None) -> Path:
-    from mtp.core.adapter import base_hash
-    from mtp.core.loading import cache_root
     h = hashlib.sha256()
     h.update(json.dumps({"base": base_hash(engine.model), "max_new_tokens": max_new_tokens,
                          "decoding": "greedy-ntp"}).encode())
@@ -122,76 +143,116 @@ def selfgen_cache_path(engine, prompt_ids: list[list[int]], max_new_tokens: int,
     return root / f"selfgen-{h.hexdigest()[:16]}.jsonl"
 
 
-def _read_cache(path: Path) -> dict[int, Example]:
-    """Finished rows of a (possibly interrupted) cache file; a torn last line is cut off."""
-    done: dict[int, Example] = {}
+def read_jsonl_log(path: Path, key: str) -> tuple[dict, int]:
+    """Records of an append-only JSONL log, by `key`: ({key: record}, corrupt lines skipped).
+
+    A torn last line (a kill while writing) is cut off the file, so appending continues cleanly;
+    any other line that is not a JSON object with `key`, `prompt_ids` and `response_ids` of ints
+    is skipped and counted, never returned."""
+    done: dict = {}
+    bad = 0
     if not path.exists():
-        return done
+        return done, bad
     raw = path.read_bytes()
     if raw and not raw.endswith(b"\n"):
         raw = raw[: raw.rfind(b"\n") + 1]
-        path.write_bytes(raw)
-    for line in raw.decode("utf-8").splitlines():
-        if line.strip():
+        with open(path, "r+b") as f:
+            f.truncate(len(raw))
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        try:
             rec = json.loads(line)
-            done[rec["index"]] = Example(rec["prompt_ids"], rec["response_ids"])
-    return done
+            ok = isinstance(rec, dict) and key in rec and all(
+                isinstance(rec.get(f), list) and all(type(t) is int for t in rec[f])
+                for f in ("prompt_ids", "response_ids"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            ok = False
+        if not ok:
+            bad += 1
+            continue
+        done[rec[key]] = rec
+    return done, bad
+
+
+@dataclass
+class Job:
+    """One prompt to answer: `key` names it in the output log; `meta` is written beside the ids."""
+    key: object
+    prompt_ids: list[int]
+    params: SamplingParams
+    meta: dict = field(default_factory=dict)
+
+
+def generate(engine, jobs, batch_size: int, on_finish, capacity: int | None = None, on_pass=None) -> None:
+    """Answer every job of the deque `jobs` with the base model, `batch_size` rows at a time
+    through the one batching loop (`core.batching.Batch`: finished rows are refilled at once).
+
+    `on_finish(job, seq)` runs once per finished job (seq.output, seq.finish_reason) and may
+    append new jobs to `jobs`; `on_pass(emitted_tokens)` after every pass (progress)."""
+    model = engine.model
+    limit = engine.context_window
+    capacity = capacity or limit
+    batch = Batch(model, engine.mask_id, max(1, batch_size), min(limit, capacity + block_slack(1)))
+    running: dict[int, Job] = {}  # id(seq) -> job
+    with torch.inference_mode(), model.base_only():
+        while jobs or batch.active:
+            while jobs and batch.free:
+                job = jobs.popleft()
+                if len(job.prompt_ids) + job.params.max_new_tokens > capacity:
+                    raise ValueError(f"prompt {job.key} ({len(job.prompt_ids)} tokens) + "
+                                     f"{job.params.max_new_tokens} new tokens exceeds {capacity}")
+                seq = Sequence(list(job.prompt_ids), Strategy("ntp", 1), job.params, MaskProposer(),
+                               eos_ids=engine.loaded.eos_ids)
+                batch.add(seq)
+                running[id(seq)] = job
+            emitted = batch.step()
+            if on_pass is not None:
+                on_pass(sum(len(t) for _, t in emitted))
+            for seq in [s for s in batch.active if s.finished]:
+                batch.remove(seq)
+                on_finish(running.pop(id(seq)), seq)
+
+
+def response_of(engine, seq: Sequence) -> list[int]:
+    """The answer as trained on: the output, plus EOS when the model stopped by itself."""
+    eos = engine.tokenizer.eos_token_id
+    return seq.output + ([eos] if seq.finish_reason == "stop" and eos is not None else [])
 
 
 def self_generate_examples(engine, prompt_ids: list[list[int]], max_new_tokens: int = 256, batch_size: int = 8,
                            cache_dir=None, progress: bool = True) -> list[Example]:
-    """Greedy answers of the base model, `batch_size` at a time through `decode_step`, cached."""
-    from mtp.core.cache import KVCache
-    from mtp.core.decode import Sequence, decode_step
-    from mtp.core.proposers import MaskProposer
-    from mtp.core.sampling import SamplingParams
-    from mtp.core.strategy import Strategy
-
+    """Greedy answers of the base model for `prompt_ids`, cached as JSONL keyed by the base weights,
+    the prompts and the length limit; a killed run resumes where it stopped."""
     path = selfgen_cache_path(engine, prompt_ids, max_new_tokens, cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    done = _read_cache(path)
-    todo = [i for i in range(len(prompt_ids)) if i not in done]
+    done, bad = read_jsonl_log(path, "index")
+    if bad:
+        print(f"self-generate: skipped {bad} corrupt line(s) of {path}", file=sys.stderr)
+    done = {i: r for i, r in done.items() if isinstance(i, int) and 0 <= i < len(prompt_ids)
+            and r["prompt_ids"] == prompt_ids[i]}
+    todo = collections.deque(Job(i, prompt_ids[i], SamplingParams(max_new_tokens=max_new_tokens))
+                             for i in range(len(prompt_ids)) if i not in done)
     if todo:
-        model, eos = engine.model, engine.tokenizer.eos_token_id
-        limit = engine.context_window
-        params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-        rows = min(batch_size, len(todo))
-        capacity = min(limit, max(len(prompt_ids[i]) for i in todo) + max_new_tokens + 1)
-        cache = KVCache.for_model(model, rows, capacity)
-        free, active = list(range(rows)), []  # cache rows; (prompt index, Sequence)
-        queue = list(todo)
-        n_done, n_tokens = 0, 0
-        with open(path, "a", encoding="utf-8") as f, torch.inference_mode():
-            while queue or active:
-                newcomers = []
-                while queue and free:  # refill finished rows at once (continuous batching)
-                    i = queue.pop(0)
-                    if len(prompt_ids[i]) + max_new_tokens > capacity:
-                        raise ValueError(f"prompt {i} ({len(prompt_ids[i])} tokens) + {max_new_tokens} new tokens "
-                                         f"exceeds the context window of {limit}")
-                    seq = Sequence(prompt_ids[i], Strategy("ntp", 1), params, MaskProposer(),
-                                   slot=free.pop(), eos_ids=engine.loaded.eos_ids)
-                    cache.reset(seq.slot)
-                    newcomers.append((i, seq))
-                # prompts get their own pass (long blocks), so the others' passes stay one token wide
-                with model.base_only():
-                    for group in (newcomers, [a for a in active if not a[1].finished]):
-                        if group:
-                            decode_step(model, cache, [s for _, s in group], engine.mask_id)
-                active += newcomers
-                for i, seq in [a for a in active if a[1].finished]:
-                    resp = seq.output + ([eos] if seq.finish_reason == "stop" and eos is not None else [])
-                    f.write(json.dumps({"index": i, "prompt_ids": seq.prompt_ids, "response_ids": resp}) + "\n")
-                    f.flush()
-                    done[i] = Example(seq.prompt_ids, resp)
-                    free.append(seq.slot)
-                    n_done += 1
-                    n_tokens += len(resp)
-                    if progress and (n_done % max(1, rows) == 0 or not queue):
-                        print(f"self-generate: {len(done)}/{len(prompt_ids)} answers "
-                              f"({n_tokens / n_done:.0f} tokens avg) -> {path}", file=sys.stderr, flush=True)
-                active = [a for a in active if not a[1].finished]
-    return [done[i] for i in range(len(prompt_ids))]
+        capacity = max(len(j.prompt_ids) for j in todo) + max_new_tokens + 1
+        if capacity - 1 > engine.context_window:
+            worst = max(todo, key=lambda j: len(j.prompt_ids))
+            raise ValueError(f"prompt {worst.key} ({len(worst.prompt_ids)} tokens) + {max_new_tokens} new tokens "
+                             f"exceeds the context window of {engine.context_window}")
+        n_tokens = [0]
+        with open(path, "a", encoding="utf-8") as f:
+            def finish(job, seq):
+                rec = {"index": job.key, "prompt_ids": job.prompt_ids, "response_ids": response_of(engine, seq)}
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                done[job.key] = rec
+                n_tokens[0] += len(rec["response_ids"])
+                if progress and (len(done) % max(1, batch_size) == 0 or len(done) == len(prompt_ids)):
+                    print(f"self-generate: {len(done)}/{len(prompt_ids)} answers -> {path}",
+                          file=sys.stderr, flush=True)
+
+            generate(engine, todo, min(batch_size, len(todo)), finish, capacity)
+    return [Example(done[i]["prompt_ids"], done[i]["response_ids"]) for i in range(len(prompt_ids))]
 
 
 def write_examples(examples: list[Example], path) -> None:

@@ -1,6 +1,6 @@
-"""`mtp train`: turn a next-token model into a multi-token predictor by online self-distillation.
+"""Mask-token self-distillation (`mtp train`): a next-token model becomes a multi-token predictor.
 
-Student-forced distillation with a hard teacher (Kirchenbauer et al., arXiv 2602.06019; PAPER.md B):
+Student-forced online distillation with a hard teacher (Kirchenbauer et al., arXiv 2602.06019):
   1. each training sequence (prompt + response, ground truth) gets several mask spans: span s sits
      after prefix position p_s and predicts k_s tokens (k_s ~ U[2, k_max]): the model's own
      prediction at p_s, then one per `<mtp_mask>` token (k_s - 1 masks);
@@ -11,30 +11,27 @@ Student-forced distillation with a hard teacher (Kirchenbauer et al., arXiv 2602
   4. loss at depth j: cross-entropy of the student against the teacher's argmax (hard), or its
      whole distribution (soft), weighted by the teacher's probability of the proposal prefix
      prod_{i<j} P_T(y'_i | x + y'_<i); `ground-truth` instead uses the data's tokens, unweighted.
-Checkpoints (adapter + AdamW state in safetensors, step and settings in JSON) are written
-atomically into --out every --save-every steps; `--resume` continues bit for bit, because every
-step's batch and span layout are a pure function of (seed, step).
+The optimisation loop, checkpoints and resume are `mtp.training.trainer`'s; every step's batch and
+span layout are a pure function of (seed, step), so a resumed run continues bit for bit.
 """
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
-from mtp.core.adapter import (MODES, TARGETS, WEIGHTS, adapter_files, add_adapters, load_trainable,
-                      write_dir_atomic)
+from mtp.core.adapter import (MODES, TARGETS, WEIGHTS, adapter_files, add_adapters, is_adapter_dir,
+                              load_trainable)
+from mtp.core.artifacts import load_safetensors, replaceable, write_dir_atomic
 from mtp.training.data import Example
+from mtp.training.trainer import Trainer, TrainerConfig, distributed
 
-OPTIMIZER = "optimizer.safetensors"
-STATE = "trainer_state.json"
 TEACHERS = ("hard", "soft", "ground-truth")
 # settings that must match when resuming (they shape the model, the data or the optimisation)
 RESUME_KEYS = ("mode", "rank", "alpha", "targets", "seed", "teacher", "k_max", "spans", "seq_len", "batch_size",
@@ -287,14 +284,6 @@ def agreement_by_depth(agree: torch.Tensor, batch: Batch, k_max: int) -> list[fl
     return out
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10 % of --lr at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
-
-
 def batch_indices(step: int, n: int, batch_size: int, seed: int, rank: int, world: int) -> list[int]:
     """The examples of `step` for this process: a stream of seeded epoch permutations, cut in steps."""
     gb = batch_size * world
@@ -306,31 +295,6 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int, rank: int, worl
     return out
 
 
-def _dist():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist, dist.get_rank(), dist.get_world_size()
-    return None, 0, 1
-
-
-def optimizer_tensors(opt: torch.optim.Optimizer, params: list) -> dict[str, torch.Tensor]:
-    out = {"rng.cpu": torch.get_rng_state()}
-    for i, p in enumerate(params):
-        for k, v in opt.state.get(p, {}).items():
-            out[f"{i}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
-    return out
-
-
-def load_optimizer_tensors(opt: torch.optim.Optimizer, params: list, tensors: dict[str, torch.Tensor]) -> None:
-    for i, p in enumerate(params):
-        state = {k.split(".", 1)[1]: v.to(p.device) if k.split(".", 1)[1] != "step" else v
-                 for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
-        if state:
-            opt.state[p] = state
-    if "rng.cpu" in tensors:
-        torch.set_rng_state(tensors["rng.cpu"])
-
-
 def prepare_examples(examples: list[Example], seq_len: int) -> list[Example]:
     """Keep examples with a prompt that fits --seq-len and at least 2 response tokens inside it."""
     kept = [ex for ex in examples if len(ex.prompt_ids) + 2 <= seq_len and len(ex.response_ids) >= 2]
@@ -339,107 +303,77 @@ def prepare_examples(examples: list[Example], seq_len: int) -> list[Example]:
     return kept
 
 
-def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int | None = None,
-          progress: bool | None = None, _kill_after: int | None = None) -> dict:
-    """Train (or resume) in place on `model` (a base Transformer); return the final trainer state."""
+def check_config(cfg: TrainConfig, model) -> None:
     if cfg.teacher not in TEACHERS:
         raise ValueError(f"unknown --teacher {cfg.teacher!r}; choose from {', '.join(TEACHERS)}")
     if cfg.mode not in MODES:
         raise ValueError(f"unknown --mode {cfg.mode!r}; choose from {', '.join(MODES)}")
     if cfg.k_max < 2:
         raise ValueError("--k-max must be >= 2")
-    if cfg.spans < 1 or cfg.batch_size < 1 or cfg.steps < 1:
-        raise ValueError("--spans, --batch-size and --steps must be >= 1")
+    if cfg.spans < 1 or cfg.batch_size < 1 or cfg.steps < 1 or cfg.save_every < 1 or cfg.log_every < 1:
+        raise ValueError("--spans, --batch-size, --steps, --save-every and --log-every must be >= 1")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)) or cfg.warmup < 0:
+        raise ValueError("--lr must be a finite number > 0 and --warmup >= 0")
     if cfg.seq_len > model.config.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's context window {model.config.max_seq_len}")
-    dist, rank, world = _dist()
+
+
+def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int | None = None,
+          progress: bool | None = None, on_step=None) -> dict:
+    """Train (or resume) in place on `model` (a base Transformer); return the final trainer state.
+
+    --out is both the adapter and the checkpoint (`mtp.training.trainer`); with --export a
+    float16 adapter-only copy is written at the end. on_step(step): see `Trainer.run`."""
+    check_config(cfg, model)
+    dist, rank, world = distributed()
     out = Path(cfg.out)
+    replaceable(out, is_adapter_dir)  # before any work: never overwrite what mtp did not write
+    if cfg.export:
+        replaceable(Path(cfg.export), is_adapter_dir)
     examples = prepare_examples(examples, cfg.seq_len)
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
     settings["n_examples"] = len(examples)
     settings["world"] = world
-    state = {"step": 0, "history": [], "wall_s": 0.0}
-    if cfg.resume:
-        old = out.parent / f".{out.name}.old"  # killed between write_dir_atomic's two renames
-        if not out.exists() and (old / STATE).exists():
-            os.replace(old, out)
-        if not (out / STATE).exists():
-            raise ValueError(f"--resume: no checkpoint in {out}")
-        state = json.loads((out / STATE).read_text())
-        for k in RESUME_KEYS:
-            if state["settings"].get(k) != settings.get(k):
-                raise ValueError(f"--resume: {k} was {state['settings'].get(k)!r} in {out}, now {settings.get(k)!r}")
-    elif (out / STATE).exists():
-        raise ValueError(f"{out} already holds a training run: pass --resume or another --out")
 
     torch.manual_seed(cfg.seed)
     params = add_adapters(model, cfg.rank, cfg.alpha, tuple(cfg.targets), cfg.mode, n_used_tokens)
     mask_id = model.config.mask_token_id
     teacher_model = copy.deepcopy(model).requires_grad_(False) if cfg.mode == "full" else None
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
-    if cfg.resume:
-        from safetensors.torch import load_file
-        load_trainable(model, load_file(str(out / WEIGHTS)))
-        load_optimizer_tensors(opt, params, load_file(str(out / OPTIMIZER)))
-    model.train()
     student = model
     if dist is not None:
-        from torch.nn.parallel import DistributedDataParallel
         student = DistributedDataParallel(model, device_ids=None if cfg.device == "cpu" else [model.device])
     dev = model.device
     use_amp = dev.type == "cuda"
     split = cfg.mode == "gated" and not cfg.full_layout
+
+    def step_fn(step: int):
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + rank)
+        idx = batch_indices(step, len(examples), cfg.batch_size, cfg.seed, rank, world)
+        batch = make_batch([examples[i] for i in idx], mask_id, cfg.spans, cfg.k_max, cfg.seq_len, gen)
+        s_logits, proposals, t_logits = forward_pair(student, model, teacher_model, batch, cfg.teacher,
+                                                     split, use_amp)
+        loss, agree = distill_loss(s_logits, t_logits, _to(batch, dev), cfg.teacher, proposals)
+        agree_d = agreement_by_depth(agree.cpu(), batch, cfg.k_max)
+        return loss, {"agree": [None if a is None else round(a, 4) for a in agree_d[:6]],
+                      "tokens": batch.n_tokens * world, "predictions": int(batch.valid.sum()) * world}
+
+    def files_fn():
+        meta = {"step": trainer.state["step"], "training": settings, "wall_s": round(trainer.state["wall_s"], 1)}
+        return adapter_files(model, meta)
+
+    def load_fn(ckpt: Path):
+        load_trainable(model, load_safetensors(ckpt / WEIGHTS))
+
     if progress is None:
         progress = sys.stderr.isatty() and rank == 0
-    bar = _Progress(cfg, state["step"]) if progress else None
-
-    def checkpoint(step: int):
-        if rank == 0:
-            state.update(step=step, settings=settings)
-            meta = {"step": step, "training": settings, "wall_s": round(state["wall_s"], 1)}
-            files = adapter_files(model, meta)
-            files[OPTIMIZER] = optimizer_tensors(opt, params)
-            files[STATE] = state
-            write_dir_atomic(out, files)
-        if dist is not None:
-            dist.barrier()
-
-    step = state["step"]
+    trainer = Trainer(TrainerConfig(cfg.steps, cfg.lr, cfg.warmup, cfg.save_every, cfg.log_every, clip_norm=1.0),
+                      params, opt, out, step_fn, files_fn, load_fn, settings, RESUME_KEYS, is_adapter_dir,
+                      describe=describe, progress=progress)
+    model.train()
     try:
-        while step < cfg.steps:
-            t0 = time.perf_counter()
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + rank)
-            idx = batch_indices(step, len(examples), cfg.batch_size, cfg.seed, rank, world)
-            batch = make_batch([examples[i] for i in idx], mask_id, cfg.spans, cfg.k_max, cfg.seq_len, gen)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, cfg)
-            s_logits, proposals, t_logits = forward_pair(student, model, teacher_model, batch, cfg.teacher,
-                                                         split, use_amp)
-            loss, agree = distill_loss(s_logits, t_logits, _to(batch, dev), cfg.teacher, proposals)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            dt = time.perf_counter() - t0
-            state["wall_s"] += dt
-            agree_d = agreement_by_depth(agree.cpu(), batch, cfg.k_max)
-            rec = {"step": step, "loss": round(float(loss.detach()), 5), "lr": lr_at(step - 1, cfg),
-                   "agree": [None if a is None else round(a, 4) for a in agree_d[:6]],
-                   "tokens_per_s": round(batch.n_tokens * world / dt, 1)}
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                state["history"].append(rec)
-                if bar is None and rank == 0:
-                    print(_line(rec), file=sys.stderr, flush=True)
-            if bar is not None:
-                bar.update(rec)
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                checkpoint(step)
-            if _kill_after is not None and step >= _kill_after:
-                raise KeyboardInterrupt  # tests: a kill between checkpoints
+        state = trainer.run(cfg.resume, on_step)
     finally:
-        if bar is not None:
-            bar.close()
         model.eval()
     if dist is not None:  # DDP keeps replicas identical; prove it
         sums = torch.stack([p.detach().double().sum() for p in params]).cpu()
@@ -450,7 +384,8 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
         state["world"] = world
     if cfg.export and rank == 0:
         write_dir_atomic(Path(cfg.export), adapter_files(
-            model, {"step": step, "training": settings, "wall_s": round(state["wall_s"], 1)}, dtype=torch.float16))
+            model, {"step": state["step"], "training": settings, "wall_s": round(state["wall_s"], 1)},
+            dtype=torch.float16), kind=is_adapter_dir)
     return state
 
 
@@ -458,130 +393,9 @@ def _to(batch: Batch, dev) -> Batch:
     return Batch(**{k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in batch.__dict__.items()})
 
 
-def _line(rec: dict) -> str:
-    # agreement with the teacher's argmax: own = the model's next token, m1 = the first mask, ...
+def describe(rec: dict) -> str:
+    """A log line: loss, agreement with the teacher's argmax per depth (own = the model's next
+    token, m1 = the first mask, ...), tokens/s."""
     ag = " ".join(f"{'own' if d == 0 else f'm{d}'}={a:.2f}" for d, a in enumerate(rec["agree"]) if a is not None)
-    return f"step {rec['step']} loss {rec['loss']:.4f} agree {ag} {rec['tokens_per_s']:.0f} tok/s"
-
-
-class _Progress:
-    """rich progress bar: loss, per-depth agreement (d1 = the model's own token), tokens/s."""
-
-    def __init__(self, cfg: TrainConfig, start: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-        self.p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                          TextColumn("{task.fields[info]}"), transient=False)
-        self.task = self.p.add_task("train", total=cfg.steps, completed=start, info="")
-        self.p.start()
-
-    def update(self, rec: dict):
-        self.p.update(self.task, completed=rec["step"], info=_line(rec).split(" ", 2)[2])
-
-    def close(self):
-        self.p.stop()
-
-
-# ---------------------------------------------------------------------------------------------- CLI
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("train", help="self-distil an MTP adapter (mask token + gated LoRA)",
-                       description="Student-forced online self-distillation (PAPER.md part B).")
-    p.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file, or smollm2-135m (default)")
-    p.add_argument("--data", help="JSONL of prompts (e.g. $MTP_DATA_DIR/gsm8k/train.jsonl)")
-    p.add_argument("--examples", help="JSONL of token ids {prompt_ids, response_ids} (e.g. a self-generate cache)")
-    p.add_argument("--prompt-field", default="question")
-    p.add_argument("--response-field", default=None, help="field holding the response (else --self-generate)")
-    p.add_argument("--self-generate", action="store_true", help="responses = the model's own greedy answers")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="length cap of self-generated answers")
-    p.add_argument("--gen-batch-size", type=int, default=16, help="sequences generated at once")
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (per process under torchrun)")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha")
-    p.add_argument("--targets", default=",".join(TARGETS), help="projections with LoRA")
-    p.add_argument("--k-max", type=int, default=16, help="span length k ~ U[2, K_MAX]")
-    p.add_argument("--spans", type=int, default=5, help="mask spans per sequence")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (longer ones are cut)")
-    p.add_argument("--teacher", default="hard", choices=TEACHERS)
-    p.add_argument("--mode", default="gated", choices=MODES)
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--out", required=True, help="adapter + checkpoint directory")
-    p.add_argument("--export", default=None, help="also write a float16 adapter-only copy here at the end")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out (same settings)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu | cuda (under torchrun: each process its own GPU)")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    from mtp.training.data import build_examples, load_examples, load_prompts
-    from mtp.core.engine import Engine, EngineConfig
-    if bool(args.data) == bool(args.examples):
-        raise ValueError("give exactly one of --data FILE or --examples FILE")
-    if args.data and not args.self_generate and not args.response_field:
-        raise ValueError("--data needs --response-field FIELD or --self-generate")
-    device = args.device
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        import torch.distributed as dist
-        if device.startswith("cuda"):
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device available")
-    try:
-        prompts = load_prompts(args.data, args.prompt_field, args.response_field, args.limit) if args.data else None
-        examples = load_examples(args.examples) if args.examples else None
-        if examples is not None and args.limit:
-            examples = examples[: args.limit]
-        engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=device))
-        if prompts is not None:
-            _, rank, _ = _dist()
-            d = _dist()[0]
-            if d is not None and rank != 0:
-                d.barrier()  # rank 0 generates (and caches) first; the others then read its cache
-            examples = build_examples(engine, prompts, args.self_generate, args.max_new_tokens,
-                                      args.gen_batch_size, progress=rank == 0)
-            if d is not None and rank == 0:
-                d.barrier()
-        ctx = engine.context_window
-        too_long = [i for i, ex in enumerate(examples) if len(ex.prompt_ids) >= ctx]
-        if too_long:
-            raise ValueError(f"example {too_long[0]} is longer than the context window ({ctx} tokens)")
-        cfg = TrainConfig(
-            out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
-            mode=args.mode, rank=args.rank, alpha=args.alpha, targets=tuple(args.targets.split(",")),
-            k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,
-            save_every=args.save_every, seed=args.seed, resume=args.resume, device=device,
-            log_every=args.log_every, export=args.export,
-            meta={"model": args.model, "data": Path(args.data or args.examples).name,
-                  "self_generate": bool(args.self_generate), "limit": args.limit})
-        cfg_meta = dict(cfg.meta)
-        t0 = time.perf_counter()
-        state = train(cfg, engine.model, examples, n_used_tokens=len(engine.tokenizer))
-        if _dist()[0] is not None:
-            _dist()[0].barrier()  # nobody tears the group down while a peer still talks (gloo aborts)
-        if _dist()[1] == 0:
-            last = state["history"][-1] if state["history"] else {}
-            print(f"trained {state['step']} steps in {time.perf_counter() - t0:.0f} s "
-                  f"(total {state['wall_s']:.0f} s); last: {_line(last) if last else '-'}; adapter -> {cfg.out} "
-                  f"[{cfg_meta['data']}, {len(examples)} examples]"
-                  + (f"; {state['world']} processes, replicas in sync: {state['ranks_in_sync']}"
-                     if "ranks_in_sync" in state else ""), file=sys.stderr)
-    finally:
-        d = _dist()[0]
-        if d is not None:
-            d.destroy_process_group()
-            if sys.exc_info()[0] is None:
-                # gloo's worker threads can abort the interpreter's own shutdown ("terminate called
-                # without an active exception", SIGABRT) after a run that finished cleanly: leave now.
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)
-    return 0
+    return (f"loss {rec['loss']:.4f} agree {ag} {rec['tokens'] / rec['step_s']:.0f} tok/s "
+            f"{rec['predictions'] / rec['step_s']:.0f} predictions/s")

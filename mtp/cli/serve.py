@@ -1,0 +1,82 @@
+"""`mtp serve`: the OpenAI-compatible server (`mtp.serving.app`) with its flags."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mtp.cli.options import add_model_args, add_sampling_args, check_decoding_args, engine_config
+from mtp.core.costmodel import CostModel, measured_cost
+from mtp.core.engine import Engine
+from mtp.serving.config import ServeConfig
+from mtp.serving.scheduler import SchedulerConfig
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and shadow mode")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV-cache rows)")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="prompt + max_tokens per request (default: min(context window, 1024))")
+    p.add_argument("--max-cache-tokens", type=int, default=0,
+                   help="admission budget: sum of prompt + max_tokens + K over running requests "
+                        "(default max-batch x max-model-len)")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="cap K per pass with the cost model when proposals do not pay (default on)")
+    p.add_argument("--cost-model", default=None, help="cost-model JSON from `mtp bench --profile` "
+                                                       "(default: measured at start-up)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="largest request body accepted (HTTP 413 above it; default 4 MiB)")
+    p.add_argument("--max-prompt-chars", type=int, default=0,
+                   help="largest prompt in characters, checked before tokenising (default 32 x max-model-len)")
+    p.add_argument("--shadow-rate", type=float, default=0.0, help="fraction of MTP requests re-decoded with ntp")
+    p.add_argument("--shadow-log", default="mtp-shadow.jsonl", help="JSONL log of shadow comparisons")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=run)
+
+
+def build_config(args, context_window: int) -> ServeConfig:
+    max_len = args.max_model_len or min(context_window, 1024)
+    if max_len > context_window:
+        raise ValueError(f"--max-model-len {max_len} exceeds the model's context window {context_window}")
+    sched = SchedulerConfig(max_batch=args.max_batch, max_model_len=max_len, max_cache_tokens=args.max_cache_tokens,
+                            adaptive=args.adaptive)
+    return ServeConfig(model_name=args.served_model_name or args.model, strategy=args.strategy,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       max_tokens=args.max_new_tokens, stop=list(args.stop or []), seed=args.seed,
+                       api_key=args.api_key, shadow_rate=args.shadow_rate, shadow_log=args.shadow_log,
+                       max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, scheduler=sched)
+
+
+def run(args) -> int:
+    # the server's modules need the optional [serve] dependencies (fastapi, uvicorn): imported here, so
+    # every other command works without them
+    from mtp.serving.app import create_app, serve_app
+
+    check_decoding_args(args)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    build_config(args, 1 << 30)  # every server flag (API key, shadow log, limits) before the model loads
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(message)s")
+    engine = Engine.load(engine_config(args))
+    config = build_config(args, engine.context_window)
+    pass_time = None
+    if config.scheduler.adaptive:
+        if args.cost_model:
+            pass_time = CostModel.load(args.cost_model).pass_time
+        elif engine.can_propose():
+            print("mtp serve: measuring the pass-time cost model (--cost-model PATH skips this)...", file=sys.stderr)
+            cost = measured_cost(engine.model, config.scheduler.max_batch)
+            pass_time = cost.pass_time
+            print("mtp serve: t(q) ms: " + ", ".join(f"{q}:{1000 * t:.0f}" for q, t in cost.points.items()),
+                  file=sys.stderr)
+    app = create_app(engine, config, pass_time)
+    print(f"mtp serve: {config.model_name} on http://{args.host}:{args.port}/v1 (strategy {config.strategy}, "
+          f"max batch {config.scheduler.max_batch})", file=sys.stderr)
+    return serve_app(app, args.host, args.port, args.log_level, args.shutdown_timeout)

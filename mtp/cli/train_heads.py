@@ -1,0 +1,86 @@
+"""`mtp train-heads`: train DeepSeek-style MTP heads on the frozen model's cached hidden states."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from mtp.cli.options import check_device, check_threads
+from mtp.core import loading
+from mtp.core.artifacts import replaceable
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.proposers.heads import CONFIG, HeadsConfig
+from mtp.training import data
+from mtp.training.heads_train import CHECKPOINT, TrainHeadsConfig, cached_features, is_heads_dir, train_heads
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train-heads", help="train DeepSeek-style MTP heads on the frozen model's hidden states",
+                       description="Self-distil MTP heads: the targets are the base model's own greedy answers; "
+                                   "its hidden states are computed once and cached, then the heads train on them.")
+    p.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file, or smollm2-135m (default)")
+    p.add_argument("--data", required=True, help="JSONL file of prompts (e.g. $MTP_DATA_DIR/gsm8k/train.jsonl)")
+    p.add_argument("--prompt-field", default="question")
+    p.add_argument("--response-field", default="answer", help="used when not --self-generate")
+    p.add_argument("--self-generate", action="store_true",
+                   help="targets = the model's own greedy answers (cached on disk); default: the data's responses")
+    p.add_argument("--limit", type=int, default=200, help="number of prompts to use")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="length of self-generated answers")
+    p.add_argument("--gen-batch-size", type=int, default=16, help="prompts per batch when self-generating")
+    p.add_argument("--depths", type=int, default=2, help="D: tokens guessed per pass (1..8)")
+    p.add_argument("--blocks", type=int, default=0, help="L: transformer blocks per depth (0 = projection only)")
+    p.add_argument("--width", type=int, default=0, help="block width (0 = the model's width)")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=256, help="token positions per step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of answers held out for evaluation")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="draft only from the N most frequent target tokens: cheaper drafting (0 = all)")
+    p.add_argument("--out", required=True, help="output directory (config.json + heads.safetensors)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=None, help="answers and hidden-state cache (default $MTP_CACHE_DIR or "
+                                                     "~/.cache/mtp)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=run_train_heads)
+
+
+def run_train_heads(args) -> int:
+    cfg = TrainHeadsConfig(depths=args.depths, blocks=args.blocks, width=args.width, steps=args.steps,
+                           batch_size=args.batch_size, lr=args.lr, save_every=args.save_every,
+                           val_fraction=args.val_fraction, seed=args.seed, draft_vocab=args.draft_vocab)
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    out = Path(args.out)
+    replaceable(out, is_heads_dir)  # never overwrite what mtp did not write
+    if not args.resume and ((out / CONFIG).exists() or (out / CHECKPOINT).exists()):
+        raise ValueError(f"{out} already holds heads; pass --resume to continue or choose another --out")
+    check_threads(args.threads)
+    check_device(args.device)
+    prompts = data.load_prompts(args.data, args.prompt_field, None if args.self_generate else args.response_field,
+                                args.limit)
+    engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=args.device))
+    HeadsConfig.for_model(engine.model.config, cfg.depths, cfg.blocks, cfg.width)  # bad sizes fail before work
+    t0 = time.perf_counter()
+    # the same call as `mtp train` makes, so both share the self-generated answers on disk
+    examples = data.build_examples(engine, prompts, args.self_generate, args.max_new_tokens, args.gen_batch_size,
+                                   Path(args.cache_dir) / "selfgen" if args.cache_dir else None)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else loading.cache_root()
+    print(f"{len(examples)} examples ready in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    t0 = time.perf_counter()
+
+    def progress(i, n):
+        print(f"\rhidden states {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+
+    feats, path = cached_features(engine.model, examples, cache_dir, progress=progress)
+    agree = feats["agree"].float().mean().item()
+    print(f"{len(feats['hidden']):,} rows of hidden states in {time.perf_counter() - t0:.0f}s ({path}); "
+          f"trunk agrees with the targets on {agree:.1%} of rows", file=sys.stderr)
+    meta = {"model": args.model, "data": Path(args.data).name, "self_generate": args.self_generate,
+            "limit": args.limit, "max_new_tokens": args.max_new_tokens}
+    train_heads(engine.model, feats, cfg, out, resume=args.resume, meta=meta,
+                log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"heads written to {out}")
+    return 0

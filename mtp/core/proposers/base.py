@@ -1,0 +1,56 @@
+"""Where proposals for the next tokens come from.
+
+A proposer answers two questions for the decoding loop (mtp.core.decode):
+1. `n_appended(k, drafts)`: how many extra tokens to append to the next pass's block so that this pass
+   also yields guesses (mask tokens append k-1 masks, and under `verify` one such group per possible
+   number of accepted drafts; heads and prompt lookup append nothing);
+2. `propose(...)`: after the pass, the guesses for the tokens that follow the model's own token,
+   with a confidence each (top-1 probability) and, under sampling, the distribution they came from.
+The strategy decides what to do with the guesses: emit them unverified (`static`, `conf_adapt`) or
+send them as drafts to be checked by the next pass (`verify`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_MASK_GROUPS = 8  # mask groups a branched `verify` pass carries at most (see MaskProposer)
+
+
+def max_appended(k: int) -> int:
+    """The most tokens any proposer appends to a pass of block size k (sizes KV-cache slack)."""
+    return (k - 1) * MAX_MASK_GROUPS
+
+
+@dataclass
+class Guesses:
+    tokens: list[int]
+    confidences: list[float]  # top-1 probability of each guess's own distribution
+    probs: torch.Tensor | None = None  # [n, V] distributions sampled from (None = greedy/deterministic)
+
+    @classmethod
+    def none(cls) -> "Guesses":
+        return cls([], [], None)
+
+
+@dataclass
+class PassView:
+    """What one row's forward pass produced, as a proposer needs it."""
+    context: list[int]  # prompt + every token decided so far, the model's own token included
+    mask_logits: torch.Tensor  # [M, V] logits at the appended mask positions (M may be 0)
+    hidden: torch.Tensor | None  # [dim] last-layer hidden state at the last accepted input position
+    masks_valid: bool  # False when the masks sat after a rejected draft (they predict from a wrong prefix)
+
+
+class Proposer:
+    name = "base"
+    needs_hidden = False
+    has_confidence = True
+
+    def n_appended(self, k: int, drafts: int = 0) -> int:
+        """Tokens appended to a pass of block size k that checks `drafts` drafts."""
+        return 0
+
+    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
+        raise NotImplementedError

@@ -1,0 +1,269 @@
+"""DeepSeek-style MTP heads: small modules that guess the tokens after the next one from the trunk's
+last hidden state, and the proposer that drafts with them (no extra trunk pass).
+
+Depth d (DeepSeek-V3) takes the previous depth's hidden state h_{d-1} (h_0 = the trunk's
+last-layer hidden state, before the final norm) and the embedding of the token that follows it,
+and returns h_d, read out through the base model's *shared* final norm and output head:
+
+    h_d = Out(Blocks(Proj([RMSNorm(h_{d-1}) ; RMSNorm(embed(t_d))])))   # Proj: 2*dim -> width
+    p_d = softmax(lm_head(norm(h_d)))                                    # guess for t_{d+1}
+
+Size knobs: `blocks` (L; 0 = the projection alone), `width` (< dim: the blocks run narrower and
+`Out` projects back to dim) and `depths` (D, each chained on the previous one's hidden state and
+token, so the causal chain is kept). The blocks are `mtp.core.model.Block`s at `width`.
+
+A head block attends only to its own position (each position is a length-1 sequence), so the
+heads need no KV cache of their own and decoding runs them on the one hidden state the verifying
+pass already produced. With one key the attention weights are 1, so q/k are inert: a block acts
+as v/o projections plus an MLP. A heads directory holds `config.json` (format `mtp-heads`, sizes,
+the base weights' hash) and `heads.safetensors`; training lives in `mtp.training.heads_train`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp.core.artifacts import base_hash, check_trained_on, load_safetensors, read_json
+from mtp.core.model import Block, Linear, ModelConfig, RMSNorm, Transformer
+from mtp.core.proposers.base import Guesses, PassView, Proposer
+from mtp.core.sampling import pick
+
+FORMAT = "mtp-heads"
+WEIGHTS = "heads.safetensors"
+CONFIG = "config.json"
+MAX_AHEAD = 8  # the feature cache stores this many tokens ahead of each row (so depths <= 8)
+
+
+@dataclass
+class HeadsConfig:
+    dim: int  # the base model's width
+    depths: int = 1  # D: guesses per pass
+    blocks: int = 0  # L: transformer blocks per depth (0 = projection only)
+    width: int = 0  # block width (0 = dim)
+    n_heads: int = 0  # attention heads of a block (0 = width // the base model's head_dim)
+    intermediate_size: int = 0  # MLP width of a block (0 = base's, scaled by width / dim)
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.depths < 1 or self.depths > MAX_AHEAD:
+            raise ValueError(f"--depths must be in 1..{MAX_AHEAD}, got {self.depths}")
+        if self.blocks < 0:
+            raise ValueError(f"--blocks must be >= 0, got {self.blocks}")
+        if self.width < 0 or self.width > self.dim:
+            raise ValueError(f"--width must be in 1..{self.dim} (the model width), got {self.width}")
+        if self.blocks == 0 or self.width == 0:  # projection only: straight to the model width
+            self.width = self.dim
+        if self.blocks and (self.n_heads < 1 or self.width % self.n_heads or (self.width // self.n_heads) % 2):
+            raise ValueError(f"width {self.width} does not split into {self.n_heads} attention heads "
+                             "of even size")
+
+    @classmethod
+    def for_model(cls, model_cfg: ModelConfig, depths=1, blocks=0, width=0) -> "HeadsConfig":
+        """Derive block shapes from the base model: head size kept, MLP scaled with the width."""
+        w = width or model_cfg.dim
+        n_heads = max(1, w // model_cfg.head_dim)
+        while n_heads > 1 and (w % n_heads or (w // n_heads) % 2):
+            n_heads -= 1
+        inter = max(1, round(model_cfg.intermediate_size * w / model_cfg.dim))
+        return cls(dim=model_cfg.dim, depths=depths, blocks=blocks, width=width, n_heads=n_heads,
+                   intermediate_size=inter, norm_eps=model_cfg.norm_eps)
+
+    def block_config(self) -> ModelConfig:
+        return ModelConfig(vocab_size=1, dim=self.width, n_layers=0, n_heads=self.n_heads, n_kv_heads=self.n_heads,
+                           intermediate_size=self.intermediate_size, norm_eps=self.norm_eps)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HeadsConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def label(self) -> str:
+        if self.blocks == 0:
+            return f"linear x{self.depths}"
+        w = "" if self.width == self.dim else f" @{self.width}"
+        return f"{self.blocks} block{'s' if self.blocks > 1 else ''}{w} x{self.depths}"
+
+
+class MTPHead(nn.Module):
+    """One depth: (h_{d-1} [N, dim], embed(t_d) [N, dim]) -> h_d [N, dim]."""
+
+    def __init__(self, cfg: HeadsConfig):
+        super().__init__()
+        self.norm_h = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm_e = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.proj = Linear(2 * cfg.dim, cfg.width, bias=False)
+        bcfg = cfg.block_config()
+        self.blocks = nn.ModuleList(Block(bcfg) for _ in range(cfg.blocks))
+        self.out = Linear(cfg.width, cfg.dim, bias=False) if cfg.width != cfg.dim else None
+        self.head_dim = bcfg.head_dim
+        if cfg.width == cfg.dim:  # start from "h_d = h_{d-1}": the trunk's own readout, not noise
+            with torch.no_grad():
+                self.proj.weight[:, :cfg.dim].copy_(torch.eye(cfg.dim))
+                self.proj.weight[:, cfg.dim:].mul_(0.1)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        x = self.proj(torch.cat([self.norm_h(h), self.norm_e(emb.to(h.dtype))], dim=-1))  # [N, width]
+        if self.blocks:
+            x = x.unsqueeze(1)  # [N, 1, width]: every position is its own length-1 sequence
+            one = x.new_ones(1, 1, 1, self.head_dim)  # RoPE at position 0: cos 1, sin 0
+            for block in self.blocks:
+                x = block(x, one, one * 0, None)
+            x = x.squeeze(1)
+        return self.out(x) if self.out is not None else x  # [N, dim]
+
+
+class MTPHeads(nn.Module):
+    """D chained depths. Holds no reference to the base model: embedding and readout are passed in."""
+
+    def __init__(self, cfg: HeadsConfig):
+        super().__init__()
+        self.config = cfg
+        self.depths = nn.ModuleList(MTPHead(cfg) for _ in range(cfg.depths))
+        self.draft_vocab: torch.Tensor | None = None  # [Vd] token ids drafts are drawn from (None = all)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, model: Transformer, hidden: torch.Tensor, tokens: torch.Tensor, readout=None) -> list:
+        """Teacher-forced chain (training). hidden: [N, dim] trunk states h_0; tokens: [N, D] where
+        tokens[:, d-1] is the token after the row's position for depth d (-1 = none, any id works).
+        Returns D logits tensors [N, V]: depth d's guess for the token after tokens[:, d-1]."""
+        readout = readout or (lambda h: model.lm_head(model.norm(h)))
+        out, h = [], hidden
+        for d, head in enumerate(self.depths):
+            h = head(h, model.embed_tokens(tokens[:, d].clamp(min=0)))
+            out.append(readout(h))
+        return out
+
+
+def bf16_readout(model: Transformer, rows: torch.Tensor | None = None):
+    """The shared final norm + output head with the head matrix in bfloat16: on CPUs with bf16
+    matrix units this is ~4x faster than float32, and drafting is dominated by this one matmul.
+    rows: only these output rows (the draft vocabulary) -> logits [N, len(rows)]."""
+    w = model.lm_head.weight.detach()
+    w = (w if rows is None else w[rows.to(w.device)]).to(torch.bfloat16)  # [V or Vd, dim]
+
+    def readout(h):  # h: [N, dim] -> [N, V] float32
+        return F.linear(model.norm(h).to(torch.bfloat16), w).float()
+
+    return readout
+
+
+class HeadsProposer(Proposer):
+    """Guesses from MTP heads on the hidden state the verifying pass already produced (no trunk pass).
+
+    `propose` chains up to k-1 depths from view.hidden (the last accepted position's state, whose
+    prediction is view.context[-1]): depth 1 sees that token, depth d the guess of depth d-1.
+    With a draft vocabulary (`--draft-vocab N`, the N most frequent target tokens; FR-Spec's idea)
+    the readout scores only those rows of the output head: drafting gets ~V/N times cheaper, and
+    `verify` stays lossless (a draft outside it is simply never proposed; under sampling the
+    proposal distribution is zero there, which rejection sampling handles exactly).
+    `draft_s` / `draft_calls` accumulate the drafting time, for the benchmarks."""
+    name = "heads"
+    needs_hidden = True
+    has_confidence = True
+
+    def __init__(self, model: Transformer, heads: MTPHeads, readout_dtype: str = "bfloat16"):
+        self.model, self.heads = model, heads.eval().requires_grad_(False)
+        if readout_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"readout_dtype must be bfloat16 or float32, got {readout_dtype!r}")
+        vocab = heads.draft_vocab
+        mid = model.config.mask_token_id
+        if vocab is not None and mid is not None:
+            vocab = vocab[vocab != mid]
+        self.vocab = vocab  # [Vd] or None
+        if readout_dtype == "bfloat16":
+            self.readout = bf16_readout(model, vocab)
+        else:
+            w = model.lm_head.weight if vocab is None else model.lm_head.weight[vocab.to(model.device)]
+            self.readout = lambda h: F.linear(model.norm(h), w).float()
+        self.draft_s, self.draft_calls = 0.0, 0
+
+    @property
+    def depths(self) -> int:
+        return self.heads.config.depths
+
+    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
+        n = min(k - 1, self.depths)
+        if n <= 0 or view.hidden is None:
+            return Guesses.none()
+        t0 = time.perf_counter()
+        dev = self.model.device
+        mid = self.model.config.mask_token_id
+        h = view.hidden.to(dev, self.model.embed_tokens.weight.dtype).view(1, -1)  # [1, dim]
+        tok = torch.tensor([view.context[-1]], device=dev)  # [1]
+        tokens, confs, dists = [], [], []
+        with torch.inference_mode():
+            for head in self.heads.depths[:n]:
+                h = head(h, self.model.embed_tokens(tok))
+                logits = self.readout(h).cpu()  # [1, V], or [1, Vd] over the draft vocabulary
+                if self.vocab is None and mid is not None and mid < logits.shape[-1]:
+                    logits[:, mid] = float("-inf")
+                t, probs = pick(logits, params, gen)
+                if self.vocab is not None:  # back to token ids / full-vocabulary distributions
+                    t = self.vocab[t]
+                    if probs is not None:
+                        full = probs.new_zeros(1, self.model.lm_head.weight.shape[0])
+                        probs = full.index_copy_(1, self.vocab, probs)
+                tokens.append(int(t[0]))
+                confs.append(float(torch.softmax(logits, -1).max()))
+                if probs is not None:
+                    dists.append(probs)
+                tok = t.to(dev)
+        self.draft_s += time.perf_counter() - t0
+        self.draft_calls += 1
+        return Guesses(tokens, confs, torch.cat(dists) if dists else None)
+
+
+def heads_files(heads: MTPHeads, model: Transformer, meta: dict | None = None) -> dict:
+    tensors = dict(heads.state_dict())
+    if heads.draft_vocab is not None:
+        tensors["draft_vocab"] = heads.draft_vocab.cpu()
+    cfg = {"format": FORMAT, "version": 1, **asdict(heads.config), "n_params": heads.n_params(),
+           "draft_vocab": 0 if heads.draft_vocab is None else len(heads.draft_vocab),
+           "vocab_size": model.config.vocab_size, "base_hash": base_hash(model), "meta": meta or {}}
+    return {WEIGHTS: tensors, CONFIG: cfg}
+
+
+def read_heads_config(path) -> dict:
+    path = Path(path)
+    if not (path / CONFIG).exists():
+        raise ValueError(f"no {CONFIG} in heads directory {path}")
+    cfg = read_json(path / CONFIG, "heads config")
+    if cfg.get("format") != FORMAT:
+        raise ValueError(f"{path / CONFIG} is not an mtp heads config")
+    return cfg
+
+
+def load_heads(model: Transformer, path) -> MTPHeads:
+    """Heads saved in `path`, checked against the base model (same weights hash), on its device."""
+    path = Path(path)
+    cfg = read_heads_config(path)
+    check_trained_on(model, cfg, path, "heads", WEIGHTS)
+    try:
+        heads = MTPHeads(HeadsConfig.from_dict(cfg))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path / CONFIG}: bad heads sizes ({str(e).splitlines()[0]})") from None
+    state = load_safetensors(path / WEIGHTS)
+    vocab = state.pop("draft_vocab", None)
+    if vocab is not None:
+        if vocab.dtype != torch.int64 or vocab.dim() != 1 or not len(vocab) \
+                or int(vocab.max()) >= model.lm_head.weight.shape[0]:
+            raise ValueError(f"draft_vocab in {path} is not a list of this model's token ids")
+        heads.draft_vocab = vocab
+    try:
+        heads.load_state_dict({k: v.float() for k, v in state.items()})
+    except RuntimeError as e:
+        raise ValueError(f"heads tensors in {path} do not match their config: {str(e).splitlines()[0]}")
+    w = model.embed_tokens.weight
+    return heads.to(w.device, w.dtype).eval().requires_grad_(False)
+
+
+def load_heads_proposer(model: Transformer, path, readout_dtype: str = "bfloat16") -> HeadsProposer:
+    """What `Engine.load` calls for `--proposer heads`; the base model is not modified."""
+    return HeadsProposer(model, load_heads(model, path), readout_dtype)

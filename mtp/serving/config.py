@@ -1,0 +1,53 @@
+"""What `mtp serve` is configured with, checked when built (before any model loads): the request
+defaults, authentication, shadow mode and the limits on what one request may carry."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy
+from mtp.serving.scheduler import SchedulerConfig
+from mtp.serving.shadow import check_log_path
+
+MAX_BODY_BYTES = 4 << 20  # default request body limit (HTTP 413 above it)
+PROMPT_CHARS_PER_TOKEN = 32  # default prompt character limit = this x max_model_len (checked before tokenising)
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
+
+
+@dataclass
+class ServeConfig:
+    model_name: str = "smollm2-135m"  # the id clients pass as `model`
+    strategy: str = "ntp"  # default when a request has no `mtp.strategy`
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 128  # default when a request has no `max_tokens`
+    stop: list[str] = field(default_factory=list)  # default when a request has no `stop`
+    seed: int | None = None  # default when a request has no `seed`
+    api_key: str | None = None
+    shadow_rate: float = 0.0
+    shadow_log: str = "mtp-shadow.jsonl"
+    shadow_seed: int = 0
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_prompt_chars: int = 0  # 0 = PROMPT_CHARS_PER_TOKEN x scheduler.max_model_len
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        Strategy.parse(self.strategy)
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                       max_new_tokens=max(1, self.max_tokens))
+        if not 0 <= self.shadow_rate <= 1:
+            raise ValueError(f"--shadow-rate must be in [0, 1], got {self.shadow_rate}")
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_tokens}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty (an unset variable?); give a key, or leave the flag out "
+                             "for no authentication")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_prompt_chars < 0:
+            raise ValueError(f"--max-prompt-chars must be >= 0, got {self.max_prompt_chars}")
+        if not self.max_prompt_chars:
+            self.max_prompt_chars = PROMPT_CHARS_PER_TOKEN * self.scheduler.max_model_len
+        if self.shadow_rate > 0:
+            check_log_path(self.shadow_log)

@@ -1,0 +1,375 @@
+"""The data engine (`mtp data`): the model's own answers to many, varied prompts, for both trainers.
+
+Sources (each optional):
+- GSM8K training prompts (`--gsm8k FILE`; a test split is refused);
+- self-instruct tasks (`--self-instruct DIR|FILE`): every instance becomes a prompt (the instruction,
+  then its input);
+- prompts the model writes itself (`--self-written N`): N sampled requests "write one new task like
+  these three", the three drawn from the training split of the self-instruct tasks; the replies are
+  cleaned and deduplicated (against each other and the human tasks: word-set Jaccard >= 0.7);
+- any JSONL of prompts (`--prompts FILE`, field `prompt`).
+Every non-GSM8K source is split: a stable hash of the task (self-instruct) or of the text (others)
+puts `--heldout-fraction` of it in `OUT/heldout/<source>.jsonl` (prompts only, for `mtp bench
+--data prompts:...`), which no training run reads (`mtp train` refuses held-out paths by name).
+
+Answers are greedy `ntp`, `--max-new-tokens` at most, through the one batching loop
+(`mtp.training.data.generate`: full batches, finished rows refilled at once), appended to
+`OUT/train.jsonl` as `{"id", "source", "category", "prompt_ids", "response_ids", "finish"}` (the
+format `mtp train --examples` reads) and flushed line by line. A killed run resumes where it stopped
+with nothing duplicated or lost: lines are keyed by prompt id; a torn last line is cut, a corrupt
+line skipped and counted; the work order is a pure function of the settings (`OUT/manifest.json`,
+which a resume must match). `OUT/card.json` / `card.md` describe the result (answers and tokens per
+source, the length histogram, how many answers the length limit cut).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from mtp.core.artifacts import ArtifactError, base_hash, read_json
+from mtp.core.sampling import SamplingParams
+from mtp.training.data import Job, generate, load_prompts, read_jsonl_log, response_of
+
+TRAIN = "train.jsonl"
+INSTRUCTIONS = "instructions.jsonl"
+MANIFEST = "manifest.json"
+HELDOUT = "heldout"
+SELF_INSTRUCT_FILES = ("seed_tasks.jsonl", "user_oriented_instructions.jsonl")
+FEW_SHOT = ("Here are three example tasks that a user might give an AI assistant:\n\n1. {0}\n2. {1}\n3. {2}\n\n"
+            "Write one new task of your own, different from these three. Reply with the task only, "
+            "in one or two sentences.")
+DUPLICATE_JACCARD = 0.7
+
+
+@dataclass
+class DataConfig:
+    out: str
+    gsm8k: str | None = None
+    self_instruct: str | None = None
+    prompts: str | None = None
+    self_written: int = 0
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 768
+    heldout_fraction: float = 0.2
+    batch_size: int = 32
+    seed: int = 0
+    limit: int | None = None  # at most this many prompts per file source (smoke runs)
+
+    def __post_init__(self):
+        if not (self.gsm8k or self.self_instruct or self.prompts or self.self_written):
+            raise ValueError("no source: give --gsm8k, --self-instruct, --prompts and/or --self-written N")
+        if self.self_written and not self.self_instruct:
+            raise ValueError("--self-written needs --self-instruct (its tasks are the examples the model imitates)")
+        if self.self_written < 0 or self.max_new_tokens < 1 or self.batch_size < 1 or self.max_prompt_tokens < 1:
+            raise ValueError("--self-written must be >= 0; --max-new-tokens, --max-prompt-tokens, --batch-size >= 1")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+
+
+@dataclass
+class Prompt:
+    id: str
+    source: str  # gsm8k | self_instruct | self_written | prompts
+    text: str
+    category: str = ""
+    group: str = ""  # what the held-out split hashes (a task: all its instances on one side)
+    meta: dict = field(default_factory=dict)
+
+
+def stable_fraction(key: str, seed: int) -> float:
+    """A number in [0, 1) fixed by (key, seed): the split and the work order never depend on runs."""
+    h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2 ** 64
+
+
+def is_heldout(p: Prompt, cfg: DataConfig) -> bool:
+    return p.source != "gsm8k" and stable_fraction("heldout:" + (p.group or p.text), cfg.seed) < cfg.heldout_fraction
+
+
+def read_self_instruct(path) -> list[Prompt]:
+    """Prompts from self-instruct task files (a folder holding them, or one file)."""
+    path = Path(path)
+    files = [path / f for f in SELF_INSTRUCT_FILES if (path / f).exists()] if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"--self-instruct {path}: no task files ({', '.join(SELF_INSTRUCT_FILES)})")
+    out = []
+    for f in files:
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                task = json.loads(line)
+                instruction, instances = task["instruction"].strip(), task.get("instances") or [{}]
+                tid = str(task.get("id", f"{f.stem}-{n}"))
+            except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+                raise ValueError(f"{f.name} line {n}: not a self-instruct task (instruction, instances)") from None
+            category = str(task.get("motivation_app") or task.get("name") or "")
+            for i, inst in enumerate(instances):
+                given = (inst.get("input") or "").strip() if isinstance(inst, dict) else ""
+                text = instruction + (f"\n\n{given}" if given else "")
+                out.append(Prompt(f"si-{tid}-{i}", "self_instruct", text, category, group=tid,
+                                  meta={"instruction": instruction}))
+    if not out:
+        raise ValueError(f"--self-instruct {path}: no tasks")
+    return out
+
+
+def normalise(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def clean_instruction(text: str) -> str | None:
+    """The task in a model's reply to FEW_SHOT, or None when the reply is not a usable task."""
+    for line in text.strip().splitlines():
+        line = re.sub(r"^\s*(\d+[.)]|[-*]|(new )?task( \d+)?:|instruction:)\s*", "", line.strip(), flags=re.I)
+        if line:
+            words = line.split()
+            return line if 4 <= len(words) <= 60 else None
+    return None
+
+
+class Deduplicator:
+    """Near-duplicate test over word sets (Jaccard >= DUPLICATE_JACCARD)."""
+
+    def __init__(self, texts=()):
+        self.sets: list[frozenset] = []
+        self.exact: set[str] = set()
+        for t in texts:
+            self.add(t)
+
+    def seen(self, text: str) -> bool:
+        norm = normalise(text)
+        if norm in self.exact:
+            return True
+        words = frozenset(norm.split())
+        return any(len(words & s) >= DUPLICATE_JACCARD * len(words | s) for s in self.sets)
+
+    def add(self, text: str) -> None:
+        norm = normalise(text)
+        self.exact.add(norm)
+        self.sets.append(frozenset(norm.split()))
+
+
+def file_prompts(cfg: DataConfig) -> list[Prompt]:
+    out: list[Prompt] = []
+    if cfg.gsm8k:
+        rows = load_prompts(cfg.gsm8k, "question", None, cfg.limit)
+        out += [Prompt(f"gsm8k-{i}", "gsm8k", r["prompt"], "math word problems") for i, r in enumerate(rows)]
+    if cfg.self_instruct:
+        out += read_self_instruct(cfg.self_instruct)[: cfg.limit]
+    if cfg.prompts:
+        rows = load_prompts(cfg.prompts, "prompt", None, cfg.limit)
+        out += [Prompt(f"p-{i}", "prompts", r["prompt"]) for i, r in enumerate(rows)]
+    return out
+
+
+def manifest(cfg: DataConfig, engine) -> dict:
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "batch_size")}
+    for k in ("gsm8k", "self_instruct", "prompts"):
+        keep[k] = Path(keep[k]).name if keep[k] else None
+    return {"format": "mtp-data", "version": 1, "base_hash": base_hash(engine.model), **keep}
+
+
+def write_heldout(out: Path, prompts: list[Prompt]) -> dict[str, int]:
+    """Held-out prompts per source as JSONL for `mtp bench --data prompts:FILE`; returns counts."""
+    by_source: dict[str, list[Prompt]] = collections.defaultdict(list)
+    for p in prompts:
+        by_source[p.source].append(p)
+    (out / HELDOUT).mkdir(parents=True, exist_ok=True)
+    for source, rows in by_source.items():
+        tmp = out / HELDOUT / f".{source}.jsonl.tmp"
+        tmp.write_text("".join(json.dumps({"id": p.id, "category": p.category, "prompt": p.text}) + "\n"
+                               for p in rows), encoding="utf-8")
+        tmp.replace(out / HELDOUT / f"{source}.jsonl")
+    return {s: len(r) for s, r in by_source.items()}
+
+
+def run(engine, cfg: DataConfig, progress: bool | None = None, log=None) -> dict:
+    """Generate (or resume) the data set in cfg.out; return its card."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"{out} exists and is not a directory")
+    want = manifest(cfg, engine)
+    if (out / MANIFEST).exists():
+        have = read_json(out / MANIFEST, "data manifest")
+        diff = [k for k in want if have.get(k) != want[k]]
+        if diff:
+            raise ValueError(f"{out} holds a data set made with other settings ({diff[0]}: {have.get(diff[0])!r}, "
+                             f"now {want[diff[0]]!r}); choose another --out")
+    elif out.exists() and any(out.iterdir()):
+        raise ArtifactError(f"{out} is not empty and not an mtp data set; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).write_text(json.dumps(want, indent=1))
+
+    prompts = file_prompts(cfg)
+    train = [p for p in prompts if not is_heldout(p, cfg)]
+    heldout = [p for p in prompts if is_heldout(p, cfg)]
+    done, bad = read_jsonl_log(out / TRAIN, "id")
+    written, bad_w = read_jsonl_log(out / INSTRUCTIONS, "id")
+    if bad or bad_w:
+        log(f"data: skipped {bad + bad_w} corrupt line(s)")
+
+    # self-written prompts: replay the instruction log in file order (what was kept, and where)
+    human = [p.meta["instruction"] for p in prompts if p.source == "self_instruct"]
+    examples = sorted({p.meta["instruction"] for p in train if p.source == "self_instruct"})
+    dedup = Deduplicator(human)
+    written_kept: list[Prompt] = []
+
+    def judge(key: str, text: str) -> Prompt | None:
+        task = clean_instruction(text)
+        if task is None or dedup.seen(task):
+            return None
+        dedup.add(task)
+        return Prompt(key, "self_written", task, "self-written", group=normalise(task))
+
+    for key, rec in written.items():
+        p = judge(key, rec.get("text", ""))
+        if p is not None:
+            written_kept.append(p)
+    heldout += [p for p in written_kept if is_heldout(p, cfg)]
+
+    chat = lambda text: engine.encode(text, chat=True)  # noqa: E731
+    greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+    skipped = collections.Counter()
+
+    def answer_job(p: Prompt) -> Job | None:
+        ids = chat(p.text)
+        if len(ids) > cfg.max_prompt_tokens:
+            skipped[p.source] += 1
+            return None
+        return Job(p.id, ids, greedy, {"source": p.source, "category": p.category})
+
+    answers = [answer_job(p) for p in train + [p for p in written_kept if not is_heldout(p, cfg)]
+               if p.id not in done]
+    answers = sorted((j for j in answers if j is not None), key=lambda j: stable_fraction("order:" + j.key, cfg.seed))
+    writes = []
+    if examples and cfg.self_written:
+        for j in range(cfg.self_written):
+            key = f"sw-{j}"
+            if key in written:
+                continue
+            rng = random.Random(cfg.seed * 1_000_003 + j)
+            text = FEW_SHOT.format(*rng.sample(examples, 3))
+            writes.append(Job(key, chat(text), SamplingParams(temperature=0.9, top_p=0.95, seed=cfg.seed * 7919 + j,
+                                                               max_new_tokens=96), {"kind": "instruction"}))
+    # one queue: the model's own prompts spread evenly among the answers (a partial run is a fair mix)
+    queue: collections.deque = collections.deque()
+    step = max(1, (len(answers) + len(writes)) // max(1, len(writes))) if writes else 0
+    wi = iter(writes)
+    for i, j in enumerate(answers):
+        if writes and i % step == 0:
+            queue.extend(x for x in [next(wi, None)] if x is not None)
+        queue.append(j)
+    queue.extend(wi)
+    write_heldout(out, heldout)
+    total = len(done) + len(answers)
+    log(f"data: {len(done)} answers on disk, {len(answers)} to generate, {len(writes)} prompts for the model "
+        f"to write; held out: {len(heldout)} prompts -> {out / HELDOUT}")
+    if not queue:
+        return write_card(out, cfg, skipped)
+
+    tokens = {"n": 0}
+    t0 = time.perf_counter()
+    bar = None
+    if progress if progress is not None else sys.stderr.isatty():
+        bar = Progress(TextColumn("data"), BarColumn(), TextColumn("{task.completed}/{task.total} answers"),
+                       TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+        task = bar.add_task("data", total=total, completed=len(done), info="")
+        bar.start()
+    last_log = [time.perf_counter()]
+    with open(out / TRAIN, "a", encoding="utf-8") as f_train, \
+            open(out / INSTRUCTIONS, "a", encoding="utf-8") as f_written, \
+            open(out / HELDOUT / "self_written.jsonl", "a", encoding="utf-8") as f_held:
+        def finish(job: Job, seq) -> None:
+            if job.meta.get("kind") == "instruction":
+                text = engine.decode_text(seq.output)
+                f_written.write(json.dumps({"id": job.key, "prompt_ids": job.prompt_ids,
+                                            "response_ids": list(seq.output), "text": text}) + "\n")
+                f_written.flush()
+                p = judge(job.key, text)
+                if p is None:
+                    return
+                if is_heldout(p, cfg):
+                    f_held.write(json.dumps({"id": p.id, "category": p.category, "prompt": p.text}) + "\n")
+                    f_held.flush()
+                    return
+                nxt = answer_job(p)
+                if nxt is not None:
+                    queue.append(nxt)  # answered as soon as a row frees up
+                    if bar is not None:
+                        bar.update(task, total=bar.tasks[0].total + 1)
+                return
+            rec = {"id": job.key, **job.meta, "prompt_ids": job.prompt_ids, "response_ids": response_of(engine, seq),
+                   "finish": seq.finish_reason}
+            f_train.write(json.dumps(rec) + "\n")
+            f_train.flush()
+            done[job.key] = rec
+            rate = tokens["n"] / max(time.perf_counter() - t0, 1e-9)
+            if bar is not None:
+                bar.update(task, completed=len(done), info=f"{tokens['n']:,} tokens, {rate:.0f} tokens/s")
+            elif time.perf_counter() - last_log[0] > 30:
+                last_log[0] = time.perf_counter()
+                log(f"data: {len(done)} answers, {tokens['n']:,} tokens generated, {rate:.0f} tokens/s")
+
+        def on_pass(n: int) -> None:
+            tokens["n"] += n
+
+        try:
+            generate(engine, queue, cfg.batch_size, finish, cfg.max_prompt_tokens + cfg.max_new_tokens + 1, on_pass)
+        finally:
+            if bar is not None:
+                bar.stop()
+    return write_card(out, cfg, skipped)
+
+
+def write_card(out: Path, cfg: DataConfig, skipped: dict | None = None) -> dict:
+    """card.json and card.md: answers and tokens per source, length histogram, answers cut short."""
+    done, bad = read_jsonl_log(out / TRAIN, "id")
+    per: dict[str, dict] = {}
+    edges = [0, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 1 << 30]
+    hist = [0] * (len(edges) - 1)
+    for rec in done.values():
+        s = per.setdefault(rec.get("source", "?"), {"answers": 0, "response_tokens": 0, "prompt_tokens": 0, "cut": 0})
+        n = len(rec["response_ids"])
+        s["answers"] += 1
+        s["response_tokens"] += n
+        s["prompt_tokens"] += len(rec["prompt_ids"])
+        s["cut"] += rec.get("finish") == "length"
+        hist[next(i for i in range(len(hist)) if n < edges[i + 1])] += 1
+    heldout = {}
+    for f in sorted((out / HELDOUT).glob("*.jsonl")) if (out / HELDOUT).exists() else []:
+        heldout[f.stem] = sum(1 for line in f.read_text(encoding="utf-8").splitlines() if line.strip())
+    written, _ = read_jsonl_log(out / INSTRUCTIONS, "id")
+    card = {"answers": sum(s["answers"] for s in per.values()),
+            "response_tokens": sum(s["response_tokens"] for s in per.values()),
+            "cut_by_length_limit": sum(s["cut"] for s in per.values()), "max_new_tokens": cfg.max_new_tokens,
+            "by_source": per, "length_histogram": {f"{edges[i]}-{edges[i + 1] - 1 if edges[i + 1] < 1 << 30 else ''}": c
+                                                   for i, c in enumerate(hist) if c or i < len(hist) - 1},
+            "heldout_prompts": heldout, "self_written_requests": len(written),
+            "skipped_prompts_too_long": dict(skipped or {}), "corrupt_lines_skipped": bad}
+    (out / "card.json").write_text(json.dumps(card, indent=1))
+    lines = [f"# Data card: {out.name}", "",
+             f"{card['answers']:,} answers, {card['response_tokens']:,} response tokens; "
+             f"{card['cut_by_length_limit']:,} cut by the {cfg.max_new_tokens}-token limit.", "",
+             "| source | answers | response tokens | mean length | cut |", "| --- | --- | --- | --- | --- |"]
+    for name, s in sorted(per.items()):
+        lines.append(f"| {name} | {s['answers']:,} | {s['response_tokens']:,} | "
+                     f"{s['response_tokens'] / max(s['answers'], 1):.0f} | {s['cut']:,} |")
+    lines += ["", "| response length | answers |", "| --- | --- |"]
+    lines += [f"| {k} | {v:,} |" for k, v in card["length_histogram"].items()]
+    lines += ["", "Held out (prompts only, never trained on): "
+              + (", ".join(f"{k} {v}" for k, v in heldout.items()) or "none")]
+    (out / "card.md").write_text("\n".join(lines) + "\n")
+    return card

@@ -1,0 +1,206 @@
+"""The one optimisation loop: both `mtp train` (mask-token distillation) and `mtp train-heads` run it.
+
+A family (distillation, heads) brings its parameters, its loss for step s (`step_fn(s)`, a pure
+function of the seed and s, so a resumed run sees exactly the batches an uninterrupted one
+would), the files that make its checkpoint loadable on their own (`files_fn`), and the settings
+that must match to resume. The trainer owns everything else, written once:
+- the learning-rate schedule (`lr_at`: linear warm-up, cosine decay to a tenth of --lr);
+- AdamW state in safetensors (`optimizer_tensors` / `load_optimizer_tensors`) and the RNG state;
+- the checkpoint: a directory replaced atomically (`mtp.core.artifacts`) holding the family's
+  files, `optimizer.safetensors` and `trainer_state.json` (step, settings, history, wall time),
+  every `save_every` steps, at the end, and on Ctrl-C between steps;
+- resume: refuse a checkpoint made with other settings, naming the setting; refuse to start over
+  a checkpoint without --resume; recover a checkpoint a kill left at `.NAME.old`;
+- progress: a rich bar on a terminal, else one line every `log_every` steps;
+- several processes (DDP): rank 0 writes, the others wait at a barrier.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as torch_dist
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from mtp.core.artifacts import load_safetensors, read_json, write_dir_atomic
+
+OPTIMIZER = "optimizer.safetensors"
+STATE = "trainer_state.json"
+
+
+def lr_at(step: int, lr: float, warmup: int, steps: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 10 % of `lr` at the last step."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def distributed() -> tuple[object | None, int, int]:
+    """(torch.distributed or None, rank, world size) of this process."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist, torch_dist.get_rank(), torch_dist.get_world_size()
+    return None, 0, 1
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, params: list) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state by parameter index, and the CPU RNG state."""
+    out = {"rng.cpu": torch.get_rng_state()}
+    for i, p in enumerate(params):
+        for k, v in opt.state.get(p, {}).items():
+            out[f"{i}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    return out
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, params: list, tensors: dict[str, torch.Tensor]) -> None:
+    for i, p in enumerate(params):
+        state = {k.split(".", 1)[1]: v.to(p.device) if k.split(".", 1)[1] != "step" else v
+                 for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
+        if state:
+            opt.state[p] = state
+    if "rng.cpu" in tensors:
+        torch.set_rng_state(tensors["rng.cpu"])
+
+
+@dataclass
+class TrainerConfig:
+    steps: int
+    lr: float
+    warmup: int
+    save_every: int
+    log_every: int = 10
+    clip_norm: float | None = None  # clip the gradient's global norm (None: no clipping)
+    what: str = "training run"  # named in messages ("OUT already holds a training run")
+
+
+@dataclass
+class Trainer:
+    """Run `config.steps` optimizer steps of `step_fn` over `params` with `opt`, checkpointed in `ckpt`.
+
+    step_fn(step) -> (loss, record): the loss to minimise at `step` and a dict of numbers to log.
+    files_fn() -> {name: content}: the family's own files of a checkpoint (`write_files` format).
+    load_fn(tensors_by_file): restore the family's tensors from a checkpoint being resumed.
+    settings: what must match when resuming (`resume_keys` of them are checked).
+    kind(path): recognises a checkpoint directory this trainer may replace (`artifacts.replaceable`).
+    describe(record) -> str: one log line's text after "step N/M".
+    on_step(step): called after every completed step (tests interrupt runs with it)."""
+    config: TrainerConfig
+    params: list
+    opt: torch.optim.Optimizer
+    ckpt: Path
+    step_fn: Callable[[int], tuple[torch.Tensor, dict]]
+    files_fn: Callable[[], dict]
+    load_fn: Callable[[Path], None]
+    settings: dict
+    resume_keys: tuple
+    kind: Callable[[Path], bool]
+    describe: Callable[[dict], str] = lambda rec: f"loss {rec['loss']:.4f}"
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    progress: bool = False
+    state: dict = field(default_factory=lambda: {"step": 0, "history": [], "wall_s": 0.0})
+
+    # ---- starting and resuming -----------------------------------------------------------------
+    def start(self, resume: bool) -> int:
+        """Check the checkpoint directory (and load it when resuming); return the first step."""
+        ckpt = self.ckpt
+        if resume:
+            old = ckpt.parent / f".{ckpt.name}.old"  # killed between the atomic save's two renames
+            if not ckpt.exists() and (old / STATE).exists():
+                os.replace(old, ckpt)
+            if not (ckpt / STATE).exists():
+                raise ValueError(f"--resume: no checkpoint in {ckpt}")
+            state = read_json(ckpt / STATE, "trainer state")
+            for k in self.resume_keys:
+                was, now = state.get("settings", {}).get(k), self.settings.get(k)
+                if was != now:
+                    raise ValueError(f"--resume: {k} was {was!r} in {ckpt}, now {now!r} (the checkpoint was made "
+                                     f"with other --{k.replace('_', '-')})")
+            self.state = state
+            self.load_fn(ckpt)
+            load_optimizer_tensors(self.opt, self.params, load_safetensors(ckpt / OPTIMIZER))
+        elif (ckpt / STATE).exists():
+            raise ValueError(f"{ckpt.parent if ckpt.name == 'checkpoint' else ckpt} already holds a "
+                             f"{self.config.what}: pass --resume or another --out")
+        return self.state["step"]
+
+    def save(self, step: int) -> None:
+        dist, rank, _ = distributed()
+        if rank == 0:
+            self.state.update(step=step, settings=self.settings)
+            files = dict(self.files_fn())
+            files[OPTIMIZER] = optimizer_tensors(self.opt, self.params)
+            files[STATE] = self.state
+            write_dir_atomic(self.ckpt, files, kind=self.kind)
+        if dist is not None:
+            dist.barrier()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self, resume: bool = False, on_step: Callable[[int], None] | None = None) -> dict:
+        """Train from the checkpoint's step (or 0) to `config.steps`; return the trainer state."""
+        cfg = self.config
+        step = self.start(resume)
+        _, rank, _ = distributed()
+        bar = _Bar(cfg.steps, step) if self.progress and rank == 0 else None
+        stepping = False
+        try:
+            while step < cfg.steps:
+                t0 = time.perf_counter()
+                lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
+                for g in self.opt.param_groups:
+                    g["lr"] = lr
+                loss, rec = self.step_fn(step)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.params, cfg.clip_norm)
+                stepping = True
+                self.opt.step()
+                step += 1
+                stepping = False
+                dt = time.perf_counter() - t0
+                self.state["wall_s"] += dt
+                rec = {"step": step, "loss": round(float(loss.detach()), 5), "lr": lr, **rec,
+                       "step_s": round(dt, 4)}
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    self.state["history"].append(rec)
+                    if bar is None and rank == 0:
+                        self.log(f"step {step}/{cfg.steps} {self.describe(rec)} lr {lr:.2e} {dt:.2f} s/step")
+                if bar is not None:
+                    bar.update(step, self.describe(rec))
+                if step % cfg.save_every == 0 or step == cfg.steps:
+                    self.save(step)
+                if on_step is not None:
+                    on_step(step)
+        except KeyboardInterrupt:
+            dist, _, _ = distributed()
+            if not stepping and step > 0 and dist is None:  # weights are consistent after `step` steps
+                self.save(step)
+            self.log(f"interrupted after step {step}: checkpoint in {self.ckpt}; rerun with --resume")
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.state
+
+
+class _Bar:
+    """A rich progress bar with the latest record's line."""
+
+    def __init__(self, total: int, start: int):
+        self.p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                          TextColumn("{task.fields[info]}"), transient=False)
+        self.task = self.p.add_task("train", total=total, completed=start, info="")
+        self.p.start()
+
+    def update(self, step: int, info: str) -> None:
+        self.p.update(self.task, completed=step, info=info)
+
+    def close(self) -> None:
+        self.p.stop()
+
