@@ -203,7 +203,7 @@ def generate(engine, jobs, batch_size: int, on_finish, capacity: int | None = No
                     raise ValueError(f"prompt {job.key} ({len(job.prompt_ids)} tokens) + "
                                      f"{job.params.max_new_tokens} new tokens exceeds {capacity}")
                 seq = Sequence(list(job.prompt_ids), Strategy("ntp", 1), job.params, MaskProposer(),
-                               eos_ids=engine.loaded.eos_ids)
+                               eos_ids=engine.loaded.eos_ids, decode_text=engine.decode_text)
                 batch.add(seq)
                 running[id(seq)] = job
             emitted = batch.step()

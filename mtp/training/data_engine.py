@@ -4,9 +4,9 @@ Sources (each optional):
 - GSM8K training prompts (`--gsm8k FILE`; a test split is refused);
 - self-instruct tasks (`--self-instruct DIR|FILE`): every instance becomes a prompt (the instruction,
   then its input);
-- prompts the model writes itself (`--self-written N`): N sampled requests "write one new task like
-  these three", the three drawn from the training split of the self-instruct tasks; the replies are
-  cleaned and deduplicated (against each other and the human tasks: word-set Jaccard >= 0.7);
+- prompts the model writes itself (`--self-written N`): N sampled continuations of a numbered list
+  of three tasks (drawn from the training split of the self-instruct tasks) with a fourth; each
+  is cleaned and deduplicated (against each other and the human tasks: word-set Jaccard >= 0.7);
 - any JSONL of prompts (`--prompts FILE`, field `prompt`).
 Every non-GSM8K source is split: a stable hash of the task (self-instruct) or of the text (others)
 puts `--heldout-fraction` of it in `OUT/heldout/<source>.jsonl` (prompts only, for `mtp bench
@@ -44,9 +44,7 @@ INSTRUCTIONS = "instructions.jsonl"
 MANIFEST = "manifest.json"
 HELDOUT = "heldout"
 SELF_INSTRUCT_FILES = ("seed_tasks.jsonl", "user_oriented_instructions.jsonl")
-FEW_SHOT = ("Here are three example tasks that a user might give an AI assistant:\n\n1. {0}\n2. {1}\n3. {2}\n\n"
-            "Write one new task of your own, different from these three. Reply with the task only, "
-            "in one or two sentences.")
+FEW_SHOT = "Tasks that users give an AI assistant:\n1. {0}\n2. {1}\n3. {2}\n4."  # continued as plain text
 DUPLICATE_JACCARD = 0.7
 
 
@@ -130,13 +128,13 @@ def normalise(text: str) -> str:
 
 
 def clean_instruction(text: str) -> str | None:
-    """The task in a model's reply to FEW_SHOT, or None when the reply is not a usable task."""
-    for line in text.strip().splitlines():
-        line = re.sub(r"^\s*(\d+[.)]|[-*]|(new )?task( \d+)?:|instruction:)\s*", "", line.strip(), flags=re.I)
-        if line:
-            words = line.split()
-            return line if 4 <= len(words) <= 60 else None
-    return None
+    """The task the model wrote as item 4 of FEW_SHOT (its first line), or None when unusable."""
+    line = text.strip().split("\n", 1)[0].strip() if text.strip() else ""
+    line = re.sub(r"^\s*(\d+[.)]|[-*])\s*", "", line)
+    words = line.split()
+    if not 4 <= len(words) <= 60 or line.endswith(":"):
+        return None
+    return line
 
 
 class Deduplicator:
@@ -261,9 +259,9 @@ def run(engine, cfg: DataConfig, progress: bool | None = None, log=None) -> dict
             if key in written:
                 continue
             rng = random.Random(cfg.seed * 1_000_003 + j)
-            text = FEW_SHOT.format(*rng.sample(examples, 3))
-            writes.append(Job(key, chat(text), SamplingParams(temperature=0.9, top_p=0.95, seed=cfg.seed * 7919 + j,
-                                                               max_new_tokens=96), {"kind": "instruction"}))
+            ids = engine.encode(FEW_SHOT.format(*rng.sample(examples, 3)), chat=False)
+            writes.append(Job(key, ids, SamplingParams(temperature=0.9, top_p=0.95, seed=cfg.seed * 7919 + j,
+                                                       max_new_tokens=64, stop=["\n"]), {"kind": "instruction"}))
     # one queue: the model's own prompts spread evenly among the answers (a partial run is a fair mix)
     queue: collections.deque = collections.deque()
     step = max(1, (len(answers) + len(writes)) // max(1, len(writes))) if writes else 0
