@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from mtp.core.engine import Engine, EngineConfig
 from mtp.core.metrics import merge
@@ -25,8 +27,6 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
-    from rich.console import Console
-    from rich.table import Table
     console = Console()
     engines = {"mask": Engine.load(EngineConfig(model=args.model, threads=args.threads))}
     engines["lookup"] = Engine(engines["mask"].loaded, EngineConfig(model=args.model, proposer="lookup"))

@@ -107,7 +107,7 @@ def rouge_l(predictions: list[str], references: list[str]) -> float | None:
         raise ValueError(f"rouge_l: {len(predictions)} predictions against {len(references)} references")
     if not predictions:
         return None
-    from rouge_score import rouge_scorer
+    from rouge_score import rouge_scorer  # optional [bench] dependency: only ROUGE needs it
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     return sum(scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references)) / len(predictions)
 

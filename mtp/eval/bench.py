@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mtp.core import metrics
-from mtp.core.costmodel import best_k, block_tokens_for, measure
+from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedup
 from mtp.core.proposers import Proposer
 from mtp.eval import gsm8k, report
 from mtp.eval.peers import make_peer
@@ -328,7 +328,6 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 if row.strategy.kind == "conf_adapt" and common:
                     rec["oracle_tokens_per_forward"] = _oracle(ref, common, row.strategy)
                 if cost is not None and steady_blocks:
-                    from mtp.core.costmodel import predict_speedup
                     steady_chunks = [c for r in runs for c in r.chunks[1:]]
                     rec["predicted_speedup"] = predict_speedup(cost, metrics.tokens_per_forward(steady_chunks),
                                                                steady_blocks)

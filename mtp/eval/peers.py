@@ -15,6 +15,10 @@ import importlib.util
 import os
 
 import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from mtp.core import loading
 
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value
 LLAMACPP_LOOKUP_TOKENS = 2  # llama-cpp-python's advice for CPU-only machines (10 on GPU)
@@ -52,8 +56,6 @@ class HFPeer(Peer):
     lookup = 0
 
     def setup(self, engine) -> None:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
         src = engine.loaded.source
         if not os.path.isdir(src):
@@ -93,8 +95,7 @@ class LlamaCppPeer(Peer):
     lookup = 0
 
     def setup(self, engine) -> None:
-        from llama_cpp import Llama
-        from mtp.core import loading
+        from llama_cpp import Llama  # optional peer (pip install llama-cpp-python): imported when used
         path = loading.resolve(engine.loaded.name)
         if not (path.is_file() and path.suffix == ".gguf"):
             raise ValueError(f"{self.name} needs a .gguf model (the default smollm2-135m is one), not {path.name!r}")

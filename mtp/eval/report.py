@@ -30,7 +30,7 @@ def _quality(rec: dict, kind: str) -> tuple[float | None, str]:
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # optional [bench] dependency: only the report's plots need it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

@@ -11,13 +11,9 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:  # for the annotation only: the watchdog imports this module
-    from mtp.pipeline.watchdog import Watchdog
 
 # message header: [op, B, T, N, flags, cache_epoch, cache_rows, cache_capacity, delay_us, spare]
 HEADER = 10
@@ -68,7 +64,7 @@ class Link:
     """Point-to-point messages between stages: bounded waits, and the dialled-in delay before each
     message (a message = its header and payload tensors, sent back to back)."""
 
-    def __init__(self, rank: int, world: int, config: PipelineConfig, watchdog: Watchdog, device):
+    def __init__(self, rank: int, world: int, config: PipelineConfig, watchdog, device):
         self.rank, self.world, self.config, self.watchdog = rank, world, config, watchdog
         self.device = device  # where transported tensors live (CPU for gloo)
         self.delay_s = config.link_delay_ms / 1000.0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from mtp.core.artifacts import base_hash, has_format, load_safetensors, replaceable, write_dir_atomic
 from mtp.core.model import Transformer
@@ -92,7 +93,6 @@ def extract_features(model: Transformer, examples, batch_size: int = 8, progress
 
 def cached_features(model: Transformer, examples, cache_dir, batch_size: int = 8, progress=None) -> tuple[dict, Path]:
     """extract_features, computed once per (base model, examples) and kept as safetensors."""
-    from safetensors.torch import load_file, save_file  # noqa: F401
     path = Path(cache_dir) / "heads-features" / f"{features_key(model, examples)}.safetensors"
     if path.exists():
         feats = load_file(str(path))

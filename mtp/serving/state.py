@@ -1,0 +1,209 @@
+"""What the server knows between requests: the engine, the scheduler, the metrics, and how an
+OpenAI request becomes a scheduled `Request` (its checks: model name, sampling limits, strategy,
+context length, prompt text and size)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+
+from mtp.core.engine import Engine
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy
+from mtp.serving.config import ServeConfig
+from mtp.serving.openai import APIError, ChatRequest, CompletionRequest, _Common
+from mtp.serving.prometheus import ServerMetrics
+from mtp.serving.scheduler import Request, Scheduler, SchedulerClosed
+from mtp.serving.shadow import ShadowLog, compare
+
+log = logging.getLogger("mtp.serve")
+
+
+class ServerState:
+    def __init__(self, engine: Engine, config: ServeConfig, pass_time=None):
+        self.engine, self.config = engine, config
+        sc = config.scheduler
+        if sc.max_model_len > engine.context_window:  # never promise more than the model's window
+            sc.max_model_len = engine.context_window
+        self.scheduler = Scheduler(engine.model, engine.mask_id, config.scheduler, pass_time)
+        self.metrics = ServerMetrics()
+        self.shadow_log = ShadowLog(config.shadow_log) if config.shadow_rate > 0 else None
+        self.rng = random.Random(config.shadow_seed)
+        self.created = int(time.time())
+
+    # -- building a Sequence from a request
+    def sampling(self, body: _Common) -> SamplingParams:
+        stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else list(self.config.stop)
+        if len(stop) > 4:
+            raise APIError(400, "at most 4 stop sequences are supported", "stop")
+        if body.n not in (None, 1):
+            raise APIError(400, "only n=1 is supported", "n")
+        if body.logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        t = self.config.temperature if body.temperature is None else body.temperature
+        top_p = self.config.top_p if body.top_p is None else body.top_p
+        top_k = self.config.top_k if body.top_k is None else body.top_k
+        seed = self.config.seed if body.seed is None else body.seed
+        try:  # the limits every front end shares
+            return SamplingParams(temperature=t, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        except ValueError as e:
+            param = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param if param in ("temperature", "top_p", "top_k", "seed") else None) \
+                from None
+
+    def strategy(self, body: _Common) -> Strategy:
+        text = body.mtp.strategy if body.mtp and body.mtp.strategy is not None else self.config.strategy
+        try:
+            return Strategy.parse(text)  # K is capped there, for every front end
+        except ValueError as e:
+            raise APIError(400, str(e), "mtp.strategy") from None
+
+    def new_request(self, body: _Common, ids: list[int], max_tokens: int | None) -> Request:
+        if body.model is not None and body.model != self.config.model_name:
+            raise APIError(404, f"The model {body.model!r} does not exist; this server serves "
+                                f"{self.config.model_name!r}", "model", "model_not_found")
+        params = self.sampling(body)
+        strategy = self.strategy(body)
+        limit = self.config.scheduler.max_model_len
+        n = len(ids)
+        if n >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has {n}",
+                           "messages" if isinstance(body, ChatRequest) else "prompt", "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(self.config.max_tokens, limit - n)
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        if n + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt ({n}) + "
+                                f"max_tokens ({max_tokens}) exceed it", "max_tokens", "context_length_exceeded")
+        params.max_new_tokens = max_tokens
+        try:
+            seq = self.engine.new_sequence(ids, strategy, params)
+        except ValueError as e:
+            raise APIError(400, str(e), "mtp.strategy") from None
+        return Request(seq, adaptive=body.mtp.adaptive if body.mtp else True)
+
+    def check_text(self, text: str, param: str) -> str:
+        """Text a client sent: valid Unicode (no lone surrogates) and within the character limit,
+        checked before any tokenising."""
+        if len(text) > self.config.max_prompt_chars:
+            raise APIError(400, f"the prompt has {len(text)} characters, more than this server's limit of "
+                                f"{self.config.max_prompt_chars}", param, "context_length_exceeded")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the prompt is not valid UTF-8 text (it holds a lone surrogate)", param) from None
+        return text
+
+    def completion_ids(self, body: CompletionRequest) -> list[int]:
+        """Token ids of a completion request's prompt (call off the event loop: it tokenises)."""
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, "one prompt per request is supported", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, "prompt must not be empty", "prompt")
+            return self.engine.encode(self.check_text(p, "prompt"), chat=False)
+        if not p:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        vocab = self.engine.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab or t == self.engine.mask_id for t in p):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(p)
+
+    def chat_ids(self, body: ChatRequest) -> list[int]:
+        """Token ids of a chat request's messages with the chat template (call off the event loop)."""
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        messages, total = [], 0
+        for m in body.messages:
+            c = m.content
+            if isinstance(c, list):
+                try:
+                    texts = [part["text"] for part in c if part.get("type") == "text"]
+                except (KeyError, TypeError, AttributeError):
+                    raise APIError(400, "message content parts must be {'type': 'text', 'text': ...}",
+                                   "messages") from None
+                if not texts or not all(isinstance(x, str) for x in texts):
+                    raise APIError(400, "a message's content parts hold no text (only text parts are supported)",
+                                   "messages")
+                c = "".join(texts)
+            total += len(c or "")
+            if total > self.config.max_prompt_chars:
+                self.check_text("x" * total, "messages")  # the one message for the limit
+            messages.append({"role": m.role, "content": self.check_text(c or "", "messages")})
+        try:
+            return self.engine.encode(messages, chat=True)
+        except APIError:
+            raise
+        except Exception as e:  # details go to the log, not to the client
+            log.info("chat template failed: %s", e)
+            raise APIError(400, "cannot apply the model's chat template to these messages", "messages") from None
+
+    # -- running a request
+    def submit(self, req: Request, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+
+        def on_event(r, tokens, final):
+            if final:
+                self.metrics.finished(r)
+            with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+                loop.call_soon_threadsafe(q.put_nowait, (tokens, final))
+
+        req.on_event = on_event
+        try:
+            self.scheduler.submit(req)
+        except SchedulerClosed as e:
+            raise APIError(503, str(e), code="server_shutting_down", type="server_error") from None
+        except ValueError as e:
+            raise APIError(400, str(e), "max_tokens", "context_length_exceeded") from None
+        return q
+
+    def text(self, req: Request, tokens: list[int]) -> str:
+        seq = req.seq
+        return seq.text if seq.text is not None else self.engine.decode_text(tokens)
+
+    def mtp_summary(self, req: Request) -> dict:
+        s = req.seq.stats.summary(req.seq.strategy.k)
+        return {"strategy": str(req.seq.strategy), "forward_passes": s["forward_passes"],
+                "tokens_per_forward": round(s["tokens_per_forward"], 4),
+                "acceptance_by_position": [round(a, 4) for a in s["acceptance_by_position"]],
+                "capped_passes": req.capped_passes,
+                "queue_s": round((req.t_admitted or req.t_arrival) - req.t_arrival, 4),
+                "decode_s": round((req.t_finish or 0) - (req.t_admitted or 0), 4) if req.t_finish else None}
+
+    def maybe_shadow(self, req: Request) -> None:
+        """After the answer went out: decode the same prompt with ntp in the background and log it."""
+        seq = req.seq
+        if (self.shadow_log is None or seq.strategy.kind == "ntp" or seq.finish_reason not in ("stop", "length")
+                or self.rng.random() >= self.config.shadow_rate):
+            return
+        params = SamplingParams(temperature=seq.params.temperature, top_p=seq.params.top_p, top_k=seq.params.top_k,
+                                seed=seq.params.seed, max_new_tokens=seq.params.max_new_tokens,
+                                stop=list(seq.params.stop))
+        shadow = Request(self.engine.new_sequence(seq.prompt_ids, Strategy(), params), background=True)
+        primary = {"ids": list(seq.output), "text": self.text(req, seq.output),
+                   "latency": req.t_finish - req.t_admitted, "strategy": str(seq.strategy),
+                   "tpf": seq.stats.summary()["tokens_per_forward"], "id": req.id}
+
+        def on_event(r, tokens, final):
+            if not final or r.seq.finish_reason not in ("stop", "length"):
+                return
+            latency = r.t_finish - r.t_admitted
+            rec = {"request_id": primary["id"], "strategy": primary["strategy"],
+                   "prompt_tokens": len(seq.prompt_ids), "temperature": seq.params.temperature,
+                   "tokens": len(primary["ids"]), "shadow_tokens": len(r.seq.output),
+                   **compare(primary["ids"], primary["text"], r.seq.output, self.text(r, r.seq.output)),
+                   "latency_s": round(primary["latency"], 4), "shadow_latency_s": round(latency, 4),
+                   "latency_ratio": round(primary["latency"] / latency, 4) if latency > 0 else None,
+                   "tokens_per_forward": round(primary["tpf"], 4)}
+            self.shadow_log.write(rec)
+            self.metrics.shadow_done(rec)
+
+        shadow.on_event = on_event
+        with contextlib.suppress(SchedulerClosed, ValueError):
+            self.scheduler.submit(shadow)

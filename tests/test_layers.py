@@ -1,0 +1,138 @@
+"""The house rules, checked on the code itself: the import graph of `mtp` (built with `ast`, every
+import, top-level or inside a function) has no circle, and no module imports from a higher layer.
+
+Layers, lowest first: core (model, cache, sampling, strategy, proposers, decode, engine) < training,
+eval < serving, pipeline < cli. A package may import itself and lower layers only; `__main__`
+modules are entry points and may import anything. `python tests/test_layers.py [ROOT]` prints the
+graph's circles and back-edges.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"core": 0, "training": 1, "eval": 1, "serving": 2, "pipeline": 2, "cli": 3}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """{module: modules of `mtp` it imports} for every module under root/mtp."""
+    files = sorted((root / "mtp").rglob("*.py"))
+    modules = {module_name(f, root): f for f in files}
+    graph: dict[str, set[str]] = {}
+    for name, f in modules.items():
+        is_pkg = f.name == "__init__.py"
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against this module's package
+                    pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - (node.level - 1)]
+                    base = ".".join(pkg + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            for t in targets:
+                if t in modules and t != name:
+                    edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def layer(module: str) -> tuple[str, int] | None:
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] not in LAYERS:
+        return None
+    return parts[1], LAYERS[parts[1]]
+
+
+def back_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs that break the layering."""
+    out = []
+    for a, targets in graph.items():
+        if a.endswith("__main__") or layer(a) is None:
+            continue
+        (pa, la) = layer(a)
+        for b in targets:
+            lb = layer(b)
+            if lb is not None and lb[0] != pa and lb[1] >= la:
+                out.append((a, b))
+    return sorted(out)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of two or more modules (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    assert circles(import_graph()) == []
+
+
+def test_no_import_from_a_higher_layer():
+    assert back_edges(import_graph()) == []
+
+
+def test_every_module_sits_in_a_layer():
+    graph = import_graph()
+    loose = [m for m in graph if m not in ("mtp",) and layer(m) is None and m.split(".")[1] not in ("assets",)]
+    assert loose == []
+
+
+def test_checker_catches_a_circle_and_a_back_edge(tmp_path):
+    """The checks can fail: a core module importing the CLI, and a two-module circle."""
+    pkg = tmp_path / "mtp"
+    for sub in ("core", "cli"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("from mtp.core import b\n")
+    (pkg / "core" / "b.py").write_text("def f():\n    from mtp.core.a import x\n    import mtp.cli.main\n")
+    (pkg / "cli" / "main.py").write_text("x = 1\n")
+    graph = import_graph(tmp_path)
+    assert circles(graph) == [["mtp.core.a", "mtp.core.b"]]
+    assert back_edges(graph) == [("mtp.core.b", "mtp.cli.main")]
+
+
+if __name__ == "__main__":
+    g = import_graph(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)
+    print(f"{len(g)} modules, {sum(len(v) for v in g.values())} imports")
+    print("circles:", circles(g) or "none")
+    print("back-edges:", back_edges(g) or "none")
