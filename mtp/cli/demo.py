@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
-    console = Console()
+    console = Console(width=min(Console().width, 80))
+    console.print(f"loading {args.model} (the first start converts the packaged model once, ~10 s) ...")
     engines = {"mask": Engine.load(EngineConfig(model=args.model, threads=args.threads))}
     engines["lookup"] = Engine(engines["mask"].loaded, EngineConfig(model=args.model, proposer="lookup"))
     runs = [("ntp", "mask"), ("verify:3", "lookup")]
@@ -44,21 +45,26 @@ def main(argv=None) -> int:
     stats = {r: [] for r in runs}
     same = {r: 0 for r in runs}
     engines["mask"].generate(PROMPTS[0], "ntp", SamplingParams(max_new_tokens=8))  # warm-up, not timed
+    total, n = len(PROMPTS) * len(runs), 0
     with torch.inference_mode():
         for i, prompt in enumerate(PROMPTS):
             order = runs[i % len(runs):] + runs[: i % len(runs)]  # rotate so drift cancels
             outs = {}
             for strategy, proposer in order:
+                n += 1
                 res = engines[proposer].generate(prompt, strategy, params)
                 outs[(strategy, proposer)] = res
                 stats[(strategy, proposer)].append(res)
+                console.print(f"[{n}/{total}] prompt {i + 1}, {strategy} ({proposer}): "
+                              f"{res.summary['tokens_per_forward']:.2f} tokens/pass, "
+                              f"{res.summary['tokens_per_s']:.0f} tokens/s", highlight=False)
             for r in runs:
                 same[r] += outs[r].token_ids == outs[("ntp", "mask")].token_ids
     console.print(f"[bold]{PROMPTS[0]}[/bold]")
     console.print(stats[runs[-1]][0].text)
-    table = Table(title=f"{args.model}: {len(PROMPTS)} prompts, {args.max_new_tokens} new tokens max, greedy")
-    for col in ("strategy", "proposer", "tokens/forward", "tokens/s", "speedup", "same output as ntp"):
-        table.add_column(col, justify="right")
+    table = Table(title=f"{args.model}: {len(PROMPTS)} prompts, {args.max_new_tokens} new tokens, greedy")
+    for col in ("strategy", "proposer", "tokens/pass", "tokens/s", "speedup", "= ntp"):
+        table.add_column(col, justify="right", no_wrap=True)  # 6 columns fit 80 characters
     base = None
     for r in runs:
         m = merge([x.stats for x in stats[r]])

@@ -34,6 +34,23 @@ from mtp.serving.openai import APIError, ChatRequest, CompletionRequest
 from mtp.serving.state import ServerState
 
 
+class APIKeyAuth:
+    """`Authorization: Bearer KEY` on every path but /health. A plain ASGI middleware: it hands the
+    request's `receive` through untouched, so a handler still sees its client disconnect."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError(401, "Incorrect API key provided", code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: Engine, config: ServeConfig, pass_time=None):
     """The FastAPI app around an Engine. `pass_time(q)` (seconds per pass of q tokens) turns on the
     adaptive K policy; `mtp serve` measures it at start-up (mtp.core.costmodel)."""
@@ -58,15 +75,8 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
         return JSONResponse(APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)).body(),
                             status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def auth(request: HTTPRequest, call_next):
-        key = config.api_key
-        if key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                err = APIError(401, "Incorrect API key provided", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(APIKeyAuth, key=config.api_key)
 
     async def read_body(request: HTTPRequest) -> bytes:
         """The body, refused with 413 as soon as it exceeds the limit (declared or streamed)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as torch_dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mtp.core.artifacts import load_safetensors, read_json, write_dir_atomic
+from mtp.core.artifacts import load_safetensors, read_json, stale_temps, write_dir_atomic
 
 OPTIMIZER = "optimizer.safetensors"
 STATE = "trainer_state.json"
@@ -109,6 +110,8 @@ class Trainer:
     def start(self, resume: bool) -> int:
         """Check the checkpoint directory (and load it when resuming); return the first step."""
         ckpt = self.ckpt
+        for stale in stale_temps(ckpt):  # temp folders of saves a kill interrupted
+            shutil.rmtree(stale, ignore_errors=True)
         if resume:
             old = ckpt.parent / f".{ckpt.name}.old"  # killed between the atomic save's two renames
             if not ckpt.exists() and (old / STATE).exists():
