@@ -7,7 +7,7 @@ import sys
 
 from mtp.cli.options import check_device, check_threads
 from mtp.core.engine import Engine, EngineConfig
-from mtp.training.data_engine import DataConfig, run as run_engine, write_card
+from mtp.training.data_engine import DataConfig, file_prompts, run as run_engine, write_card
 
 
 def add_parser(sub) -> None:
@@ -43,6 +43,7 @@ def run(args) -> int:
     if args.card:
         print(json.dumps(write_card(Path(args.out), cfg), indent=1))
         return 0
+    file_prompts(cfg)  # every source file read (and a test split refused) before the model loads
     engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=args.device))
     try:
         card = run_engine(engine, cfg)

@@ -19,12 +19,13 @@ def add_parser(sub) -> None:
                        description="Self-distil MTP heads: the targets are the base model's own greedy answers; "
                                    "its hidden states are computed once and cached, then the heads train on them.")
     p.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file, or smollm2-135m (default)")
-    p.add_argument("--data", required=True, help="JSONL file of prompts (e.g. $MTP_DATA_DIR/gsm8k/train.jsonl)")
+    p.add_argument("--data", help="JSONL file of prompts (e.g. $MTP_DATA_DIR/gsm8k/train.jsonl)")
+    p.add_argument("--examples", help="JSONL of token ids {prompt_ids, response_ids} (e.g. `mtp data`'s train.jsonl)")
     p.add_argument("--prompt-field", default="question")
     p.add_argument("--response-field", default="answer", help="used when not --self-generate")
     p.add_argument("--self-generate", action="store_true",
                    help="targets = the model's own greedy answers (cached on disk); default: the data's responses")
-    p.add_argument("--limit", type=int, default=200, help="number of prompts to use")
+    p.add_argument("--limit", type=int, default=200, help="number of prompts (or examples) to use")
     p.add_argument("--max-new-tokens", type=int, default=256, help="length of self-generated answers")
     p.add_argument("--gen-batch-size", type=int, default=16, help="prompts per batch when self-generating")
     p.add_argument("--depths", type=int, default=2, help="D: tokens guessed per pass (1..8)")
@@ -78,7 +79,7 @@ def run_train_heads(args) -> int:
     agree = feats["agree"].float().mean().item()
     print(f"{len(feats['hidden']):,} rows of hidden states in {time.perf_counter() - t0:.0f}s ({path}); "
           f"trunk agrees with the targets on {agree:.1%} of rows", file=sys.stderr)
-    meta = {"model": args.model, "data": Path(args.data).name, "self_generate": args.self_generate,
+    meta = {"model": args.model, "data": Path(args.data or args.examples).name, "self_generate": args.self_generate,
             "limit": args.limit, "max_new_tokens": args.max_new_tokens}
     train_heads(engine.model, feats, cfg, out, resume=args.resume, meta=meta,
                 log=lambda m: print(m, file=sys.stderr, flush=True))

@@ -1,14 +1,14 @@
 """What one forward pass costs on this machine, and what that means for multi-token decoding.
 
-Seed 000's trade-off: a multi-token pass saves passes but each pass carries more tokens. Let t(q)
+The trade-off: a multi-token pass saves passes but each pass carries more tokens. Let t(q)
 be the time of one pass that feeds q tokens (pending + drafts + masks, summed over the batch). A
 strategy that emits E[n] tokens per pass with blocks of q tokens runs at E[n] / E[t(q)] tokens/s,
 so against plain decoding (one token, one pass of t(1)):
 
     speedup ≈ E[tokens per pass] · t(1) / E[t(q used)]
 
-On 2 CPU cores a 16-token pass costs several times a 1-token pass, so long blocks can lose; on a
-GPU at batch 1 t(q) is nearly flat and every accepted token is almost free. `measure` samples t(q)
+On a few CPU cores a 16-token pass costs several times a 1-token pass, so long blocks can lose; on
+a GPU at batch 1 t(q) is nearly flat and every accepted token is almost free. `measure` samples t(q)
 at a realistic cache length; `CostModel` interpolates it piecewise-linearly (and reports a linear
 fit, t(q) ≈ a + b·q); `best_k` picks the block size with the most expected tokens per second.
 """

@@ -127,15 +127,11 @@ PACKED_MIN_ROWS_OFF_MAIN = 4
 class Linear(nn.Linear):
     """nn.Linear that accepts (and ignores) the adapter gate, so adapters can replace it in place.
 
-    For CPU inference it can also hold a oneDNN-packed copy of its weight (`pack_weights`): float32
-    matmuls on a few rows (a decoding block of 1-16 tokens) then run ~1.2x faster at q = 1 and
-    1.4-2x at q = 2..16 than the default kernel (benchmarks/results/profile_pack.md). The packed
-    copy is used only without autograd and only while the weight is unchanged (its version counter).
-    Off the main thread (an engine thread from `Scheduler.start`) oneDNN's multi-threaded kernels pay
-    ~0.15 ms a call, which halves a 1-row decode but is repaid from 4 rows on (2 cores: 1 request 16 vs
-    21.5 tokens/s plain; 4 and 16 requests 53 and 112 vs 40 and 85 tokens/s plain), so there the packed
-    copy serves only calls with at least PACKED_MIN_ROWS_OFF_MAIN rows. `mtp serve` runs its engine
-    loop on the main thread and so packs every call."""
+    For CPU inference it can also hold a oneDNN-packed copy of its weight (`pack_weights`), faster
+    for matmuls over a few rows (a decoding block); measurements in benchmarks/results/profile_pack.md.
+    The packed copy is used only without autograd and only while the weight is unchanged (its
+    version counter), and off the main thread only for calls of at least PACKED_MIN_ROWS_OFF_MAIN
+    rows (oneDNN's per-call cost off the main thread outweighs the gain on smaller ones)."""
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     packed_version: int = -1

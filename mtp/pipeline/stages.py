@@ -3,7 +3,7 @@ of the layers and the matching slice of the KV cache.
 
 Why: a model too large for one machine is split across servers, and every forward pass then pays
 the link latency once per stage boundary. A multi-token pass saves whole passes, hence round trips,
-so MTP's value grows with the latency (seed 000). `--link-delay-ms` dials that latency in.
+so MTP's value grows with the latency. `--link-delay-ms` dials that latency in.
 
 One forward pass through P stages (any batch the decoding loop builds):
   stage 0    embeddings + its layers    --[header, positions/slots/out rows, hidden ⊕ gate (, layout)]-->  stage 1

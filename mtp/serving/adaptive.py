@@ -21,8 +21,7 @@ class AdaptiveK:
     conf_adapt/static row feeds back what it emitted) and makes P = sum_r (K_r - 1) proposals,
     so it takes T(K) = t'(q) + c * P. t'(q): the running observed time of decoding passes of q
     tokens, with or without mask tokens (those also run the adapter), once seen; between observed
-    sizes, interpolated from the neighbours (t(q) on 2 cores bends: ~1.6 ms a token at 16 rows x 1,
-    ~0.7 at 16 x 4); beyond them, a line a + b*q fitted to recent passes (once two block sizes were
+    sizes, interpolated from the neighbours (t(q) is far from linear on a CPU); beyond them, a line a + b*q fitted to recent passes (once two block sizes were
     seen); else scale * t(q) from the start-up cost model, `scale` the running ratio of observed to
     modelled time (the machine's load now). Pass times exclude proposing; `c` is the running
     measured time of one proposal depth per proposer (the heads proposer runs its heads and the LM
@@ -79,12 +78,10 @@ class AdaptiveK:
     def block(seq: Sequence, k: int, steady: bool = False, pending: float | None = None) -> float:
         """Tokens the row feeds a pass with cap k: pending + drafts checked + appended masks.
 
-        steady: the row as it is in steady state under cap k, which is what the cap is chosen on.
-        A `verify` row then checks k-1 drafts behind its one pending token: priced on this pass's
-        drafts instead, a pass without drafts (the previous one was capped) looked cheap and won, the
-        next one, with drafts, looked dear and was capped, dropping the drafts; alternating so, verify
-        fell to 1 token a pass. Any other row feeds back, as pending, the tokens it emitted last pass
-        (guesses have no KV yet): `pending` (expected, see `steady_pending`), else k."""
+        steady: the row as it is in steady state under cap k (`Strategy.steady_block`), which is what
+        the cap is chosen on; pricing a `verify` row on this pass's drafts instead would make the
+        cap oscillate (a draftless pass looks cheap, the next one dear). `pending`: the expected
+        tokens a non-verify row feeds back (see `steady_pending`), default k."""
         k = min(k, seq.strategy.k)
         if not steady:
             drafts = min(len(seq.drafts), k - 1)

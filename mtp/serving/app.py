@@ -148,7 +148,7 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "
     """Run the app with uvicorn until SIGINT/SIGTERM; SIGTERM drains and returns 0.
 
     From the main thread (`mtp serve`), the engine loop runs on the main thread and uvicorn on a
-    helper thread: torch is ~35% faster per small pass on the thread that loaded the model (see
+    helper thread (torch is faster per small pass on the thread that loaded the model, see
     `Scheduler.start`). Signals reach the main thread, which drains the scheduler and tells uvicorn
     to exit; uvicorn's shutdown (lifespan) stops the engine loop, which returns here."""
 

@@ -156,9 +156,8 @@ class Scheduler:
 
     def start(self) -> None:
         """Run the engine loop on a new thread (tests, embedding). `mtp serve` instead runs it on the
-        process's main thread (`run`): oneDNN and OpenMP calls from a second thread that does torch
-        work pay ~0.1 ms each on 2 cores (two OpenMP pools oversubscribe the cores), which made a
-        1-row pass ~35% slower than in `mtp generate`."""
+        process's main thread (`run`): torch calls from a second thread pay for a second OpenMP pool
+        on the same cores, which slows small passes."""
         self.thread = threading.Thread(target=self.run, name="mtp-engine", daemon=True)
         self.thread.start()
 

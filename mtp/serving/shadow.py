@@ -1,4 +1,4 @@
-"""Shadow mode (seed 002's rollout step: shadow-test on live traffic before switching over).
+"""Shadow mode: test an MTP strategy on live traffic against plain decoding before switching over.
 
 `mtp serve --shadow-rate R` decodes a fraction R of the requests that used an MTP strategy a second
 time with `ntp`, in the background after the answer was sent, and appends one JSON line per request

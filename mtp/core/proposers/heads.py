@@ -142,8 +142,8 @@ class MTPHeads(nn.Module):
 
 
 def bf16_readout(model: Transformer, rows: torch.Tensor | None = None):
-    """The shared final norm + output head with the head matrix in bfloat16: on CPUs with bf16
-    matrix units this is ~4x faster than float32, and drafting is dominated by this one matmul.
+    """The shared final norm + output head with the head matrix in bfloat16 (drafting is dominated by
+    this one matmul, and CPUs with bf16 matrix units run it much faster than in float32).
     rows: only these output rows (the draft vocabulary) -> logits [N, len(rows)]."""
     w = model.lm_head.weight.detach()
     w = (w if rows is None else w[rows.to(w.device)]).to(torch.bfloat16)  # [V or Vd, dim]

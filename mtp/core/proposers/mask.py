@@ -14,9 +14,9 @@ class MaskProposer(Proposer):
     pass. With `branch` (the default) the pass carries one group of k-1 masks after each possible
     accepted prefix (after the pending token, after draft 1, ..., after the last draft), each group
     attending only to its prefix (mtp.core.decode builds the layout), so the next pass always has drafts.
-    Without it, masks follow the last draft only and every rejection leaves the next pass draftless:
-    on SmolLM2 with the shipped adapter that was half the passes (1.46 tokens/pass for `verify:4`).
-    The price is (k-1)·D more rows a pass, cheap where a pass is latency-bound (pipelines, GPUs).
+    Without it (`mask-single`), masks follow the last draft only and every rejection leaves the
+    next pass without drafts. The price is (k-1)·D more rows a pass, cheap where a pass is
+    latency-bound (pipelines, GPUs).
     At most MAX_MASK_GROUPS groups: the extra ones go after 0, 1, ... accepted drafts, the likeliest."""
     name = "mask"
 

@@ -1,0 +1,149 @@
+"""`mtp data`: answers through the one batching loop equal plain greedy decoding, a killed run resumes
+with nothing duplicated or lost, corrupt lines are skipped and counted, held-out prompts never reach
+the training file, and bad sources get one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtp.cli import main
+from mtp.core.decode import generate as greedy
+from mtp.core.sampling import SamplingParams
+from mtp.training import data_engine as E
+from mtp.training.data import load_examples
+from test_data import make_tiny_model_dir, tiny_engine, write_jsonl  # noqa: F401
+
+
+def sources(tmp_path, n_gsm=6, n_tasks=12):
+    gsm = write_jsonl(tmp_path / "train.jsonl", [{"question": f"w{i} w{i + 1} w{i + 2}", "answer": "w1"}
+                                                 for i in range(n_gsm)])
+    tasks = write_jsonl(tmp_path / "tasks.jsonl", [
+        {"id": f"t{i}", "instruction": f"w{10 + i} w{20 + i} w{30 + i} w{40 + i}", "instances": [
+            {"input": f"w{50 + i}", "output": "w1"}, {"input": "", "output": "w2"}]} for i in range(n_tasks)])
+    return gsm, tasks
+
+
+def config(tmp_path, gsm, tasks, **kw):
+    return E.DataConfig(**{**dict(out=str(tmp_path / "out"), gsm8k=str(gsm), self_instruct=str(tasks),
+                                  self_written=4, max_new_tokens=6, batch_size=3, heldout_fraction=0.25), **kw})
+
+
+def lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_answers_are_greedy_and_held_out_prompts_are_never_answered(tiny_engine, tmp_path):
+    gsm, tasks = sources(tmp_path)
+    card = E.run(tiny_engine, config(tmp_path, gsm, tasks), progress=False)
+    out = tmp_path / "out"
+    recs = lines(out / E.TRAIN)
+    assert len({r["id"] for r in recs}) == len(recs) == card["answers"]
+    for r in recs[:8]:
+        seq = greedy(tiny_engine.model, r["prompt_ids"], "ntp", SamplingParams(max_new_tokens=6),
+                     eos_ids=tiny_engine.loaded.eos_ids)
+        eos = [tiny_engine.tokenizer.eos_token_id] if seq.finish_reason == "stop" else []
+        assert r["response_ids"] == seq.output + eos and r["finish"] == seq.finish_reason
+    held = [json.loads(x) for f in (out / E.HELDOUT).glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert held and all(h["prompt"] for h in held)
+    held_tasks = {h["id"].rsplit("-", 1)[0] for h in held if h["id"].startswith("si-")}
+    trained_tasks = {r["id"].rsplit("-", 1)[0] for r in recs if r["id"].startswith("si-")}
+    assert held_tasks and not held_tasks & trained_tasks  # a task's instances stay on one side
+    assert {r["source"] for r in recs} >= {"gsm8k", "self_instruct"}
+    assert card["by_source"]["gsm8k"]["answers"] == 6
+    assert (out / "card.md").read_text().startswith("# Data card")
+    assert load_examples(out / E.TRAIN)  # what `mtp train --examples` reads
+    with pytest.raises(ValueError, match="held-out split neither"):
+        load_examples(next((out / E.HELDOUT).glob("*.jsonl")))
+
+
+def test_a_killed_run_resumes_without_duplicates_or_losses(tiny_engine, tmp_path, monkeypatch):
+    gsm, tasks = sources(tmp_path)
+    full = tmp_path / "full"
+    E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(full)), progress=False)
+    real = E.generate
+    calls = {"n": 0}
+
+    def killed(engine, jobs, batch_size, on_finish, capacity=None, on_pass=None):
+        def finish(job, seq):
+            calls["n"] += 1
+            if calls["n"] == 9:
+                raise KeyboardInterrupt  # Ctrl-C (or a kill) mid-run
+            on_finish(job, seq)
+        return real(engine, jobs, batch_size, finish, capacity, on_pass)
+
+    monkeypatch.setattr(E, "generate", killed)
+    cut = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(cut)), progress=False)
+    with open(cut / E.TRAIN, "a") as f:
+        f.write('{"id": "gsm8k-0", "prompt_ids": [1, 2')  # torn by the kill
+    monkeypatch.setattr(E, "generate", real)
+    E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(cut)), progress=False)
+    a, b = lines(full / E.TRAIN), lines(cut / E.TRAIN)
+    assert len(b) == len({r["id"] for r in b})  # nothing twice
+    assert sorted(a, key=lambda r: r["id"]) == sorted(b, key=lambda r: r["id"])  # nothing lost, same answers
+    assert (full / E.INSTRUCTIONS).read_text().count("\n") == (cut / E.INSTRUCTIONS).read_text().count("\n")
+
+
+def test_corrupt_lines_are_skipped_and_counted(tiny_engine, tmp_path):
+    gsm, tasks = sources(tmp_path)
+    cfg = config(tmp_path, gsm, tasks, self_written=0)
+    E.run(tiny_engine, cfg, progress=False)
+    path = tmp_path / "out" / E.TRAIN
+    good = lines(path)
+    text = path.read_text().splitlines(keepends=True)
+    path.write_text(text[0] + "not json\n" + '{"id": "x", "prompt_ids": ["a"], "response_ids": []}\n'
+                    + "".join(text[2:]))  # answer 2 corrupted, two bad lines
+    card = E.run(tiny_engine, cfg, progress=False)
+    assert card["corrupt_lines_skipped"] == 2
+    ids = [r["id"] for r in lines_ok(path)]
+    assert sorted(ids) == sorted(r["id"] for r in good)  # the corrupted answer was made again
+
+
+def lines_ok(path):
+    out = []
+    for x in path.read_text().splitlines():
+        try:
+            rec = json.loads(x)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec.get("prompt_ids"), list) and all(isinstance(t, int) for t in rec["prompt_ids"]):
+            out.append(rec)
+    return out
+
+
+def test_other_settings_and_foreign_folders_are_refused(tiny_engine, tmp_path):
+    gsm, tasks = sources(tmp_path)
+    E.run(tiny_engine, config(tmp_path, gsm, tasks, self_written=0), progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        E.run(tiny_engine, config(tmp_path, gsm, tasks, self_written=0, max_new_tokens=9), progress=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="not an mtp data set"):
+        E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(mine)), progress=False)
+    assert (mine / "notes.txt").read_text() == "x"
+
+
+def test_clean_and_deduplicate_written_tasks():
+    assert E.clean_instruction(" Write a short poem about rain.\n5. more") == "Write a short poem about rain."
+    assert E.clean_instruction(" Here is a new task:") is None and E.clean_instruction(" Yes.") is None
+    d = E.Deduplicator(["Write a short poem about the rain"])
+    assert d.seen("write a short poem about rain!") and not d.seen("Summarise this email for a manager")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--gsm8k", "DATA/test.jsonl"], "test split"),
+    (["--self-written", "3"], "--self-written needs --self-instruct"),
+    ([], "no source"),
+    (["--prompts", "DATA/empty.jsonl"], "no prompts"),
+])
+def test_bad_sources_one_line(tmp_path, capsys, args, words):
+    (tmp_path / "test.jsonl").write_text('{"question": "x"}\n')
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    model = make_tiny_model_dir(tmp_path / "m")
+    args = [a.replace("DATA", str(tmp_path)) for a in args]
+    code = main(["data", "--out", str(tmp_path / "o"), "--model", str(model), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("mtp: error:") and err.count("\n") == 1 and words in err, err
