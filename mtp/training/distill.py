@@ -200,7 +200,8 @@ def teacher_tokens(batch: Batch, proposals: torch.Tensor) -> torch.Tensor:
 
 
 def forward_pair(student, model, teacher_model, batch: Batch, teacher: str, split: bool, amp: bool):
-    """Student logits [B, L, V] (with grad), its proposals [B, L], teacher logits [B, L, V] or None.
+    """Student logits (with grad), its proposals [B, L], teacher logits or None. Logits are [B, L, V],
+    or with `split` [n, V] for the n valid entries only (row-major: what `distill_loss` reads).
 
     split (gated adapters only): the ground truth runs once without grad as the frozen base (its
     rows are base-model rows for student and teacher alike), recording keys/values; then the
@@ -213,23 +214,28 @@ def forward_pair(student, model, teacher_model, batch: Batch, teacher: str, spli
     ac = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp)
     G = batch.n_gt
     if split:
-        d1 = (depth == 1).unsqueeze(-1)  # [B, L, 1]: depth-1 rows are ground-truth rows
-        idx_a = torch.where(depth == 1, out_index, 0)
-        idx_b = torch.where(depth == 1, 0, out_index - G).clamp_min(0)
+        d1 = depth == 1  # [B, L]: depth-1 rows are ground-truth rows, the others mask rows (or padding)
+        valid = batch.valid.to(dev)
+        rows_a, take_a = _compact(torch.where(d1, out_index, -1))  # [B, Sa] GT rows whose logits we need
+        rows_b, take_b = _compact(torch.where(d1 | ~valid, -1, out_index - G))  # [B, Sb] mask rows
         kv = PrefixKV()
         with torch.no_grad(), model.base_only(), ac:
             logits_a = model(tokens[:, :G], positions[:, :G], cache=kv, attn_mask=attn[:, :G, :G],
-                             out_index=idx_a).float()
+                             out_index=rows_a).float()  # [B, Sa, V]
         kv.extend = True
         with ac:
             logits_b = student(tokens[:, G:], positions[:, G:], cache=kv, attn_mask=attn[:, G:],
-                               out_index=idx_b).float()
-        s_logits = torch.where(d1, logits_a, logits_b)
+                               out_index=rows_b).float()  # [B, Sb, V]
+        s_logits = _scatter_rows(logits_a, take_a, logits_b, take_b, d1, valid)
     else:
         with ac:
             s_logits = student(tokens, positions, attn_mask=attn, out_index=out_index).float()  # [B, L, V]
     s_logits[..., mask_id] = float("-inf")  # the mask is never a prediction
-    proposals = s_logits.detach().argmax(-1)  # [B, L]
+    if split:  # [n, V] over the valid entries -> proposals [B, L] (0 at padding)
+        proposals = torch.zeros(batch.valid.shape, dtype=torch.long, device=dev)
+        proposals[valid] = s_logits.detach().argmax(-1)
+    else:
+        proposals = s_logits.detach().argmax(-1)  # [B, L]
     if teacher == "ground-truth":
         return s_logits, proposals, None
     t_tok = teacher_tokens(batch, proposals).to(dev)
@@ -237,8 +243,8 @@ def forward_pair(student, model, teacher_model, batch: Batch, teacher: str, spli
         if split:
             with model.base_only():
                 logits_c = model(t_tok[:, G:], positions[:, G:], cache=kv, attn_mask=attn[:, G:],
-                                 out_index=idx_b).float()
-            t_logits = torch.where(d1, logits_a, logits_c)
+                                 out_index=rows_b).float()
+            t_logits = _scatter_rows(logits_a, take_a, logits_c, take_b, d1, valid)
         elif teacher_model is not None:
             t_logits = teacher_model(t_tok, positions, attn_mask=attn, out_index=out_index).float()
         else:
@@ -248,31 +254,65 @@ def forward_pair(student, model, teacher_model, batch: Batch, teacher: str, spli
     return s_logits, proposals, t_logits
 
 
+def _compact(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """index [B, L] with -1 for entries not wanted -> (rows [B, S] the wanted entries, in order and
+    right-padded with row 0, S = the most any batch row wants; take [B, S] bool: which are real).
+    E.g. [[4, -1, 7], [-1, 2, -1]] -> rows [[4, 7], [2, 0]], take [[T, T], [T, F]]."""
+    want = index >= 0
+    n = want.sum(1)  # [B]
+    S = max(int(n.max()), 1)
+    order = torch.argsort((~want).to(torch.int8), dim=1, stable=True)[:, :S]  # wanted entries first, in order
+    rows = index.gather(1, order).clamp_min(0)
+    take = torch.arange(S, device=index.device).view(1, S) < n.view(-1, 1)
+    return rows, take
+
+
+def _scatter_rows(logits_a, take_a, logits_b, take_b, d1: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[n, V] logits of the n valid entries in row-major order, from the GT rows' logits (where d1)
+    and the mask rows' (valid, not d1): only the rows a loss needs were computed, in `_compact` order."""
+    where = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
+    where[valid] = torch.arange(int(valid.sum()), device=valid.device)  # (b, l) -> row of the flat output
+    out = logits_a.new_empty(int(valid.sum()), logits_a.shape[-1])
+    out[where[d1 & valid]] = logits_a[take_a]
+    out[where[~d1 & valid]] = logits_b[take_b]
+    return out
+
+
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, batch: Batch, teacher: str,
                  proposals: torch.Tensor):
-    """Loss and per-entry agreement. student/teacher logits: [B, L, V] (mask column already -inf);
-    proposals: [B, L] the student's argmax."""
-    logp = F.log_softmax(student_logits.float(), -1)  # [B, L, V]
+    """Loss and per-entry agreement [B, L] with the target.
+
+    student/teacher logits: [B, L, V], or [n, V] for the n valid entries in row-major order (what
+    the split forward returns), the mask column already -inf; proposals: [B, L] the student's
+    argmax. Work happens on the valid entries only: cross-entropy and log-probabilities come from
+    logsumexp, so no full softmax is built (except for the soft teacher, which needs it)."""
     valid = batch.valid
+    s = student_logits[valid] if student_logits.dim() == 3 else student_logits  # [n, V]
+    s = s.float()
     if teacher == "ground-truth":
-        target = batch.gt_target
-        ce = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [B, L]
+        target = batch.gt_target[valid]
+        ce = F.cross_entropy(s, target, reduction="none")  # [n]
         weight = torch.ones_like(ce)
     else:
-        q = F.softmax(teacher_logits.float(), -1)  # [B, L, V]
-        target = q.argmax(-1)  # [B, L]
+        tl = (teacher_logits[valid] if teacher_logits.dim() == 3 else teacher_logits).float()  # [n, V]
+        target = tl.argmax(-1)  # [n]
         if teacher == "hard":
-            ce = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            ce = F.cross_entropy(s, target, reduction="none")
         else:
-            ce = -(q * logp.clamp_min(-1e4)).sum(-1)
+            q = F.softmax(tl, -1)
+            ce = -(q * F.log_softmax(s, -1).clamp_min(-1e4)).sum(-1)
         # weight at depth d: prod_{i<d} P_T(y'_i | x + y'_<i), within each span (exclusive cumprod)
-        logq = q.gather(-1, proposals.unsqueeze(-1)).squeeze(-1).clamp_min(1e-30).log()  # [B, L]
-        logq = torch.where(valid, logq, torch.zeros_like(logq))
-        excl = logq.cumsum(1) - logq  # [B, L]
-        weight = (excl - excl.gather(1, batch.span_start)).exp()
+        log_z = tl.logsumexp(-1)
+        logq = (tl.gather(-1, proposals[valid].unsqueeze(-1)).squeeze(-1) - log_z).clamp_min(math.log(1e-30))
+        logq_bl = torch.zeros(valid.shape, dtype=logq.dtype, device=logq.device)
+        logq_bl[valid] = logq
+        excl = logq_bl.cumsum(1) - logq_bl  # [B, L]
+        weight = (excl - excl.gather(1, batch.span_start)).exp()[valid]
     n = valid.sum().clamp_min(1)
-    loss = (weight * ce * valid).sum() / n
-    agree = (proposals == target) & valid  # [B, L]
+    loss = (weight * ce).sum() / n
+    target_bl = torch.zeros_like(proposals)
+    target_bl[valid] = target.to(proposals.dtype)
+    agree = (proposals == target_bl) & valid  # [B, L]
     return loss, agree
 
 
