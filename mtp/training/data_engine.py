@@ -305,7 +305,7 @@ def run(engine, cfg: DataConfig, progress: bool | None = None, log=None) -> dict
                     return
                 nxt = answer_job(p)
                 if nxt is not None:
-                    queue.append(nxt)  # answered as soon as a row frees up
+                    queue.appendleft(nxt)  # answered as soon as a row frees up, not after everything else
                     if bar is not None:
                         bar.update(task, total=bar.tasks[0].total + 1)
                 return
