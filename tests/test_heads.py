@@ -262,6 +262,30 @@ def test_resume_after_interruption_matches_uninterrupted_run(tiny, tmp_path):
     assert len(metrics["val_acc_by_depth"]) == 2 and metrics["val_tokens_per_pass"] >= 1
 
 
+def test_draft_vocabulary_loss_is_the_softmax_over_it(tiny):
+    """Training on a draft vocabulary: with every token in it, the same loss as the full readout; with
+    a smaller one, the cross-entropy over just its rows, targets outside it left out."""
+    feats = H.extract_features(tiny, examples())
+    heads = random_heads(tiny, depths=2)
+    rows = torch.arange(len(feats["hidden"]))
+    full = lambda h: tiny.lm_head(tiny.norm(h))  # noqa: E731
+    everything = torch.arange(tiny.config.vocab_size)
+    a, _ = H.heads_loss(heads, tiny, feats, rows, full)
+    b, _ = H.heads_loss(heads, tiny, feats, rows, full, everything)
+    torch.testing.assert_close(a, b)
+    vocab = H.draft_vocab_from(feats, rows, 10)
+    small = lambda h: tiny.lm_head(tiny.norm(h))[:, vocab]  # noqa: E731
+    loss, accs = H.heads_loss(heads, tiny, feats, rows, small, vocab)
+    logits = heads(tiny, feats["hidden"], feats["ahead"][:, :2], small)
+    want = []
+    for d, lg in enumerate(logits, start=1):
+        target = feats["ahead"][:, d]
+        hit = torch.isin(target, vocab)
+        want.append(torch.nn.functional.cross_entropy(lg[hit], torch.searchsorted(vocab, target[hit])))
+    torch.testing.assert_close(loss, torch.stack(want).mean())
+    assert all(0 <= x <= 1 for x in accs)
+
+
 def test_training_learns_a_learnable_target(tiny):
     """Responses where token t is always followed by (t + 1) % 97: depth 1 should learn it."""
     g = torch.Generator().manual_seed(1)

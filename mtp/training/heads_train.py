@@ -26,7 +26,7 @@ from mtp.training.trainer import OPTIMIZER, STATE, Trainer, TrainerConfig
 
 CHECKPOINT = "checkpoint"  # sub-directory of --out holding the resumable trainer state
 # settings that must match when resuming (they shape the heads, the data or the optimisation)
-RESUME_KEYS = ("depths", "blocks", "width", "batch_size", "seed", "lr", "warmup", "val_fraction")
+RESUME_KEYS = ("depths", "blocks", "width", "batch_size", "seed", "lr", "warmup", "val_fraction", "draft_vocab")
 
 
 # ---- the hidden-state cache --------------------------------------------------------------------
@@ -180,18 +180,40 @@ def draft_vocab_from(feats: dict, rows: torch.Tensor, size: int) -> torch.Tensor
     return torch.tensor(sorted(order[:size]), dtype=torch.long)
 
 
-def heads_loss(heads: MTPHeads, model, feats: dict, rows: torch.Tensor, readout) -> tuple[torch.Tensor, list]:
-    """Mean cross-entropy over depths against the trunk's own continuation; per-depth accuracy."""
+def heads_loss(heads: MTPHeads, model, feats: dict, rows: torch.Tensor, readout,
+               vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+    """Mean cross-entropy over depths against the trunk's own continuation; per-depth accuracy.
+
+    vocab: the draft vocabulary [Vd] (sorted ids) when `readout` scores only those rows: the loss is
+    then the softmax over the draft vocabulary, as the proposer will draft, and a target outside it
+    (never proposable) is left out of the loss and counted as a miss."""
     D = heads.config.depths
     dev = model.device
     h = feats["hidden"][rows].to(dev)  # [B, dim]
     ahead = feats["ahead"][rows].to(dev)  # [B, MAX_AHEAD + 1]
     logits = heads(model, h, ahead[:, :D], readout)
-    mid = model.config.mask_token_id
+    mid = model.config.mask_token_id if vocab is None else None
+    to_draft = None
+    if vocab is not None:  # token id -> index in the draft vocabulary (-1: outside)
+        to_draft = torch.full((int(ahead.max()) + 2,), -1, dtype=torch.long, device=dev)
+        inside = vocab.to(dev)[vocab.to(dev) < len(to_draft)]
+        to_draft[inside] = torch.searchsorted(vocab.to(dev), inside)
     losses, accs = [], []
     for d, lg in enumerate(logits, start=1):
         target = ahead[:, d]  # [B]
         valid = target >= 0
+        if to_draft is not None:
+            mapped = torch.where(valid, to_draft[target.clamp_min(0)], -1)
+            hit = mapped >= 0
+            if bool(valid.any()):
+                right = torch.zeros_like(valid)
+                right[hit] = lg[hit].argmax(-1) == mapped[hit]
+                accs.append(right[valid].float().mean().item())
+            else:
+                accs.append(float("nan"))
+            if bool(hit.any()):
+                losses.append(F.cross_entropy(lg[hit].float(), mapped[hit]))
+            continue
         if mid is not None and mid < lg.shape[-1]:
             lg = lg.clone()
             lg[:, mid] = float("-inf")
@@ -257,11 +279,19 @@ def train_heads(model: Transformer, feats: dict, cfg: TrainHeadsConfig, out, res
     if len(train_rows) == 0:
         raise ValueError("no training rows after the validation split; use more --limit or less --val-fraction")
     readout = bf16_readout(model) if model.device.type == "cpu" else None
+    # with a draft vocabulary the heads train on the softmax they will draft from: ~V/Vd times cheaper
+    vocab = draft_vocab_from(feats, train_rows, cfg.draft_vocab) if cfg.draft_vocab else None
+    if vocab is not None:
+        w = model.lm_head.weight.detach()[vocab.to(model.device)]
+        train_readout = bf16_readout(model, vocab) if model.device.type == "cpu" else \
+            (lambda x: F.linear(model.norm(x), w).float())
+    else:
+        train_readout = readout
     settings = {**asdict(cfg), **{f"heads_{k}": v for k, v in asdict(hcfg).items()}}
 
     def step_fn(step: int):
         rows = batch_rows(train_rows, step, cfg.batch_size, cfg.seed)
-        loss, accs = heads_loss(heads, model, feats, rows, readout)
+        loss, accs = heads_loss(heads, model, feats, rows, train_readout, vocab)
         return loss, {"acc": [round(a, 4) for a in accs], "predictions": len(rows) * hcfg.depths}
 
     def load_fn(path: Path):
@@ -276,8 +306,8 @@ def train_heads(model: Transformer, feats: dict, cfg: TrainHeadsConfig, out, res
     heads.train()
     trainer.run(resume, on_step)
     heads.eval()
-    if cfg.draft_vocab:
-        heads.draft_vocab = draft_vocab_from(feats, train_rows, cfg.draft_vocab)
+    if vocab is not None:
+        heads.draft_vocab = vocab
         log(f"draft vocabulary: {len(heads.draft_vocab)} tokens")
     metrics = evaluate(heads, model, feats, val_rows, readout) if len(val_rows) else {}
     metrics.update({"steps": cfg.steps, "train_rows": len(train_rows), "n_params": heads.n_params(),
