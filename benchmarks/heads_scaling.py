@@ -1,0 +1,122 @@
+"""How the MTP heads scale with training data: held-out tokens per pass against answers trained on.
+
+The trunk's hidden states over every answer are extracted once (`cached_features`); a fixed share
+of the answers (chosen by a stable hash of their ids, `--val-fraction`) is held out, and for each
+size in `--sizes` heads are trained on the first N of the remaining answers (the file's order: a
+growing `mtp data` run) with the same settings, then scored on the same held-out answers:
+`val_tokens_per_pass` is 1 + the leading run of correct depths = what `verify:D+1` accepts on the
+model's own greedy text, per source (GSM8K / self-instruct / self-written) and overall. Writes
+one JSON line per size and a plot.
+
+    python benchmarks/heads_scaling.py --examples $MTP_CACHE_DIR/data/mix/train.jsonl \\
+        --sizes 100,300,1000 --steps 600 --out benchmarks/results/heads_scaling
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.loading import cache_root
+from mtp.core.proposers.heads import bf16_readout, load_heads
+from mtp.training.data import load_examples
+from mtp.training.heads_train import TrainHeadsConfig, cached_features, evaluate, train_heads
+
+
+def held_out(key: str, fraction: float) -> bool:
+    return int.from_bytes(hashlib.sha256(f"val:{key}".encode()).digest()[:8], "big") / 2 ** 64 < fraction
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--examples", required=True)
+    ap.add_argument("--sizes", default="100,300,1000")
+    ap.add_argument("--val-fraction", type=float, default=0.1)
+    ap.add_argument("--depths", type=int, default=3)
+    ap.add_argument("--blocks", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = [json.loads(x) for x in Path(args.examples).read_text().splitlines() if x.strip()]
+    ids = [r.get("id", str(i)) for i, r in enumerate(records)]
+    sources = [r.get("source", "?") for r in records]
+    examples = load_examples(args.examples)
+    val = [i for i, k in enumerate(ids) if held_out(k, args.val_fraction)]
+    train = [i for i in range(len(examples)) if i not in set(val)]
+    sizes = [n for n in (int(s) for s in args.sizes.split(",")) if n <= len(train)]
+    engine = Engine.load(EngineConfig(adapter="none", pack=False))
+    model = engine.model
+    order = train[: max(sizes)] + val  # one feature file: the largest training set, then the held-out answers
+    t0 = time.perf_counter()
+    feats, path = cached_features(model, [examples[i] for i in order], cache_root())
+    print(f"features of {len(order)} answers ({len(feats['hidden']):,} rows) in {time.perf_counter() - t0:.0f} s: {path}",
+          flush=True)
+    n_train_max = max(sizes)
+    example = feats["example"]
+    val_rows = (example >= n_train_max).nonzero().squeeze(1)
+    val_source = [sources[order[int(e)]] for e in example[val_rows]]
+    readout = bf16_readout(model)
+    results = []
+    for n in sizes:
+        keep = (example < n) | (example >= n_train_max)
+        sub = {k: v[keep] for k, v in feats.items()}
+        # renumber: training answers 0..n-1, the held-out ones after them; split_rows then holds out none
+        sub["example"] = torch.where(sub["example"] >= n_train_max, sub["example"] - n_train_max + n,
+                                     sub["example"])
+        train_only = {k: v[sub["example"] < n] for k, v in sub.items()}
+        cfg = TrainHeadsConfig(depths=args.depths, blocks=args.blocks, steps=args.steps, batch_size=args.batch_size,
+                               lr=args.lr, save_every=args.steps, val_fraction=0.0, draft_vocab=args.draft_vocab)
+        t0 = time.perf_counter()
+        run = out / f"heads-{n}"
+        if run.exists():
+            shutil.rmtree(run)
+        train_heads(model, train_only, cfg, run, log=lambda m: None)
+        train_s = time.perf_counter() - t0
+        heads = load_heads(model, run)
+        rec = {"answers": n, "train_rows": int((sub["example"] < n).sum()), "steps": args.steps,
+               "train_s": round(train_s, 1)}
+        vr = (sub["example"] >= n).nonzero().squeeze(1)
+        rec["all"] = evaluate(heads, model, sub, vr, readout)["val_tokens_per_pass"]
+        for s in sorted(set(val_source)):
+            rows = vr[torch.tensor([x == s for x in val_source])]
+            if len(rows):
+                rec[s] = evaluate(heads, model, sub, rows, readout)["val_tokens_per_pass"]
+        results.append(rec)
+        print(json.dumps(rec), flush=True)
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    try:
+        import matplotlib  # optional [bench] dependency
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for key in ["all"] + sorted({k for r in results for k in r} - {"answers", "train_rows", "steps", "train_s",
+                                                                         "all"}):
+            pts = [(r["answers"], r[key]) for r in results if key in r]
+            ax.plot(*zip(*pts), "o-", label=key)
+        ax.set_xscale("log")
+        ax.set_xlabel("answers trained on")
+        ax.set_ylabel("held-out tokens per pass (verify)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "scaling.png", dpi=120)
+    except ImportError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
