@@ -234,6 +234,7 @@ class TimedProposer(Proposer):
     def __init__(self, inner: Proposer, clock: dict[str, float]):
         self.inner, self.clock = inner, clock
         self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
+        self.aux_layers = getattr(inner, "aux_layers", ())  # trunk layers the inner proposer reads
 
     def n_appended(self, k: int, drafts: int = 0) -> int:
         return self.inner.n_appended(k, drafts)

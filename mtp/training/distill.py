@@ -30,7 +30,7 @@ from mtp.core.adapter import (MODES, TARGETS, WEIGHTS, adapter_files, add_adapte
                               load_trainable)
 from mtp.core.artifacts import load_safetensors, replaceable, write_dir_atomic
 from mtp.training.data import Example
-from mtp.training.trainer import Trainer, TrainerConfig, distributed
+from mtp.training.trainer import Trainer, TrainerConfig, batch_indices, distributed
 
 TEACHERS = ("hard", "soft", "ground-truth")
 # settings that must match when resuming (they shape the model, the data or the optimisation)
@@ -321,17 +321,6 @@ def agreement_by_depth(agree: torch.Tensor, batch: Batch, k_max: int) -> list[fl
     for d in range(1, k_max + 1):
         sel = batch.valid & (batch.depth == d)
         out.append(float(agree[sel].float().mean()) if bool(sel.any()) else None)
-    return out
-
-
-def batch_indices(step: int, n: int, batch_size: int, seed: int, rank: int, world: int) -> list[int]:
-    """The examples of `step` for this process: a stream of seeded epoch permutations, cut in steps."""
-    gb = batch_size * world
-    out = []
-    for i in range(step * gb + rank, (step + 1) * gb, world):
-        epoch, j = divmod(i, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
-        out.append(int(perm[j]))
     return out
 
 

@@ -22,7 +22,7 @@ from mtp.core.artifacts import base_hash, has_format, load_safetensors, replacea
 from mtp.core.model import Transformer
 from mtp.core.proposers.heads import (CONFIG, FORMAT, MAX_AHEAD, WEIGHTS, HeadsConfig, MTPHeads, bf16_readout,
                                       heads_files)
-from mtp.training.trainer import OPTIMIZER, STATE, Trainer, TrainerConfig
+from mtp.training.trainer import OPTIMIZER, STATE, Trainer, TrainerConfig, batch_indices
 
 CHECKPOINT = "checkpoint"  # sub-directory of --out holding the resumable trainer state
 # settings that must match when resuming (they shape the heads, the data or the optimisation)
@@ -155,18 +155,8 @@ def split_rows(feats: dict, val_fraction: float, seed: int) -> tuple[torch.Tenso
 
 
 def batch_rows(train_rows: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
-    """The rows of optimizer step `step`: epochs of seeded permutations, so a resumed run sees
-    exactly the batches an uninterrupted one would."""
-    n = len(train_rows)
-    start = step * batch_size
-    out: list[int] = []
-    while len(out) < batch_size:
-        epoch, offset = divmod(start, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-        take = perm[offset:offset + batch_size - len(out)]
-        out.extend(take.tolist())
-        start += len(take)
-    return train_rows[torch.tensor(out, dtype=torch.long)]
+    """The rows of optimizer step `step` (`trainer.batch_indices` over the training rows)."""
+    return train_rows[torch.tensor(batch_indices(step, len(train_rows), batch_size, seed), dtype=torch.long)]
 
 
 def draft_vocab_from(feats: dict, rows: torch.Tensor, size: int) -> torch.Tensor:

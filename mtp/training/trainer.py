@@ -43,6 +43,23 @@ def lr_at(step: int, lr: float, warmup: int, steps: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+def batch_indices(step: int, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> list[int]:
+    """The items of `step` for process `rank` of `world`: a stream of seeded epoch permutations of
+    range(n), cut into global batches of batch_size * world, each process taking every world-th.
+    A pure function of its arguments, so a resumed run sees exactly the batches an uninterrupted
+    one would."""
+    gb = batch_size * world
+    positions = range(step * gb + rank, (step + 1) * gb, world)
+    perms: dict[int, torch.Tensor] = {}
+    out = []
+    for i in positions:
+        epoch, j = divmod(i, n)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        out.append(int(perms[epoch][j]))
+    return out
+
+
 def distributed() -> tuple[object | None, int, int]:
     """(torch.distributed or None, rank, world size) of this process."""
     if torch_dist.is_available() and torch_dist.is_initialized():
