@@ -37,7 +37,6 @@ from mtp.core.decode import Sequence, stream
 from mtp.pipeline.launch import launch_local
 from mtp.pipeline.stages import run_stage
 from mtp.pipeline.transport import PipelineConfig
-from mtp.core.proposers import make_proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 
@@ -87,7 +86,7 @@ def _bench_stage(rank: int, world: int, args) -> int:
         from mtp.core.adapter import add_adapters
         torch.manual_seed(0)
         add_adapters(engine.model, n_used_tokens=len(engine.tokenizer))
-    elif engine.mask_id is None and any((parse_spec(s)[1] or args.proposer).startswith("mask") and parse_spec(s)[0].k > 1
+    elif engine.mask_id is None and any(not engine.can_propose(parse_spec(s)[1] or args.proposer) and parse_spec(s)[0].k > 1
                                         for s in args.strategies):
         raise ValueError("mask strategies need an adapter: pass --adapter DIR or --adapter untrained")
     config = PipelineConfig(timeout_s=args.timeout_s)
@@ -104,7 +103,7 @@ def _sweep(engine, pipe, world: int, args) -> None:
     def decode(ids, spec, max_new=None):
         strategy, prop = parse_spec(spec)
         prop = "mask" if strategy.k == 1 else prop or args.proposer  # ntp: no proposer work, no hidden states
-        proposer = engine.proposer() if prop == "heads" else make_proposer(prop)
+        proposer = engine.proposer(prop)
         p = params if max_new is None else SamplingParams(max_new_tokens=max_new)
         seq = Sequence(list(ids), strategy, p, proposer, eos_ids=engine.loaded.eos_ids)
         timed.passes = []
@@ -161,7 +160,7 @@ def summarize(records: list[dict]) -> list[dict]:
         for spec in {r["strategy"] for r in base}:
             rs = [r for r in base if r["strategy"] == spec]
             overhead[spec] = sum(r["wall_s"] - sum(r["forward_s"]) for r in rs) / sum(len(r["chunks"]) for r in rs)
-        ntp_spec = next((s for s in overhead if parse_spec(s)[0].kind == "ntp"), None)
+        ntp_spec = next((s for s in overhead if parse_spec(s)[0].plain), None)
         for delay in sorted({r["delay_ms"] for r in recs}):
             at = [r for r in recs if r["delay_ms"] == delay]
             measured, predicted = {}, {}
@@ -209,7 +208,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for P in sorted({r["stages"] for r in rows}):
         for spec in sorted({r["strategy"] for r in rows if r["stages"] == P}):
             rs = sorted((r for r in rows if r["stages"] == P and r["strategy"] == spec), key=lambda r: r["delay_ms"])
-            if parse_spec(spec)[0].kind == "ntp":
+            if parse_spec(spec)[0].plain:
                 continue
             xs = [r["delay_ms"] for r in rs]
             line, = ax.plot(xs, [r["speedup"] for r in rs], "o-", label=f"{spec}, {P} stages")
@@ -257,7 +256,7 @@ def main(argv=None) -> int:
     # label every MTP strategy with its proposer unless it is the mask token's
     args.strategies = [s if "@" in s or parse_spec(s)[0].k == 1 or args.proposer == "mask" else f"{s}@{args.proposer}"
                        for s in args.strategies]
-    if not any(parse_spec(s)[0].kind == "ntp" for s in args.strategies):
+    if not any(parse_spec(s)[0].plain for s in args.strategies):
         args.strategies.insert(0, "ntp")
     args.delays = [float(x) for x in args.delays.split(",")]
     stages = [int(x) for x in args.stages.split(",")]

@@ -279,7 +279,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
 def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=None) -> list[dict]:
     """One results.jsonl record per row; quality and speedup are against the `ntp` row."""
     ref = rows[0]
-    assert ref.strategy is not None and ref.strategy.kind == "ntp", "the first row must be ntp"
+    assert ref.strategy is not None and ref.strategy.plain, "the first row must be ntp"
     golds = [it.get("gold") for it in items]
     out = []
     for row in rows:
@@ -325,7 +325,7 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 rec["acceptance_by_position"] = metrics.acceptance_by_position(chunks, row.strategy.k)
                 steady_blocks = [b for r in runs for b in r.blocks[1:]]  # prompt passes excluded
                 rec["mean_block_tokens"] = metrics.mean_block_tokens(steady_blocks)
-                if row.strategy.kind == "conf_adapt" and common:
+                if row.strategy.thresholded and common:
                     rec["oracle_tokens_per_forward"] = _oracle(ref, common, row.strategy)
                 if cost is not None and steady_blocks:
                     steady_chunks = [c for r in runs for c in r.chunks[1:]]

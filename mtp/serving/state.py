@@ -179,7 +179,7 @@ class ServerState:
     def maybe_shadow(self, req: Request) -> None:
         """After the answer went out: decode the same prompt with ntp in the background and log it."""
         seq = req.seq
-        if (self.shadow_log is None or seq.strategy.kind == "ntp" or seq.finish_reason not in ("stop", "length")
+        if (self.shadow_log is None or seq.strategy.plain or seq.finish_reason not in ("stop", "length")
                 or self.rng.random() >= self.config.shadow_rate):
             return
         params = SamplingParams(temperature=seq.params.temperature, top_p=seq.params.top_p, top_k=seq.params.top_k,
