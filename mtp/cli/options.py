@@ -19,8 +19,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="MTP adapter directory; 'auto' = the shipped one for the default model; 'none' = no adapter")
     p.add_argument("--proposer", default="mask",
                    help="where proposals come from: mask (default), mask-single (verify: masks only after the "
-                   "last draft), heads, lookup")
+                   "last draft), heads, eagle3, lookup")
     p.add_argument("--heads", default="auto", help="MTP heads checkpoint directory (for --proposer heads)")
+    p.add_argument("--eagle3", default="auto", help="EAGLE-3 drafter directory (for --proposer eagle3)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
@@ -65,6 +66,7 @@ def engine_config(args) -> EngineConfig:
     """The engine the flags describe, checked (proposer, threads, device) before anything loads."""
     check_proposer(args.proposer)
     return EngineConfig(model=args.model, adapter=args.adapter, proposer=args.proposer, heads=args.heads,
+                        eagle3=getattr(args, "eagle3", "auto"),
                         threads=check_threads(args.threads), device=check_device(args.device),
                         pack=getattr(args, "pack", True))
 

@@ -51,6 +51,7 @@ class Sequence:
     text: str | None = None  # set when a stop string cut the output
     gen: torch.Generator | None = None
     k_override: int | None = None  # a scheduler's cap on K for the next pass (mtp.serving.scheduler); None = strategy.k
+    proposer_state: dict = field(default_factory=dict)  # the proposer's own per-sequence state (EAGLE-3: its KV)
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -121,13 +122,19 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
     if slots.tolist() == list(range(B)):
         slots = None
     need_hidden = any(s.proposer.needs_hidden for s in seqs)
+    aux_layers = _aux_layers(seqs)
 
-    # 2. one forward pass
+    # 2. one forward pass (with the residual streams of `aux_layers` at every block position, if asked)
     out = model(tokens.to(dev), positions.to(dev), cache=cache, slots=None if slots is None else slots.to(dev),
                 out_index=out_index.to(dev), return_hidden=need_hidden,
                 attn_mask=None if attn_mask is None else attn_mask.to(dev),
-                cache_positions=None if attn_mask is None else slots_pos.to(dev))
-    logits, hidden = out if need_hidden else (out, None)
+                cache_positions=None if attn_mask is None else slots_pos.to(dev),
+                **({"aux_layers": aux_layers} if aux_layers else {}))
+    aux = None
+    if aux_layers:
+        logits, hidden, aux = out  # aux: [B, T, A*dim]
+    else:
+        logits, hidden = out if need_hidden else (out, None)
     logits = logits.float().cpu()
     if mask_id is not None and mask_id < logits.shape[-1]:
         logits[..., mask_id] = float("-inf")  # the mask token is never a prediction
@@ -146,9 +153,14 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         g = s.proposer.n_appended(s.k)  # masks per group; groups: after all D drafts, then after 0, 1, ...
         has_group = a == D or a < s.groups() - 1
         first_mask = D + 1 + (0 if a == D else g * (1 + a))
+        n_commit = len(s.pending) + a  # block positions 0..n_commit-1 become the row's prefix
         view = PassView(context=context, mask_logits=lg[first_mask: first_mask + g],
-                        hidden=hidden[i, a] if hidden is not None else None, masks_valid=has_group)
-        guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 else Guesses.none()
+                        hidden=hidden[i, a] if hidden is not None else None, masks_valid=has_group,
+                        aux=aux[i, :n_commit] if aux is not None and s.proposer.aux_layers else None,
+                        start=starts[i], state=s.proposer_state)
+        # (a proposer with its own state, EAGLE-3, sees every pass: it must follow the committed prefix)
+        guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 or s.proposer.aux_layers \
+            else Guesses.none()
         # 5. emit by strategy
         preds, confs = [own] + guesses.tokens, [own_conf] + guesses.confidences
         n = s.strategy.emit_count(confs)
@@ -166,6 +178,14 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         s.stats.record_pass(produced, confs_emitted, len(blocks[i]))
         emitted_all.append(emitted)
     return emitted_all
+
+
+def _aux_layers(seqs: list[Sequence]) -> tuple[int, ...]:
+    """The trunk layers the batch's proposers read (one set per pass: rows must agree)."""
+    wanted = {tuple(s.proposer.aux_layers) for s in seqs if s.proposer.aux_layers}
+    if len(wanted) > 1:
+        raise ValueError(f"one pass cannot serve proposers reading different trunk layers: {sorted(wanted)}")
+    return wanted.pop() if wanted else ()
 
 
 def _branch_layout(seqs: list[Sequence], slots_pos: torch.Tensor, branched: list[bool]):

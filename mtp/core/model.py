@@ -333,8 +333,11 @@ class Transformer(nn.Module):
         out_index: torch.Tensor | None = None,  # [B, N] positions in the block whose logits we need
         return_hidden: bool = False,
         cache_positions: torch.Tensor | None = None,  # [B, T] cache slots to write (default: positions)
+        aux_layers: tuple[int, ...] = (),  # residual streams to return as well (see forward_layers)
     ):
-        """Returns logits [B, N or T, vocab] (and the last layer's hidden states at the same rows)."""
+        """Returns logits [B, N or T, vocab] (and the last layer's hidden states at the same rows).
+        With `aux_layers` it returns (logits, hidden or None, aux [B, T, len(aux_layers) * dim]): the
+        residual stream after k layers for each k, at every block position (EAGLE-3 drafters read them)."""
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
@@ -342,17 +345,25 @@ class Transformer(nn.Module):
         gate = self.adapter_gate(tokens)
         if gate is not None:
             gate = gate.unsqueeze(-1)  # [B, T, 1]
+        if aux_layers:
+            x, aux = self.forward_layers(x, positions, cache, slots, attn_mask, gate, cache_positions, aux_layers)
+            out = self.forward_head(x, out_index, return_hidden)
+            logits, hidden = out if return_hidden else (out, None)
+            return logits, hidden, aux
         x = self.forward_layers(x, positions, cache, slots, attn_mask, gate, cache_positions)
         return self.forward_head(x, out_index, return_hidden)
 
-    def forward_layers(self, x, positions, cache=None, slots=None, attn_mask=None, gate=None, cache_positions=None):
+    def forward_layers(self, x, positions, cache=None, slots=None, attn_mask=None, gate=None, cache_positions=None,
+                       aux_layers: tuple[int, ...] = ()):
         """Run every block of `self.layers` over hidden states x [B, T, dim] -> [B, T, dim].
 
         Split out of `forward` so a pipeline stage (mtp.pipeline.stages), whose `layers` is its slice of the
         model, runs the same code on hidden states it received; its `cache` holds just those layers.
         gate: [B, T, 1] adapter gate or None. cache_positions: [B, T] where the block's keys and values
         go in the cache when that differs from the RoPE positions (branched mask groups, mtp.core.decode);
-        attn_mask then says which slots each row sees."""
+        attn_mask then says which slots each row sees. aux_layers: also return the residual stream after
+        k layers for each k in it (0 = the embeddings, len(layers) = the last layer's output before the
+        final norm), concatenated: (x, aux [B, T, len(aux_layers) * dim])."""
         B, T = x.shape[:2]
         cos, sin = self.rope(positions, x.dtype)
         if attn_mask is not None:  # explicit layout (training); with a cache: [B, T, S] over its keys
@@ -365,11 +376,20 @@ class Transformer(nn.Module):
             mask = mask.unsqueeze(1)  # [B, 1, T, S]
         else:
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, 1, T, T)
+        taken = {}
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                taken[i] = x
             kv = cache.writer(i, positions if cache_positions is None else cache_positions, slots) \
                 if cache is not None else None
             x = layer(x, cos, sin, mask, kv, gate)
-        return x
+        if not aux_layers:
+            return x
+        taken[len(self.layers)] = x
+        bad = [k for k in aux_layers if k not in taken]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} outside 0..{len(self.layers)}")
+        return x, torch.cat([taken[k] for k in aux_layers], dim=-1)
 
     def forward_head(self, x, out_index=None, return_hidden: bool = False):
         """Hidden states [B, T, dim] -> logits [B, N or T, vocab] at rows `out_index` [B, N] (and the

@@ -3,7 +3,11 @@
 - hf:              transformers `generate`, greedy, on the converted HF directory of the same weights;
 - hf-lookup:       the same with prompt-lookup decoding (`prompt_lookup_num_tokens`);
 - llamacpp:        llama-cpp-python on the same GGUF file, greedy;
-- llamacpp-lookup: the same with its prompt-lookup draft (`LlamaPromptLookupDecoding`).
+- llamacpp-lookup: the same with its prompt-lookup draft (`LlamaPromptLookupDecoding`);
+- vllm:            vLLM (CPU build, its own `.venv-vllm`: `make vllm`), greedy, fp32, on the HF directory;
+- vllm-ngram:      the same with its n-gram proposer (`method: ngram`, 3 tokens);
+- vllm-eagle3:DIR: the same with an EAGLE-3 drafter (`mtp export --format vllm-eagle3` output, or a
+                   `mtp train-eagle3` directory, exported on the fly), 3 speculative tokens.
 
 Each peer takes the prompt's token ids (already chat-formatted by the engine) and returns the ids it
 generated, without the EOS. A missing package is reported with its install hint (`missing()`), never
@@ -13,12 +17,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from mtp.core import loading
+from mtp.core.export import export_vllm_eagle3
+from mtp.eval import vllm_env
 
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value
 LLAMACPP_LOOKUP_TOKENS = 2  # llama-cpp-python's advice for CPU-only machines (10 on GPU)
@@ -130,20 +137,88 @@ class LlamaCppLookupPeer(LlamaCppPeer):
     lookup = LLAMACPP_LOOKUP_TOKENS
 
 
-PEERS = {p.name: p for p in (HFPeer, HFLookupPeer, LlamaCppPeer, LlamaCppLookupPeer)}
+VLLM_SPEC_TOKENS = 3  # speculative tokens of the vLLM peers (verify:4 in our terms)
+
+
+class VllmPeer(Peer):
+    """vLLM in its own environment, one loaded configuration in a subprocess (mtp.eval.vllm)."""
+    name = "vllm"
+    hint = vllm_env.HINT
+    tokens_per_forward = 1.0
+    arg: str | None = None  # the part after ':' in the row name (vllm-eagle3:DIR)
+
+    def missing(self) -> str | None:
+        return None if vllm_env.vllm_python() is not None else f"skipped: vLLM not installed ({self.hint})"
+
+    def speculative_config(self) -> dict | None:
+        return None
+
+    def setup(self, engine) -> None:
+        self.eos = set(engine.loaded.eos_ids)
+        self.proc = vllm_env.VllmProcess(vllm_env.target_dir(engine.loaded.name),
+                                         {"name": self.name, "speculative_config": self.speculative_config()},
+                                         max_model_len=engine.context_window)
+        self.drafts = self.accepted = 0
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        rec = self.proc.generate(prompt_ids, max_new_tokens)
+        self.drafts, self.accepted = rec["drafts"], rec["accepted"]
+        if self.speculative_config() is not None and self.drafts:
+            self.tokens_per_forward = 1 + self.accepted / self.drafts  # vLLM's mean acceptance length
+        return _cut_at_eos(rec["ids"], self.eos)
+
+    def params(self) -> dict:
+        return {"speculative_config": self.speculative_config()} if self.speculative_config() else {}
+
+
+class VllmNgramPeer(VllmPeer):
+    name = "vllm-ngram"
+    tokens_per_forward = None
+
+    def speculative_config(self) -> dict | None:
+        return {"method": "ngram", "num_speculative_tokens": VLLM_SPEC_TOKENS, "prompt_lookup_max": 3}
+
+
+class VllmEagle3Peer(VllmPeer):
+    name = "vllm-eagle3"
+    tokens_per_forward = None
+
+    def setup(self, engine) -> None:
+        if not self.arg:
+            raise ValueError("vllm-eagle3 needs a drafter directory: vllm-eagle3:DIR")
+        self._tmp = tempfile.TemporaryDirectory()
+        self.dir = f"{self._tmp.name}/eagle3"
+        export_vllm_eagle3(self.arg, self.dir)  # checks it; vLLM reads the export
+        super().setup(engine)
+
+    def speculative_config(self) -> dict | None:
+        return {"method": "eagle3", "model": getattr(self, "dir", self.arg),
+                "num_speculative_tokens": VLLM_SPEC_TOKENS}
+
+
+PEERS = {p.name: p for p in (HFPeer, HFLookupPeer, LlamaCppPeer, LlamaCppLookupPeer, VllmPeer, VllmNgramPeer,
+                             VllmEagle3Peer)}
+PARAMETRISED = {"vllm-eagle3"}  # peers named NAME:ARG
 
 
 def parse_baselines(text: str | None) -> list[str]:
-    """'hf,llamacpp' -> ['hf', 'llamacpp']; an unknown name is a ValueError listing the known ones."""
+    """'hf,llamacpp' -> ['hf', 'llamacpp']; an unknown name is a ValueError listing the known ones.
+    A parametrised peer is written NAME:ARG (vllm-eagle3:DIR)."""
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
     for n in names:
-        if n not in PEERS:
-            raise ValueError(f"unknown baseline {n!r}; choose from {', '.join(PEERS)}")
+        base, sep, arg = n.partition(":")
+        if base not in PEERS or (base in PARAMETRISED) != bool(sep and arg):
+            raise ValueError(f"unknown baseline {n!r}; choose from {', '.join(PEERS)} (vllm-eagle3:DIR)")
     return list(dict.fromkeys(names))
 
 
 def make_peer(name: str) -> Peer:
-    return PEERS[name]()
+    base, _, arg = name.partition(":")
+    peer = PEERS[base]()
+    if arg:
+        peer.arg = arg
+        peer.name = name
+    return peer
 
 
 def _cut_at_eos(ids: list[int], eos) -> list[int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mtp.core.proposers.base import MAX_MASK_GROUPS, Guesses, PassView, Proposer, max_appended
+from mtp.core.proposers.eagle3 import load_eagle3_proposer
 from mtp.core.proposers.heads import load_heads_proposer
 from mtp.core.proposers.lookup import PromptLookupProposer
 from mtp.core.proposers.mask import MaskProposer
@@ -32,6 +33,7 @@ REGISTRY: dict[str, ProposerSpec] = {
     "mask-single": ProposerSpec(lambda: MaskProposer(branch=False), needs_mask_token=True),
     "lookup": ProposerSpec(PromptLookupProposer),
     "heads": ProposerSpec(load_heads_proposer, asset="heads"),
+    "eagle3": ProposerSpec(load_eagle3_proposer, asset="eagle3"),
 }
 
 

@@ -41,12 +41,17 @@ class PassView:
     mask_logits: torch.Tensor  # [M, V] logits at the appended mask positions (M may be 0)
     hidden: torch.Tensor | None  # [dim] last-layer hidden state at the last accepted input position
     masks_valid: bool  # False when the masks sat after a rejected draft (they predict from a wrong prefix)
+    # for proposers with `aux_layers` (EAGLE-3): what this pass committed, and the row's own state
+    aux: torch.Tensor | None = None  # [n, A*dim] trunk residual streams at the n positions this pass committed
+    start: int = 0  # position of the first of them (the row's cache length before the pass)
+    state: dict | None = None  # the sequence's proposer state (Sequence.proposer_state), kept across passes
 
 
 class Proposer:
     name = "base"
     needs_hidden = False
     has_confidence = True
+    aux_layers: tuple[int, ...] = ()  # trunk layers whose residual streams `propose` needs (PassView.aux)
 
     def n_appended(self, k: int, drafts: int = 0) -> int:
         """Tokens appended to a pass of block size k that checks `drafts` drafts."""

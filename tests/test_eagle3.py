@@ -1,0 +1,392 @@
+"""EAGLE-3 drafter: lossless under verify, training-time test == drafting, resume, export round trip,
+a drafter that copies the target accepted every time, and bad input in one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from mtp.cli import main
+from mtp.core.artifacts import ArtifactError
+from mtp.core.batching import Batch
+from mtp.core.decode import Sequence, generate
+from mtp.core.export import export_vllm_eagle3
+from mtp.core.proposers import REGISTRY, PassView
+from mtp.core.proposers.eagle3 import (CONFIG, WEIGHTS, Eagle3Config, Eagle3Drafter, Eagle3Proposer,
+                                       default_aux_layers, drafter_files, load_drafter, load_eagle3_proposer)
+from mtp.core.artifacts import write_dir_atomic
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy
+from mtp.training.data import Example
+from mtp.training.eagle3_train import (TrainEagle3Config, draft_vocab_from, extract_features, init_drafter,
+                                       make_batch, train_eagle3, ttt_logits)
+
+AUX = (0, 1, 2)
+
+
+def random_drafter(model, draft_vocab=60, seed=1, aux=AUX) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(Eagle3Config.for_model(model.config, draft_vocab, aux))
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() == 2:
+                p.normal_(std=0.3)
+    ids = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
+    d.set_vocab(ids.sort().values)
+    return d.eval().requires_grad_(False)
+
+
+def greedy(model, prompt, strategy, proposer=None, n=24):
+    return generate(model, prompt, strategy, SamplingParams(max_new_tokens=n), proposer=proposer)
+
+
+def examples_of(model, n=10, new=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p = torch.randint(0, model.config.vocab_size, (4,), generator=g).tolist()
+        out.append(Example(p, greedy(model, p, "ntp", n=new).output))
+    return out
+
+
+def test_aux_layers_are_the_residual_streams(tiny):
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    plain = tiny(tokens)
+    logits, hidden, aux = tiny(tokens, aux_layers=(0, 1, 2))
+    assert torch.equal(logits, plain) and hidden is None
+    dim = tiny.config.dim
+    assert torch.equal(aux[..., :dim], tiny.embed_tokens(tokens))
+    x = tiny.embed_tokens(tokens)
+    cos, sin = tiny.rope(torch.arange(9).expand(2, 9))
+    mask = torch.ones(9, 9, dtype=torch.bool).tril().expand(2, 1, 9, 9)
+    x = tiny.layers[0](x, cos, sin, mask)
+    assert torch.allclose(aux[..., dim:2 * dim], x, atol=1e-6)
+    assert default_aux_layers(30) == [2, 15, 27]
+    with pytest.raises(ValueError):
+        tiny(tokens, aux_layers=(5,))
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 6])
+def test_greedy_verify_with_eagle3_equals_ntp(k):
+    model = tiny_model(3)
+    proposer = Eagle3Proposer(model, random_drafter(model))
+    for prompt in ([5, 17, 3], [44, 2, 9, 9, 81, 30]):
+        ref = greedy(model, prompt, "ntp", n=30)
+        got = greedy(model, prompt, f"verify:{k}", proposer, n=30)
+        assert torch.equal(torch.tensor(got.output), torch.tensor(ref.output))
+        assert all(c <= k for c in got.stats.chunks)
+    assert proposer.draft_calls > 0
+
+
+def test_trained_drafter_is_lossless_and_accepts_drafts(tmp_path):
+    model = tiny_model(3)
+    exs = examples_of(model, n=12, new=30)
+    feats = extract_features(model, exs, AUX, dtype=torch.float32)
+    cfg = TrainEagle3Config(aux_layers=AUX, draft_vocab=97, steps=60, batch_size=4, save_every=100, lr=3e-3,
+                            val_fraction=0.0)
+    train_eagle3(model, feats, cfg, tmp_path / "d", log=lambda m: None)
+    proposer = load_eagle3_proposer(model, tmp_path / "d")
+    accepted = 0
+    for ex in exs[:4]:
+        ref = greedy(model, ex.prompt_ids, "ntp", n=30)
+        got = greedy(model, ex.prompt_ids, "verify:4", proposer, n=30)
+        assert torch.equal(torch.tensor(got.output), torch.tensor(ref.output))
+        accepted += sum(c - 1 for c in got.stats.chunks[1:])
+    assert accepted > 0  # it learned something of its training answers
+
+
+def test_sampled_verify_with_eagle3_runs_and_proposes_inside_the_draft_vocabulary():
+    model = tiny_model(3)
+    d = random_drafter(model, draft_vocab=40)
+    proposer = Eagle3Proposer(model, d)
+    allowed = set(d.draft_ids().tolist())
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, seed=7)
+    seq = generate(model, [5, 17, 3], "verify:4", params, proposer=proposer)
+    assert len(seq.output) == 30
+    view_state: dict = {}
+    _, _, aux = model(torch.tensor([[5, 17, 3]]), aux_layers=AUX)
+    g = proposer.propose(PassView([5, 17, 3, 8], torch.zeros(0, 97), None, True, aux=aux[0], start=0,
+                                  state=view_state), 4, params, torch.Generator().manual_seed(0))
+    assert set(g.tokens) <= allowed and g.probs.shape == (3, 97)
+    assert torch.allclose(g.probs.sum(-1), torch.ones(3))
+    outside = torch.ones(97, dtype=torch.bool)
+    outside[list(allowed)] = False
+    assert float(g.probs[:, outside].abs().sum()) == 0.0
+
+
+def test_sampled_verify_keeps_the_target_distribution():
+    """Rejection sampling with the drafter's proposals: the first token's law equals the model's."""
+    model = tiny_model(4, vocab_size=8)
+    proposer = Eagle3Proposer(model, random_drafter(model, draft_vocab=5, seed=2))
+    prompt = [1, 2, 3]
+    probs = torch.softmax(model(torch.tensor([prompt]))[0, -1].float(), -1)
+    # the second token: after the first (drawn by the model) the drafter proposes, verify decides
+    n, counts = 1500, torch.zeros(8, 8)
+    for s in range(n):
+        out = generate(model, prompt, "verify:3", SamplingParams(temperature=1.0, max_new_tokens=2, seed=s),
+                       proposer=proposer).output
+        counts[out[0], out[1]] += 1
+    want = torch.zeros(8, 8)
+    for a in range(8):
+        want[a] = probs[a] * torch.softmax(model(torch.tensor([prompt + [a]]))[0, -1].float(), -1)
+    tv = 0.5 * float((counts / n - want).abs().sum())
+    assert tv < 0.1, tv
+
+
+def test_training_time_test_matches_drafting():
+    """Step j of the unrolled training pass = the (j+1)-th draft when the earlier drafts were right."""
+    model = tiny_model(3)
+    d = random_drafter(model, draft_vocab=97)
+    seq = [5, 17, 3, 44, 2, 9, 9, 81, 30, 12, 1]
+    _, _, aux = model(torch.tensor([seq]), aux_layers=AUX)
+    batch = {"tokens": torch.tensor([seq]), "aux": aux}
+    steps = 3
+    with torch.no_grad():
+        ttt = ttt_logits(d, model.embed_tokens, batch, steps)
+    proposer = Eagle3Proposer(model, d)
+    for p in (0, 3, 6):
+        state: dict = {}
+        h = proposer.ingest(PassView(seq[:p + 2], torch.zeros(0), None, True, aux=aux[0, :p + 1], start=0,
+                                     state=state))
+        assert torch.allclose(d.logits(h)[0, 0], ttt[0][0, p], atol=1e-4)
+        pk, pv = state["k"], state["v"]
+        for j in range(1, steps):
+            if p + j + 1 >= len(seq):
+                break
+            h, k, v = d.step(model.embed_tokens(torch.tensor([[seq[p + j + 1]]])), h, torch.tensor([[p + j]]),
+                             pk, pv)
+            pk, pv = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+            assert torch.allclose(d.logits(h)[0, 0], ttt[j][0, p], atol=1e-4)
+
+
+def test_batched_rows_keep_their_own_drafter_state():
+    model = tiny_model(3)
+    proposer = Eagle3Proposer(model, random_drafter(model))
+    prompts = [[5, 17, 3], [44, 2, 9, 9, 81, 30], [7]]
+    alone = [greedy(model, p, "verify:3", proposer, n=20).output for p in prompts]
+    batch = Batch(model, None, rows=3, capacity=128)
+    seqs = [Sequence(p, Strategy.parse("verify:3"), SamplingParams(max_new_tokens=20), proposer) for p in prompts]
+    for s in seqs:
+        batch.add(s)
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            batch.step()
+    assert [s.output for s in seqs] == alone
+
+
+def copy_target():
+    """A 0-layer target that counts (token t -> t+1 mod 48) and a drafter built to do the same:
+    fc shifts the token's embedding by one, the MLP shifts by one more per step, attention is off."""
+    V, dim = 48, 64
+    model = tiny_model(5, n_layers=0, vocab_size=V, dim=dim, intermediate_size=dim)
+    with torch.no_grad():
+        model.embed_tokens.weight.zero_()
+        model.embed_tokens.weight[:, :V] = torch.eye(V)
+        model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[:, :V] = torch.eye(V).roll(-1, 1)  # row t' reads coordinate t'-1
+    d = Eagle3Drafter(Eagle3Config.for_model(model.config, V, (0, 0, 0)))
+    shift = torch.zeros(dim, dim)
+    shift[:V, :V] = torch.eye(V).roll(1, 0)  # e_t -> e_{t+1}
+    with torch.no_grad():
+        for p in d.parameters():
+            p.zero_() if p.dim() == 2 else p.fill_(1.0)
+        d.fc.weight[:, :dim] = shift
+        d.midlayer.mlp.gate_proj.weight.copy_(torch.eye(dim))
+        d.midlayer.mlp.up_proj.weight.copy_(torch.eye(dim))
+        d.midlayer.mlp.down_proj.weight.copy_((shift - torch.eye(dim)) / dim)  # r -> ~ shift(r)
+        d.lm_head.weight[:, :V] = torch.eye(V)
+    d.set_vocab(torch.arange(V))
+    return model, d.eval()
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_copy_the_target_drafter_is_accepted_every_time(k):
+    model, d = copy_target()
+    proposer = Eagle3Proposer(model, d)
+    n = 1 + 5 * k
+    got = greedy(model, [3, 14, 15], f"verify:{k}", proposer, n=n)
+    assert got.output == greedy(model, [3, 14, 15], "ntp", n=n).output == [(15 + i) % 48 for i in range(1, n + 1)]
+    assert got.stats.chunks == [1] + [k] * 5
+
+
+def test_conf_adapt_uses_drafter_confidence():
+    model, d = copy_target()
+    proposer = Eagle3Proposer(model, d)
+    assert REGISTRY["eagle3"].asset == "eagle3" and proposer.has_confidence
+    got = generate(model, [3, 14, 15], "conf_adapt:0.5:4", SamplingParams(max_new_tokens=13), proposer=proposer)
+    assert got.output == greedy(model, [3, 14, 15], "ntp", n=13).output
+    strict = generate(model, [3, 14, 15], "conf_adapt:1.0:4", SamplingParams(max_new_tokens=13), proposer=proposer)
+    assert max(strict.stats.chunks) == 1 and max(got.stats.chunks) > 1
+
+
+def small_run(model, feats, out, steps, on_step=None, resume=False):
+    cfg = TrainEagle3Config(aux_layers=AUX, draft_vocab=50, steps=steps, batch_size=3, save_every=2, lr=1e-3)
+    return train_eagle3(model, feats, cfg, out, resume=resume, log=lambda m: None, on_step=on_step)
+
+
+def test_resume_after_kill_equals_uninterrupted(tmp_path):
+    model = tiny_model(3)
+    feats = extract_features(model, examples_of(model, n=8, new=12), AUX, dtype=torch.float32)
+    small_run(model, feats, tmp_path / "full", 6)
+
+    def kill(step):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        small_run(model, feats, tmp_path / "cut", 6, on_step=kill)
+    assert not (tmp_path / "cut" / CONFIG).exists()
+    small_run(model, feats, tmp_path / "cut", 6, resume=True)
+    a, b = load_drafter(model, tmp_path / "full"), load_drafter(model, tmp_path / "cut")
+    for (n1, t1), (n2, t2) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert n1 == n2 and torch.equal(t1, t2), n1
+    with pytest.raises(ValueError, match="already holds"):
+        small_run(model, feats, tmp_path / "full", 6)
+
+
+def test_draft_vocabulary_counts_answers_only(tiny):
+    feats = {"tokens": torch.tensor([9, 9, 1, 2, 2, 9, 3, 3, 3]), "offsets": torch.tensor([0, 5, 9]),
+             "prompt_len": torch.tensor([2, 1])}
+    assert draft_vocab_from(feats, torch.tensor([0, 1]), 2).tolist() == [2, 3]
+    d = init_drafter(tiny, Eagle3Config.for_model(tiny.config, 2, AUX), torch.tensor([2, 3]), 0)
+    assert d.draft_ids().tolist() == [2, 3] and d.d2t.tolist() == [2, 2] and d.t2d.sum() == 2
+    b = make_batch({**feats, "aux": torch.zeros(9, 3)}, torch.tensor([1, 0]), "cpu")
+    assert b["tokens"].tolist() == [[9, 3, 3, 3, 0], [9, 9, 1, 2, 2]] and b["length"].tolist() == [4, 5]
+
+
+def save_drafter(model, path, d=None):
+    d = d or random_drafter(model)
+    write_dir_atomic(path, drafter_files(d, model))
+    return d
+
+
+def test_export_then_reload_proposes_exactly_the_same(tmp_path):
+    model = tiny_model(3, n_layers=3)  # vLLM fuses layers below the last: 0, 1, 2 of 3
+    d = save_drafter(model, tmp_path / "d")
+    export_vllm_eagle3(tmp_path / "d", tmp_path / "vllm")
+    cfg = json.loads((tmp_path / "vllm" / CONFIG).read_text())
+    assert cfg["target_num_hidden_layers"] == 3
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    assert cfg["draft_vocab_size"] == 60 and cfg["target_hidden_size"] == 64
+    from safetensors.torch import load_file
+    names = set(load_file(str(tmp_path / "vllm" / WEIGHTS)))
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight",
+            "d2t", "norm.weight"} <= names and not any(n.startswith("embed") for n in names)
+    back = load_drafter(model, tmp_path / "vllm")
+    for (n1, t1), (n2, t2) in zip(d.state_dict().items(), back.state_dict().items()):
+        assert n1 == n2 and torch.equal(t1, t2), n1
+
+    class Spy(Eagle3Proposer):
+        def propose(self, view, k, params, gen):
+            g = super().propose(view, k, params, gen)
+            self.seen.append(list(g.tokens))
+            return g
+
+    a, b = Spy(model, d), Spy(model, back)
+    a.seen, b.seen = [], []
+    for p in ([5, 17, 3], [44, 2, 9]):
+        greedy(model, p, "verify:4", a)
+        greedy(model, p, "verify:4", b)
+    assert a.seen == b.seen and len(a.seen) > 4
+    # a second export may replace the first; a non-mtp folder is never overwritten
+    export_vllm_eagle3(tmp_path / "d", tmp_path / "vllm")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ArtifactError, match="refusing"):
+        export_vllm_eagle3(tmp_path / "d", tmp_path / "other")
+
+
+def test_bad_drafters_fail_in_one_line(tmp_path):
+    model = tiny_model(3, n_layers=3)
+    save_drafter(model, tmp_path / "d")
+    with pytest.raises(ArtifactError, match="another base model"):
+        load_drafter(tiny_model(4), tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / CONFIG).read_text())
+    save_drafter(model, tmp_path / "v")
+    (tmp_path / "v" / CONFIG).write_text(json.dumps({**cfg, "vocab_size": 50}))
+    with pytest.raises(ArtifactError, match="vocabulary"):
+        load_drafter(model, tmp_path / "v")
+    save_drafter(model, tmp_path / "c")
+    raw = (tmp_path / "c" / WEIGHTS).read_bytes()
+    (tmp_path / "c" / WEIGHTS).write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ArtifactError, match="safetensors"):
+        load_drafter(model, tmp_path / "c")
+    with pytest.raises(ArtifactError, match="safetensors"):
+        export_vllm_eagle3(tmp_path / "c", tmp_path / "x")
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "heads.safetensors").write_bytes(b"")
+    with pytest.raises(ArtifactError, match="no format"):
+        export_vllm_eagle3(tmp_path / "h", tmp_path / "x")
+
+
+def test_cli_bad_input_is_one_line(tiny_hf_dir, tmp_path, capsys):
+    from mtp.core import loading
+    model = loading.load(str(tiny_hf_dir)).model
+    save_drafter(model, tmp_path / "good", random_drafter(model, draft_vocab=500))
+    other = tiny_model(9, vocab_size=49152)
+    save_drafter(other, tmp_path / "other", random_drafter(other, draft_vocab=500))
+    base = ["generate", "--model", str(tiny_hf_dir), "--adapter", "none", "--proposer", "eagle3",
+            "--strategy", "verify:3", "--max-new-tokens", "8", "--threads", "1", "hello"]
+    assert main(base + ["--eagle3", str(tmp_path / "good")]) == 0
+    capsys.readouterr()
+    for bad, needle in ((tmp_path / "other", "another base model"), (tmp_path / "missing", "not found")):
+        assert main(base + ["--eagle3", str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("mtp: error:") and needle in err, err
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    assert main(["export", "--format", "vllm-eagle3", "--drafter", str(tmp_path / "good"),
+                 "--out", str(tmp_path / "mine")]) == 2
+    assert main(["train-eagle3", "--model", str(tiny_hf_dir), "--examples", str(tmp_path / "x.jsonl"),
+                 "--out", str(tmp_path / "mine")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("mtp: error:") for e in err)
+
+
+def test_cli_train_export_generate(tiny_hf_dir, tmp_path, capsys):
+    ids = [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12]]
+    with open(tmp_path / "ex.jsonl", "w") as f:
+        for p in ids:
+            f.write(json.dumps({"prompt_ids": p, "response_ids": p[::-1] * 3}) + "\n")
+    out = tmp_path / "drafter"
+    assert main(["train-eagle3", "--model", str(tiny_hf_dir), "--examples", str(tmp_path / "ex.jsonl"),
+                 "--steps", "3", "--batch-size", "2", "--draft-vocab", "16", "--val-fraction", "0",
+                 "--cache-dir", str(tmp_path / "cache"), "--threads", "1", "--out", str(out)]) == 0
+    assert main(["generate", "--model", str(tiny_hf_dir), "--adapter", "none", "--proposer", "eagle3",
+                 "--eagle3", str(out), "--strategy", "verify:3", "--max-new-tokens", "6",
+                 "--threads", "1", "hi"]) == 0
+    capsys.readouterr()
+    # a 2-layer trunk has no three distinct layers below its last: vLLM could not feed this drafter
+    assert main(["export", "--format", "vllm-eagle3", "--drafter", str(out), "--out", str(tmp_path / "v")]) == 2
+    assert "ascending" in capsys.readouterr().err
+
+
+def test_vllm_peers_are_named_and_skipped_with_a_hint_without_vllm(monkeypatch, tmp_path):
+    from mtp.eval.peers import make_peer, parse_baselines
+    monkeypatch.setenv("MTP_VLLM_PYTHON", str(tmp_path / "no-python"))
+    assert parse_baselines("vllm,vllm-ngram,vllm-eagle3:d") == ["vllm", "vllm-ngram", "vllm-eagle3:d"]
+    for bad in ("vllm-eagle3", "vllm:x", "sglang"):
+        with pytest.raises(ValueError, match="unknown baseline"):
+            parse_baselines(bad)
+    peer = make_peer("vllm-eagle3:d")
+    assert peer.name == "vllm-eagle3:d" and peer.arg == "d" and "make vllm" in peer.missing()
+    assert make_peer("vllm-ngram").speculative_config()["method"] == "ngram"
+
+
+@pytest.mark.slow
+def test_smollm2_eagle3_verify_equals_ntp(smollm2):
+    """The real model, default layers 2/15/27: lossless with a fresh (untrained) drafter."""
+    model = smollm2.model
+    vocab = torch.arange(1000)
+    d = init_drafter(model, Eagle3Config.for_model(model.config, len(vocab)), vocab, seed=0)
+    assert d.config.aux_layers == [2, 15, 27]
+    proposer = Eagle3Proposer(model, d)
+    ids = smollm2.encode("What is 12 times 7?")
+    ref = generate(model, ids, "ntp", SamplingParams(max_new_tokens=24), eos_ids=smollm2.loaded.eos_ids)
+    got = generate(model, ids, "verify:4", SamplingParams(max_new_tokens=24), proposer=proposer,
+                   eos_ids=smollm2.loaded.eos_ids)
+    assert torch.equal(torch.tensor(got.output), torch.tensor(ref.output))
