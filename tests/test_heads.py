@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_model
 from mtp.core.proposers import heads as N
 from mtp.training import heads_train as H
+from mtp.training.trainer import STATE
 from mtp.cli import main as cli_main
 from mtp.training.data import Example
 from mtp.core.decode import generate
@@ -248,7 +249,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tiny, tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         H.train_heads(tiny, feats, train_cfg(), tmp_path / "b", log=lambda m: None, on_step=crash)
-    saved = json.loads((tmp_path / "b" / H.CHECKPOINT / H.STATE).read_text())
+    saved = json.loads((tmp_path / "b" / H.CHECKPOINT / STATE).read_text())
     assert saved["step"] == 5
     with pytest.raises(ValueError, match="--resume"):  # no silent overwrite
         H.train_heads(tiny, feats, train_cfg(), tmp_path / "b", log=lambda m: None)

@@ -24,13 +24,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from mtp.core.artifacts import base_hash, has_format, load_safetensors, replaceable, write_dir_atomic
+from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
 from mtp.core.model import Transformer
 from mtp.core.proposers.eagle3 import CONFIG, FORMAT, WEIGHTS, Eagle3Config, Eagle3Drafter, drafter_files
 from mtp.training.heads_train import split_rows
-from mtp.training.trainer import OPTIMIZER, STATE, Trainer, TrainerConfig
+from mtp.training.trainer import CHECKPOINT, Trainer, TrainerConfig, run_dir_kinds
 
-CHECKPOINT = "checkpoint"
 RESUME_KEYS = ("aux_layers", "draft_vocab", "ttt_steps", "batch_size", "max_len", "seed", "lr", "warmup",
                "val_fraction")
 
@@ -351,13 +350,4 @@ def describe(rec: dict) -> str:
             f"{rec['tokens'] / rec['step_s']:.0f} tokens/s")
 
 
-def is_drafter_checkpoint(path: Path) -> bool:
-    return {p.name for p in Path(path).iterdir()} <= {WEIGHTS, OPTIMIZER, STATE}
-
-
-def is_drafter_dir(path: Path) -> bool:
-    """A drafter directory (finished, or holding only a run's checkpoint) that this trainer wrote."""
-    names = {p.name for p in Path(path).iterdir()}
-    if names == {CHECKPOINT}:
-        return (Path(path) / CHECKPOINT).is_dir() and is_drafter_checkpoint(Path(path) / CHECKPOINT)
-    return has_format(FORMAT, {CONFIG, WEIGHTS, CHECKPOINT})(path)
+is_drafter_dir, is_drafter_checkpoint = run_dir_kinds(FORMAT, WEIGHTS)

@@ -18,13 +18,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from mtp.core.artifacts import base_hash, has_format, load_safetensors, replaceable, write_dir_atomic
+from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
 from mtp.core.model import Transformer
 from mtp.core.proposers.heads import (CONFIG, FORMAT, MAX_AHEAD, WEIGHTS, HeadsConfig, MTPHeads, bf16_readout,
                                       heads_files)
-from mtp.training.trainer import OPTIMIZER, STATE, Trainer, TrainerConfig, batch_indices
+from mtp.training.trainer import CHECKPOINT, Trainer, TrainerConfig, batch_indices, run_dir_kinds
 
-CHECKPOINT = "checkpoint"  # sub-directory of --out holding the resumable trainer state
 # settings that must match when resuming (they shape the heads, the data or the optimisation)
 RESUME_KEYS = ("depths", "blocks", "width", "batch_size", "seed", "lr", "warmup", "val_fraction", "draft_vocab")
 
@@ -314,14 +313,4 @@ def describe(rec: dict) -> str:
             f"{rec['predictions'] / rec['step_s']:.0f} predictions/s")
 
 
-def is_heads_checkpoint(path: Path) -> bool:
-    """A `--out/checkpoint` directory the heads trainer wrote."""
-    return {p.name for p in Path(path).iterdir()} <= {WEIGHTS, OPTIMIZER, STATE}
-
-
-def is_heads_dir(path: Path) -> bool:
-    """A heads directory (finished, or holding only a run's checkpoint) the heads trainer wrote."""
-    names = {p.name for p in Path(path).iterdir()}
-    if names == {CHECKPOINT}:
-        return (Path(path) / CHECKPOINT).is_dir() and is_heads_checkpoint(Path(path) / CHECKPOINT)
-    return has_format(FORMAT, {CONFIG, WEIGHTS, CHECKPOINT})(path)
+is_heads_dir, is_heads_checkpoint = run_dir_kinds(FORMAT, WEIGHTS)

@@ -29,10 +29,26 @@ import torch
 import torch.distributed as torch_dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mtp.core.artifacts import load_safetensors, read_json, stale_temps, write_dir_atomic
+from mtp.core.artifacts import has_format, load_safetensors, read_json, stale_temps, write_dir_atomic
 
 OPTIMIZER = "optimizer.safetensors"
 STATE = "trainer_state.json"
+CHECKPOINT = "checkpoint"  # sub-directory of a finished run's --out that holds the resumable trainer state
+
+
+def run_dir_kinds(fmt: str, weights: str) -> tuple[Callable[[Path], bool], Callable[[Path], bool]]:
+    """The `kind` tests (`artifacts.replaceable`) of a trainer whose --out ends as `config.json` (format
+    `fmt`) + `weights` and holds `CHECKPOINT/` while it runs: (is_out_dir, is_checkpoint_dir)."""
+    def is_checkpoint(path: Path) -> bool:
+        return {p.name for p in Path(path).iterdir()} <= {weights, OPTIMIZER, STATE}
+
+    def is_out(path: Path) -> bool:
+        names = {p.name for p in Path(path).iterdir()}
+        if names == {CHECKPOINT}:
+            return (Path(path) / CHECKPOINT).is_dir() and is_checkpoint(Path(path) / CHECKPOINT)
+        return has_format(fmt, {"config.json", weights, CHECKPOINT})(path)
+
+    return is_out, is_checkpoint
 
 
 def lr_at(step: int, lr: float, warmup: int, steps: int) -> float:
