@@ -94,6 +94,21 @@ def test_aggregate_arithmetic_on_hand_made_runs():
     assert rec["oracle_tokens_per_forward"] == pytest.approx(2.0)
     assert rec_ntp["oracle_tokens_per_forward"] is None
 
+    assert "by_category" not in rec  # no categories in the items
+
+
+def test_aggregate_by_category():
+    items = [{"prompt": "a", "category": "code"}, {"prompt": "b", "category": "chat"}, {"prompt": "c", "category": "code"}]
+    ntp = _row("ntp", [Run("x", [1, 2], [1, 1], walls=[1.0]), Run("y", [3, 4], [1, 1], walls=[1.0]),
+                       Run("z", [5, 6, 7], [1, 1, 1], walls=[1.0])])
+    v = _row("verify:3", [Run("x", [1, 2], [2], walls=[1.0]), Run("y!", [3, 4], [1, 1], walls=[1.0]),
+                          Run("z", [5, 6, 7], [3], walls=[1.0])])
+    rec = bench.aggregate([ntp, v], "prompts", items, repeats=1)[1]
+    assert rec["tokens_per_forward"] == pytest.approx(7 / 4)
+    # code: chunks [2] + [3] -> 5 tokens / 2 passes, both identical; chat: [1, 1], differs from ntp
+    assert rec["by_category"] == {"chat": {"n": 1, "tokens_per_forward": 1.0, "exact_match": 0.0},
+                                  "code": {"n": 2, "tokens_per_forward": 2.5, "exact_match": 1.0}}
+
 
 def test_metric_helpers():
     assert metrics.match_rate(["1", None, "3"], ["1", None, "4"]) == pytest.approx(1 / 3)
@@ -262,9 +277,11 @@ def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
 
 def test_load_data_formats(tmp_path):
     p = tmp_path / "p.jsonl"
-    p.write_text('{"prompt": "hello"}\n\n{"turns": ["first turn", "second"]}\n{"turns": [{"content": "c"}]}\n')
+    p.write_text('{"prompt": "hello", "category": "chat"}\n\n{"turns": ["first turn", "second"]}\n'
+                 '{"turns": [{"content": "c"}]}\n')
     kind, items = bench.load_data(f"prompts:{p}")
     assert kind == "prompts" and [i["prompt"] for i in items] == ["hello", "first turn", "c"]
+    assert items[0]["category"] == "chat" and "category" not in items[1]
     assert len(bench.load_data(f"prompts:{p}", limit=2)[1]) == 2
     assert [str(s) for s in bench.parse_strategies("static:1..3,ntp,conf_adapt:0.9,0.8")] == \
         ["ntp", "static:1", "static:2", "static:3", "conf_adapt:0.9", "conf_adapt:0.8"]

@@ -76,6 +76,8 @@ def test_a_killed_run_resumes_without_duplicates_or_losses(tiny_engine, tmp_path
     cut = tmp_path / "cut"
     with pytest.raises(KeyboardInterrupt):
         E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(cut)), progress=False)
+    card = json.loads((cut / "card.json").read_text())  # written on the way out: it counts what is on disk
+    assert card["answers"] == len(lines(cut / E.TRAIN)) > 0
     with open(cut / E.TRAIN, "a") as f:
         f.write('{"id": "gsm8k-0", "prompt_ids": [1, 2')  # torn by the kill
     monkeypatch.setattr(E, "generate", real)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import signal
 import sys
 
 from mtp.cli.options import check_device, check_threads
@@ -45,11 +46,18 @@ def run(args) -> int:
         return 0
     file_prompts(cfg)  # every source file read (and a test split refused) before the model loads
     engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=args.device))
+
+    def on_term(signum, frame):  # `kill` stops a long run as Ctrl-C does: lines flushed, card written
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         card = run_engine(engine, cfg)
     except KeyboardInterrupt:
         print(f"mtp data: interrupted; rerun the same command to resume ({args.out})", file=sys.stderr)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"{card['answers']:,} answers, {card['response_tokens']:,} response tokens, "
           f"{card['cut_by_length_limit']:,} cut by the length limit -> {args.out}/train.jsonl "
           f"(card: {args.out}/card.md)", file=sys.stderr)

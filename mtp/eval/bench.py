@@ -42,7 +42,8 @@ WARMUP_TOKENS = 8
 # ---------------------------------------------------------------------------------------------- data
 
 def load_data(spec: str, limit: int | None = None) -> tuple[str, list[dict]]:
-    """`gsm8k:PATH` or `prompts:PATH` -> (kind, [{"prompt", "gold"?}]) of the first `limit` items."""
+    """`gsm8k:PATH` or `prompts:PATH` -> (kind, [{"prompt", "gold"?, "category"?}]) of the first `limit`
+    items; a prompts line's optional 'category' is kept (results then break down by it)."""
     kind, sep, path = (spec or "").partition(":")
     if not sep or kind not in ("gsm8k", "prompts") or not path:
         raise ValueError(f"bad --data {spec!r}; expected gsm8k:PATH or prompts:PATH")
@@ -63,7 +64,7 @@ def load_data(spec: str, limit: int | None = None) -> tuple[str, list[dict]]:
                 prompt = first.get("content") if isinstance(first, dict) else first
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError(f"{p}:{n}: needs a non-empty 'prompt' string or a 'turns' list")
-            items.append({"prompt": prompt})
+            items.append({"prompt": prompt, **({"category": str(row["category"])} if row.get("category") else {})})
             if limit is not None and len(items) >= limit:
                 break
     if not items:
@@ -323,6 +324,16 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 chunks = [c for r in runs for c in r.chunks]
                 rec["tokens_per_forward"] = metrics.tokens_per_forward(chunks)
                 rec["acceptance_by_position"] = metrics.acceptance_by_position(chunks, row.strategy.k)
+                cats = sorted({items[j]["category"] for j in idx if "category" in items[j]})
+                if cats:  # prompts files with a 'category' field: tokens per pass and exactness per category
+                    rec["by_category"] = {c: {
+                        "n": sum(items[j].get("category") == c for j in idx),
+                        "tokens_per_forward": metrics.tokens_per_forward(
+                            [x for j in idx if items[j].get("category") == c for x in row.runs[j].chunks]),
+                        "exact_match": metrics.match_rate(
+                            [row.runs[j].text.strip() for j in common if items[j].get("category") == c],
+                            [ref.runs[j].text.strip() for j in common if items[j].get("category") == c])}
+                        for c in cats}
                 steady_blocks = [b for r in runs for b in r.blocks[1:]]  # prompt passes excluded
                 rec["mean_block_tokens"] = metrics.mean_block_tokens(steady_blocks)
                 if row.strategy.thresholded and common:

@@ -329,7 +329,8 @@ def run(engine, cfg: DataConfig, progress: bool | None = None, log=None) -> dict
         finally:
             if bar is not None:
                 bar.stop()
-    return write_card(out, cfg, skipped)
+            card = write_card(out, cfg, skipped)  # also when stopped: the card describes what is on disk
+    return card
 
 
 def write_card(out: Path, cfg: DataConfig, skipped: dict | None = None) -> dict:

@@ -135,11 +135,14 @@ class Batch:
 
 
 def make_batch(examples: list[Example], mask_id: int, n_spans: int, k_max: int, seq_len: int,
-               gen: torch.Generator) -> Batch:
+               gen: torch.Generator | None, spans_of: list[list[Span]] | None = None) -> Batch:
+    """The padded layout of `examples`, each with `n_spans` random spans (`sample_spans`), or with
+    the given spans_of[i] for example i (evaluation: fixed spans, no generator needed)."""
     parts = []
-    for ex in examples:
+    for i, ex in enumerate(examples):
         ids = (ex.prompt_ids + ex.response_ids)[:seq_len]
-        spans = sample_spans(len(ex.prompt_ids), len(ids), n_spans, k_max, gen)
+        spans = spans_of[i] if spans_of is not None else sample_spans(len(ex.prompt_ids), len(ids), n_spans,
+                                                                      k_max, gen)
         pos, attn, rows, depth, span_of, feeds = build_layout(len(ids), spans)
         starts = torch.tensor([span_of.tolist().index(s) for s in span_of.tolist()])
         gt_pos = torch.tensor([spans[s].p + d for s, d in zip(span_of.tolist(), depth.tolist())])

@@ -1,0 +1,129 @@
+"""How the mask adapter scales with training data: held-out tokens per pass against answers seen.
+
+One `mtp train` run from scratch (gated LoRA, `distill.train`) over the training share of an
+`mtp data` file, one pass through the data (no answer seen twice below `--steps` x `--batch-size`
+<= the training answers); at each step in `--eval-at` the adapter is scored on the held-out
+answers (the same stable hash as `heads_scaling.py`, so both curves are read on the same text) with
+`mask_eval.tokens_per_pass`: 1 + the leading run of correct mask proposals = what `verify:K`
+accepts on the model's own greedy text, per source and overall. The shipped adapter is scored
+the same way first, as a reference. Writes one JSON line per point and a plot.
+
+    python benchmarks/mask_scaling.py --examples $MTP_CACHE_DIR/data/mix/train.jsonl \\
+        --steps 270 --eval-at 30,90,270 --out benchmarks/results/mask_scaling
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from heads_scaling import held_out
+from mtp.core.engine import Engine, EngineConfig
+from mtp.training.data import load_examples
+from mtp.training.distill import TrainConfig, prepare_examples, train
+from mtp.training.mask_eval import tokens_per_pass
+
+
+def score(model, val, val_source, k, stride, seq_len) -> dict:
+    model.eval()
+    t0 = time.perf_counter()
+    per = tokens_per_pass(model, val, k=k, stride=stride, seq_len=seq_len)
+    rec = {}
+    for name in ["all"] + sorted(set(val_source)):
+        xs = [v for v, s in zip(per, val_source) if v is not None and name in ("all", s)]
+        if xs:
+            rec[name] = round(sum(xs) / len(xs), 4)
+    rec["eval_s"] = round(time.perf_counter() - t0, 1)
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--examples", required=True)
+    ap.add_argument("--val-fraction", type=float, default=0.1)
+    ap.add_argument("--val-answers", type=int, default=120, help="held-out answers scored (half GSM8K, half the other sources)")
+    ap.add_argument("--steps", type=int, default=270)
+    ap.add_argument("--eval-at", default="30,90,270")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--spans", type=int, default=48)
+    ap.add_argument("--k-max", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=384)
+    ap.add_argument("--teacher", default="ground-truth")
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--k", type=int, default=4, help="verify:K scored (K-1 masks)")
+    ap.add_argument("--stride", type=int, default=6, help="a span after every N-th response position")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = [json.loads(x) for x in Path(args.examples).read_text().splitlines() if x.strip()]
+    examples = load_examples(args.examples)
+    is_val = [held_out(r.get("id", str(i)), args.val_fraction) for i, r in enumerate(records)]
+    train_ex = prepare_examples([e for e, v in zip(examples, is_val) if not v], args.seq_len)
+    val_idx = [i for i, v in enumerate(is_val) if v]
+    other = [i for i in val_idx if records[i].get("source") != "gsm8k"][: args.val_answers // 2]
+    val_idx = other + [i for i in val_idx if records[i].get("source") == "gsm8k"][: args.val_answers - len(other)]
+    val = [examples[i] for i in val_idx]
+    val_source = [records[i].get("source", "?") for i in val_idx]
+    print(f"{len(train_ex)} training answers, {len(val)} held-out scored "
+          f"({', '.join(f'{s} {val_source.count(s)}' for s in sorted(set(val_source)))})", flush=True)
+    results = out / "results.jsonl"
+
+    def emit(rec):
+        print(json.dumps(rec), flush=True)
+        with open(results, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    shipped = Engine.load(EngineConfig(adapter="auto", pack=False)).model
+    emit({"point": "shipped adapter", **score(shipped, val, val_source, args.k, args.stride, args.seq_len)})
+    del shipped
+
+    engine = Engine.load(EngineConfig(adapter="none", pack=False))
+    model = engine.model
+    eval_at = {int(s) for s in args.eval_at.split(",")}
+    cfg = TrainConfig(out=str(out / "adapter"), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                      k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,
+                      save_every=args.steps, log_every=10,
+                      meta={"examples": args.examples, "heldout": f"hash val-fraction {args.val_fraction}"})
+    t_start, eval_total = time.perf_counter(), [0.0]
+
+    def on_step(step: int) -> None:
+        if step not in eval_at:
+            return
+        t0 = time.perf_counter()
+        rec = score(model, val, val_source, args.k, args.stride, args.seq_len)
+        model.train()
+        eval_total[0] += time.perf_counter() - t0
+        emit({"point": "from scratch", "steps": step, "answers_seen": step * args.batch_size,
+              "train_s": round(time.perf_counter() - t_start - eval_total[0], 1), **rec})
+
+    train(cfg, model, train_ex, n_used_tokens=len(engine.tokenizer), progress=False, on_step=on_step)
+    try:
+        import matplotlib  # optional [bench] dependency
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        pts = [json.loads(x) for x in results.read_text().splitlines()]
+        curve = [p for p in pts if p["point"] == "from scratch"]
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for key in ["all"] + sorted({k for p in curve for k in p} - {"point", "steps", "answers_seen", "train_s",
+                                                                     "eval_s", "all"}):
+            ax.plot([p["answers_seen"] for p in curve if key in p], [p[key] for p in curve if key in p], "o-",
+                    label=key)
+        ax.set_xscale("log")
+        ax.set_xlabel("answers seen (one pass, from scratch)")
+        ax.set_ylabel(f"held-out tokens per pass (verify:{args.k})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "scaling.png", dpi=120)
+    except ImportError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
