@@ -14,7 +14,7 @@ from mtp.eval import gsm8k
 from mtp.core import metrics
 from mtp.eval.bench import BenchConfig, Row, Run
 from mtp.core.costmodel import CostModel, best_k, block_tokens_for, measure, predict_speedup
-from mtp.core.proposers import MaskProposer, PromptLookupProposer
+from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer, TimedProposer
 from mtp.eval.peers import Peer
 from mtp.core.strategy import Strategy
 
@@ -161,6 +161,24 @@ def test_predict_speedup_and_best_k():
     fed_back = block_tokens_for("conf_adapt", PromptLookupProposer())
     assert fed_back(6, 3.1) == pytest.approx(3.1)
     assert best_k(mid, acc, 6, fed_back) == (5, pytest.approx(250.0))
+    # a drafter that spends 5 ms per guess outside the pass (EAGLE-3's decoder-layer steps):
+    # K=1 100/s, K=2 1.8 / (11 + 5) ms = 112.5/s, K=3 2.4 / (12 + 10) ms = 109/s, K=4 2.8 / 35 ms = 80/s
+    assert best_k(mid, acc, 6) == best_k(mid, acc, 6, guess_s=0.0)
+    assert best_k(mid, acc, 6, guess_s=0.005) == (2, pytest.approx(1.8 / 0.016))
+    assert best_k(mid, acc, 6, guess_s=0.05)[0] == 1  # dearer guesses than passes: plain decoding
+
+
+def test_timed_proposer_counts_time_and_guesses():
+    class Two(Proposer):
+        name = "two"
+
+        def propose(self, view, k, params, gen):
+            return Guesses([5, 6], [0.9, 0.8])
+    clock, guesses = {}, {}
+    timed = TimedProposer(Two(), clock, guesses)
+    for _ in range(3):
+        assert timed.propose(None, 3, None, None).tokens == [5, 6]
+    assert guesses == {"two": 6} and clock["two"] > 0
 
 
 def test_measure_on_tiny_model():

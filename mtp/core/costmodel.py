@@ -164,7 +164,8 @@ def expected_tokens(acceptance_by_position: Sequence[float], k: int) -> float:
 
 
 def best_k(cost: CostModel, acceptance_by_position: Sequence[float], k_max: int,
-           block_tokens: Callable[[int, float], float] | None = None) -> tuple[int, float]:
+           block_tokens: Callable[[int, float], float] | None = None,
+           guess_s: float = 0.0) -> tuple[int, float]:
     """The block size K in 1..k_max with the most expected tokens per second, and that rate.
 
     acceptance_by_position[i] = P(a pass emits more than i tokens), measured with blocks at least
@@ -172,14 +173,17 @@ def best_k(cost: CostModel, acceptance_by_position: Sequence[float], k_max: int,
     `block_tokens(K, E[n])` is the q one pass feeds; the default, K, is a `verify:K` pass with a
     proposer that appends nothing (the model's last token + K-1 drafts). Others (see
     `block_tokens_for`): mask proposer + verify feeds 1 + 2(K-1); static / conf_adapt feed the
-    E[n] tokens emitted last pass plus the proposer's appended masks. Returns (K, tokens/s)."""
+    E[n] tokens emitted last pass plus the proposer's appended masks. `guess_s`: seconds the
+    proposer spends per guess outside the forward pass (an EAGLE-3 drafter runs its decoder layer
+    once per guess, K-1 sequential steps), so a pass with cap K costs t(q) + (K-1) * guess_s.
+    Returns (K, tokens/s)."""
     if k_max < 1:
         raise ValueError("k_max must be >= 1")
     q_of = block_tokens or (lambda k, n: k)
     best = (1, 0.0)
     for k in range(1, k_max + 1):
         n = expected_tokens(acceptance_by_position, k)
-        rate = n / cost.pass_time(q_of(k, n))
+        rate = n / (cost.pass_time(q_of(k, n)) + (k - 1) * guess_s)
         if rate > best[1] * (1 + 1e-9):
             best = (k, rate)
     return best

@@ -27,7 +27,7 @@ from rich.table import Table
 
 from mtp.core import metrics
 from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedup
-from mtp.core.proposers import Proposer
+from mtp.core.proposers import Proposer, TimedProposer
 from mtp.eval import gsm8k, report
 from mtp.eval.peers import make_peer
 from mtp.core.proposers import check_proposer
@@ -122,6 +122,8 @@ class Row:
     proposer: str | None = None  # engine rows: their own proposer (None: the engine's)
     peer: object = None  # peers.Peer
     runs: dict[int, Run] = field(default_factory=dict)  # prompt index -> run
+    proposing: dict = field(default_factory=dict)  # proposer name -> seconds in `propose` (TimedProposer)
+    guesses: dict = field(default_factory=dict)  # proposer name -> guesses it made
     error: str | None = None
     skipped: str | None = None
 
@@ -227,6 +229,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
             wall = time.perf_counter() - t0
             return Run(engine.decode_text(out), out, walls=[wall])
         seq = engine.new_sequence(ids, row.strategy, SamplingParams(max_new_tokens=max_new), row.proposer)
+        seq.proposer = TimedProposer(seq.proposer, row.proposing, row.guesses)
         for _ in engine.stream(seq):
             pass
         wall = time.perf_counter() - t0
@@ -242,6 +245,8 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
                     decode(row, prompts[0], min(WARMUP_TOKENS, cfg.max_new_tokens))
                 except Exception as e:
                     row.error = f"{type(e).__name__}: {e}"
+                row.proposing.clear()  # proposing is timed on measured runs only
+                row.guesses.clear()
     step = 0
     for j, ids in enumerate(prompts):
         for r in range(cfg.repeats):
@@ -334,6 +339,7 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                             [row.runs[j].text.strip() for j in common if items[j].get("category") == c],
                             [ref.runs[j].text.strip() for j in common if items[j].get("category") == c])}
                         for c in cats}
+                rec["proposing_ms_per_guess"] = guess_seconds(row) * 1e3
                 steady_blocks = [b for r in runs for b in r.blocks[1:]]  # prompt passes excluded
                 rec["mean_block_tokens"] = metrics.mean_block_tokens(steady_blocks)
                 if row.strategy.thresholded and common:
@@ -344,6 +350,12 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                                                                steady_blocks)
         out.append(rec)
     return out
+
+
+def guess_seconds(row: Row) -> float:
+    """Seconds the row's proposer spent per guess outside the forward pass (0 when it made none)."""
+    n = sum(row.guesses.values())
+    return sum(row.proposing.values()) / n if n else 0.0
 
 
 def _tokens_per_s_by_repeat(runs: list[Run], repeats: int) -> list[float]:
@@ -376,7 +388,7 @@ def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) ->
             continue
         acc, k, kind = rec["acceptance_by_position"], row.strategy.k, row.strategy.kind
         proposer = proposer_of(row.proposer) if proposer_of is not None else Proposer()
-        kb, rate = best_k(cost, acc, k, block_tokens_for(kind, proposer))
+        kb, rate = best_k(cost, acc, k, block_tokens_for(kind, proposer), guess_s=guess_seconds(row))
         if kind == "verify":
             lines.append(f"{row.name}: best K for verify on this machine = {kb} (of 1..{k} measured; "
                          f"{rate:.1f} expected tokens/s); use verify:{kb}")

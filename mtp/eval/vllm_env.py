@@ -33,9 +33,11 @@ def target_dir(model: str = loading.DEFAULT_MODEL) -> Path:
 
 
 def run_vllm(model_dir, prompts: list[list[int]], max_tokens: int, runs: list[dict], timeout: float = 1800,
-             log=None, **job) -> list[dict]:
-    """Greedy vLLM on token-id prompts, once per entry of `runs` ({"name", "speculative_config"}).
-    Returns the runner's records (outputs without trailing EOS left as vLLM gives them)."""
+             log=None, allow_errors: bool = False, **job) -> list[dict]:
+    """Greedy vLLM on token-id prompts, once per entry of `runs` ({"name", "speculative_config",
+    "tensor_parallel_size", "pipeline_parallel_size"}). Returns the runner's records (outputs without
+    trailing EOS left as vLLM gives them); a configuration vLLM fails on raises, or with
+    `allow_errors` comes back as {"name", "error"}."""
     python = vllm_python()
     if python is None:
         raise ValueError(f"vLLM is not installed: {HINT}")
@@ -50,7 +52,11 @@ def run_vllm(model_dir, prompts: list[list[int]], max_tokens: int, runs: list[di
     if proc.returncode != 0:
         tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
         raise RuntimeError(f"vLLM failed (exit {proc.returncode}): {tail[0]}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    recs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    failed = [r for r in recs if "error" in r]
+    if failed and not allow_errors:
+        raise RuntimeError(f"vLLM failed on {failed[0]['name']}: {failed[0]['error']}")
+    return recs
 
 
 def strip_eos(ids: list[int], eos) -> list[int]:

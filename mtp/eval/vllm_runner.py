@@ -6,7 +6,8 @@ vLLM pins its own torch and transformers, so it lives in its own environment (`m
     .venv-vllm/bin/python mtp/eval/vllm_runner.py JOB.json
 
 JOB.json: {"model": HF_DIR, "prompts": [[ids], ...], "max_tokens": N, "runs": [{"name": str,
-"speculative_config": {...} | null, "tensor_parallel_size": 1}, ...]}. Output, one line per run:
+"speculative_config": {...} | null, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}, ...]}.
+Output, one line per run (or {"name", "error"} for a configuration vLLM refuses or fails on):
 {"name", "outputs": [[ids], ...], "wall_s", "tokens_per_s", "drafts", "draft_tokens", "accepted",
 "accepted_per_pos", "mean_acceptance_length"} (mean acceptance length = 1 + accepted / drafts, the
 number vLLM's spec-decode metrics define). It imports nothing from mtp.
@@ -49,13 +50,23 @@ def spec_metrics(llm) -> dict:
     return out
 
 
-def run(job: dict, spec: dict) -> dict:
+def llm_kwargs(job: dict, spec: dict, max_num_seqs: int) -> dict:
+    """LLM(...) arguments of one configuration: greedy-exact float32, eager, optional speculative
+    config, tensor/pipeline parallel sizes (the CPU runner needs graph mode with the eager backend
+    for pipeline parallel)."""
+    pp = spec.get("pipeline_parallel_size", 1)
     kwargs = dict(model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 1024),
-                  max_num_seqs=job.get("max_num_seqs", 4), enforce_eager=True, disable_log_stats=False,
-                  seed=0, tensor_parallel_size=spec.get("tensor_parallel_size", 1))
+                  max_num_seqs=max_num_seqs, enforce_eager=pp == 1, disable_log_stats=False, seed=0,
+                  tensor_parallel_size=spec.get("tensor_parallel_size", 1), pipeline_parallel_size=pp)
+    if pp > 1:
+        kwargs["compilation_config"] = {"mode": 2, "backend": "eager"}
     if spec.get("speculative_config"):
         kwargs["speculative_config"] = spec["speculative_config"]
-    llm = LLM(**kwargs)
+    return kwargs
+
+
+def run(job: dict, spec: dict) -> dict:
+    llm = LLM(**llm_kwargs(job, spec, job.get("max_num_seqs", 4)))
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -81,13 +92,7 @@ def serve(job: dict) -> int:
     """`--serve JOB.json`: load one configuration (job["runs"][0]), then answer stdin lines
     {"prompt_ids": [...], "max_tokens": N} with {"ids": [...], "drafts", "accepted"} (cumulative counters),
     one line each, until stdin closes. Used by the vLLM peers of `mtp bench` (one load, many prompts)."""
-    spec = job["runs"][0]
-    kwargs = dict(model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 1024),
-                  max_num_seqs=1, enforce_eager=True, disable_log_stats=False, seed=0,
-                  tensor_parallel_size=spec.get("tensor_parallel_size", 1))
-    if spec.get("speculative_config"):
-        kwargs["speculative_config"] = spec["speculative_config"]
-    llm = LLM(**kwargs)
+    llm = LLM(**llm_kwargs(job, job["runs"][0], 1))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -108,7 +113,11 @@ def main() -> int:
     with open(sys.argv[1]) as f:
         job = json.load(f)
     for spec in job["runs"]:
-        print(json.dumps(run(job, spec)), flush=True)
+        try:
+            rec = run(job, spec)
+        except Exception as e:  # a configuration vLLM cannot run is a result too: report it, go on
+            rec = {"name": spec["name"], "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+        print(json.dumps(rec), flush=True)
     return 0
 
 

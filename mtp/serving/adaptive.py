@@ -9,7 +9,7 @@ import time
 from typing import Callable
 
 from mtp.core.decode import Sequence
-from mtp.core.proposers import Proposer
+from mtp.core.proposers import Proposer, TimedProposer  # noqa: F401  (re-exported)
 
 
 class AdaptiveK:
@@ -225,23 +225,3 @@ class AdaptiveK:
         if reached[0] > self.window:  # forget slowly: halve the counts
             self.reached[key] = [x / 2 for x in reached]
             self.accepted[key] = [x / 2 for x in accepted]
-
-
-class TimedProposer(Proposer):
-    """A row's proposer with its `propose` calls timed into a shared clock (proposer name -> seconds),
-    so the adaptive policy knows what proposing costs apart from the forward pass."""
-
-    def __init__(self, inner: Proposer, clock: dict[str, float]):
-        self.inner, self.clock = inner, clock
-        self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
-        self.aux_layers = getattr(inner, "aux_layers", ())  # trunk layers the inner proposer reads
-
-    def n_appended(self, k: int, drafts: int = 0) -> int:
-        return self.inner.n_appended(k, drafts)
-
-    def propose(self, view, k, params, gen):
-        t0 = time.perf_counter()
-        try:
-            return self.inner.propose(view, k, params, gen)
-        finally:
-            self.clock[self.name] = self.clock.get(self.name, 0.0) + time.perf_counter() - t0

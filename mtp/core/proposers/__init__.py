@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from mtp.core.proposers.base import MAX_MASK_GROUPS, Guesses, PassView, Proposer, max_appended
+from mtp.core.proposers.base import MAX_MASK_GROUPS, Guesses, PassView, Proposer, TimedProposer, max_appended
 from mtp.core.proposers.eagle3 import load_eagle3_proposer
 from mtp.core.proposers.heads import load_heads_proposer
 from mtp.core.proposers.lookup import PromptLookupProposer
 from mtp.core.proposers.mask import MaskProposer
 
-__all__ = ["MAX_MASK_GROUPS", "Guesses", "PassView", "Proposer", "max_appended", "MaskProposer",
+__all__ = ["MAX_MASK_GROUPS", "Guesses", "PassView", "Proposer", "TimedProposer", "max_appended", "MaskProposer",
            "PromptLookupProposer", "ProposerSpec", "REGISTRY", "check_proposer", "make_proposer"]
 
 

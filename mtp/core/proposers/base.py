@@ -11,6 +11,7 @@ send them as drafts to be checked by the next pass (`verify`).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -59,3 +60,25 @@ class Proposer:
 
     def propose(self, view: PassView, k: int, params, gen) -> Guesses:
         raise NotImplementedError
+
+
+class TimedProposer(Proposer):
+    """A row's proposer with its `propose` calls timed into a shared clock (proposer name -> seconds)
+    and, given `guesses`, its guesses counted there (name -> count), so a policy can price proposing
+    apart from the forward pass (the server's adaptive K; `mtp bench`'s best K: seconds per guess)."""
+
+    def __init__(self, inner: Proposer, clock: dict[str, float], guesses: dict[str, int] | None = None):
+        self.inner, self.clock, self.guesses = inner, clock, guesses
+        self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
+        self.aux_layers = getattr(inner, "aux_layers", ())  # trunk layers the inner proposer reads
+
+    def n_appended(self, k: int, drafts: int = 0) -> int:
+        return self.inner.n_appended(k, drafts)
+
+    def propose(self, view, k, params, gen):
+        t0 = time.perf_counter()
+        out = self.inner.propose(view, k, params, gen)
+        self.clock[self.name] = self.clock.get(self.name, 0.0) + time.perf_counter() - t0
+        if self.guesses is not None:
+            self.guesses[self.name] = self.guesses.get(self.name, 0) + len(out.tokens)
+        return out
