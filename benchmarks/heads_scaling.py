@@ -5,8 +5,9 @@ of the answers (chosen by a stable hash of their ids, `--val-fraction`) is held 
 size in `--sizes` heads are trained on the first N of the remaining answers (the file's order: a
 growing `mtp data` run) with the same settings, then scored on the same held-out answers:
 `val_tokens_per_pass` is 1 + the leading run of correct depths = what `verify:D+1` accepts on the
-model's own greedy text, per source (GSM8K / self-instruct / self-written) and overall. Writes
-one JSON line per size and a plot.
+model's own greedy text, per source (GSM8K / self-instruct / self-written) and overall; the
+`--reference` heads (default: the shipped ones) are scored the same way first. Writes one JSON
+line per size and a plot.
 
     python benchmarks/heads_scaling.py --examples $MTP_CACHE_DIR/data/mix/train.jsonl \\
         --sizes 100,300,1000 --steps 600 --out benchmarks/results/heads_scaling
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from mtp.core.engine import Engine, EngineConfig
+from mtp.core.engine import SHIPPED, Engine, EngineConfig
 from mtp.core.loading import cache_root
 from mtp.core.proposers.heads import bf16_readout, load_heads
 from mtp.training.data import load_examples
@@ -45,6 +46,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reference", default="shipped",
+                    help="heads directory scored on the same held-out answers first ('shipped', 'none')")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -56,7 +59,9 @@ def main() -> int:
     examples = load_examples(args.examples)
     val = [i for i, k in enumerate(ids) if held_out(k, args.val_fraction)]
     train = [i for i in range(len(examples)) if i not in set(val)]
-    sizes = [n for n in (int(s) for s in args.sizes.split(",")) if n <= len(train)]
+    sizes = [n for n in (int(s) for s in args.sizes.split(",") if s) if n <= len(train)]
+    if not sizes:
+        raise SystemExit(f"no size in --sizes {args.sizes!r} fits the {len(train)} training answers")
     engine = Engine.load(EngineConfig(adapter="none", pack=False))
     model = engine.model
     order = train[: max(sizes)] + val  # one feature file: the largest training set, then the held-out answers
@@ -70,6 +75,16 @@ def main() -> int:
     val_source = [sources[order[int(e)]] for e in example[val_rows]]
     readout = bf16_readout(model)
     results = []
+    if args.reference != "none":
+        ref_dir = SHIPPED["smollm2-135m"] / "heads" if args.reference == "shipped" else Path(args.reference)
+        ref = load_heads(model, ref_dir)
+        rec = {"reference": args.reference, "all": evaluate(ref, model, feats, val_rows, readout)["val_tokens_per_pass"]}
+        for s in sorted(set(val_source)):
+            rows = val_rows[torch.tensor([x == s for x in val_source])]
+            rec[s] = evaluate(ref, model, feats, rows, readout)["val_tokens_per_pass"]
+        print(json.dumps(rec), flush=True)
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
     for n in sizes:
         keep = (example < n) | (example >= n_train_max)
         sub = {k: v[keep] for k, v in feats.items()}
