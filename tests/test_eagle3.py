@@ -390,3 +390,18 @@ def test_smollm2_eagle3_verify_equals_ntp(smollm2):
     got = generate(model, ids, "verify:4", SamplingParams(max_new_tokens=24), proposer=proposer,
                    eos_ids=smollm2.loaded.eos_ids)
     assert torch.equal(torch.tensor(got.output), torch.tensor(ref.output))
+
+
+@pytest.mark.slow
+def test_smollm2_shipped_drafter_verify_equals_ntp(smollm2):
+    """The shipped EAGLE-3 drafter through `--proposer eagle3` (the default 'auto' finds it): lossless on
+    the real model, and it does propose: more than one token per pass on a math answer."""
+    from mtp.core.engine import SHIPPED, Engine, EngineConfig
+    engine = Engine.load(EngineConfig(adapter="none", proposer="eagle3"))
+    assert engine.asset_dirs.get("eagle3") == SHIPPED["smollm2-135m"] / "eagle3"
+    ids = engine.encode("Tom has 3 boxes of 12 apples. How many apples does he have?")
+    params = SamplingParams(max_new_tokens=32)
+    ref = smollm2.generate(ids, "ntp", params)
+    got = engine.generate(ids, "verify:4", params)
+    assert got.token_ids == ref.token_ids
+    assert got.summary["tokens_per_forward"] > 1.2

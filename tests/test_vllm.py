@@ -1,8 +1,8 @@
 """The exported EAGLE-3 drafter inside vLLM (run from `.venv-vllm` in a subprocess; `make vllm`).
 
 Skipped where vLLM is absent, so `make test` passes without it. Each test loads SmolLM2 in vLLM twice
-(plain and with the drafter: ~1-4 min on 2 cores). Set MTP_EAGLE3_DRAFTER to a trained drafter
-directory (`mtp train-eagle3`) to also check a nonzero acceptance."""
+(plain and with the drafter: ~1-4 min on 2 cores). The trained-drafter test uses the drafter shipped
+for SmolLM2, or MTP_EAGLE3_DRAFTER (a `mtp train-eagle3` directory)."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import require_smollm2
+from mtp.core.engine import SHIPPED
 from mtp.core.export import export_vllm_eagle3
 from mtp.core.proposers.eagle3 import Eagle3Config, drafter_files
 from mtp.core.artifacts import write_dir_atomic
@@ -48,7 +49,8 @@ def test_exported_untrained_drafter_loads_and_keeps_vllm_output(smollm2, tmp_pat
     check_in_vllm(smollm2, tmp_path / "d", tmp_path)
 
 
-@pytest.mark.skipif(not os.environ.get("MTP_EAGLE3_DRAFTER"), reason="set MTP_EAGLE3_DRAFTER to a trained drafter")
 def test_trained_drafter_is_accepted_in_vllm(smollm2, tmp_path):
-    spec = check_in_vllm(smollm2, Path(os.environ["MTP_EAGLE3_DRAFTER"]), tmp_path)
+    # the drafter shipped for SmolLM2 (or MTP_EAGLE3_DRAFTER): same output as plain vLLM, drafts accepted
+    drafter = Path(os.environ.get("MTP_EAGLE3_DRAFTER") or SHIPPED["smollm2-135m"] / "eagle3")
+    spec = check_in_vllm(smollm2, drafter, tmp_path)
     assert spec["accepted"] > 0, spec

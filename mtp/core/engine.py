@@ -32,7 +32,7 @@ class EngineConfig:
     adapter: str | None = "auto"  # directory, 'auto' (shipped, if any) or 'none'
     proposer: str = "mask"  # a name of mtp.core.proposers.REGISTRY
     heads: str | None = "auto"
-    eagle3: str | None = "auto"  # EAGLE-3 drafter directory (for --proposer eagle3; none shipped yet)
+    eagle3: str | None = "auto"  # EAGLE-3 drafter directory (for --proposer eagle3)
     threads: int = 0
     device: str = "cpu"
     pack: bool = True  # oneDNN-packed weights for CPU float32 inference (model.pack_weights)
