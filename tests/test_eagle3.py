@@ -310,6 +310,17 @@ def test_bad_drafters_fail_in_one_line(tmp_path):
     (tmp_path / "v" / CONFIG).write_text(json.dumps({**cfg, "vocab_size": 50}))
     with pytest.raises(ArtifactError, match="vocabulary"):
         load_drafter(model, tmp_path / "v")
+    # a model whose MTP adapter appended <mtp_mask> as its last id still takes a drafter of the base vocabulary
+    d = random_drafter(model)
+    d.set_vocab(torch.arange(60))  # never the last id
+    save_drafter(model, tmp_path / "m", d)
+    cfg_m = json.loads((tmp_path / "m" / CONFIG).read_text())
+    (tmp_path / "m" / CONFIG).write_text(json.dumps({**cfg_m, "vocab_size": model.config.vocab_size - 1}))
+    with pytest.raises(ArtifactError, match="vocabulary"):
+        load_drafter(model, tmp_path / "m")  # no mask token: one id short is a wrong vocabulary
+    model.config.mask_token_id = model.config.vocab_size - 1
+    assert load_drafter(model, tmp_path / "m").config.vocab_size == model.config.vocab_size - 1
+    model.config.mask_token_id = None
     save_drafter(model, tmp_path / "c")
     raw = (tmp_path / "c" / WEIGHTS).read_bytes()
     (tmp_path / "c" / WEIGHTS).write_bytes(raw[: len(raw) // 2])
@@ -395,7 +406,9 @@ def test_smollm2_eagle3_verify_equals_ntp(smollm2):
 @pytest.mark.slow
 def test_smollm2_shipped_drafter_verify_equals_ntp(smollm2):
     """The shipped EAGLE-3 drafter through `--proposer eagle3` (the default 'auto' finds it): lossless on
-    the real model, and it does propose: more than one token per pass on a math answer."""
+    the real model, and it does propose: more than one token per pass on a math answer. An engine
+    loaded for another proposer (the mask adapter, whose <mtp_mask> extends the vocabulary by one)
+    loads the drafter and the heads on first use, so one run can compare them all."""
     from mtp.core.engine import SHIPPED, Engine, EngineConfig
     engine = Engine.load(EngineConfig(adapter="none", proposer="eagle3"))
     assert engine.asset_dirs.get("eagle3") == SHIPPED["smollm2-135m"] / "eagle3"
@@ -405,3 +418,11 @@ def test_smollm2_shipped_drafter_verify_equals_ntp(smollm2):
     got = engine.generate(ids, "verify:4", params)
     assert got.token_ids == ref.token_ids
     assert got.summary["tokens_per_forward"] > 1.2
+    mixed = Engine.load(EngineConfig(adapter="auto"))  # proposer: mask
+    assert mixed.asset_dirs == {}
+    for name in ("eagle3", "heads", "mask"):
+        seq = mixed.new_sequence(ids, "verify:4", params, name)
+        for _ in mixed.stream(seq):
+            pass
+        assert mixed.result(seq).token_ids == ref.token_ids, name
+    assert set(mixed.asset_dirs) == {"eagle3", "heads"}

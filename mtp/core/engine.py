@@ -74,12 +74,7 @@ class Engine:
             load_adapter(engine.model, adapter, n_tokenizer=len(engine.tokenizer))
             engine.adapter_dir = adapter
         if spec.asset is not None:
-            path = engine._resolve_asset(getattr(config, spec.asset), spec.asset)
-            if path is None:
-                raise ValueError(f"--proposer {config.proposer} needs --{spec.asset} DIR "
-                                 f"(no shipped {spec.asset} for this model)")
-            engine._loaded_proposers[config.proposer] = spec.make(engine.model, path)
-            engine.asset_dirs[spec.asset] = path
+            engine._load_asset_proposer(config.proposer)
         if config.pack:
             pack_weights(engine.model)  # after every weight is final
         return engine
@@ -108,15 +103,26 @@ class Engine:
     def context_window(self) -> int:
         return self.model.config.max_seq_len
 
+    def _load_asset_proposer(self, name: str) -> Proposer:
+        """Build proposer `name` from its asset directory (--heads / --eagle3, 'auto' = shipped), once.
+        Asset proposers are modules beside the model; they never change its weights."""
+        spec = check_proposer(name)
+        path = self._resolve_asset(getattr(self.config, spec.asset), spec.asset)
+        if path is None:
+            raise ValueError(f"--proposer {name} needs --{spec.asset} DIR (no shipped {spec.asset} for this model)")
+        self._loaded_proposers[name] = spec.make(self.model, path)
+        self.asset_dirs[spec.asset] = path
+        return self._loaded_proposers[name]
+
     def proposer(self, name: str | None = None) -> Proposer:
-        """A proposer: `name`, default the engine's `--proposer`; one built from an asset (heads) is
-        the engine's loaded instance."""
+        """A proposer: `name`, default the engine's `--proposer`; one built from an asset (heads,
+        eagle3) is loaded on first use and then shared by every sequence of the engine."""
         name = name or self.config.proposer
         spec = check_proposer(name)
         if spec.asset is None:
             return spec.make()
         if name not in self._loaded_proposers:
-            raise ValueError(f"the {name} proposer needs an engine loaded with --proposer {name}")
+            return self._load_asset_proposer(name)
         return self._loaded_proposers[name]
 
     def can_propose(self, name: str | None = None) -> bool:

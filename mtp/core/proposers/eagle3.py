@@ -310,9 +310,11 @@ def load_drafter(model: Transformer, path) -> Eagle3Drafter:
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"{path / CONFIG}: bad EAGLE-3 config ({str(e).splitlines()[0]})") from None
     mc = model.config
-    if ecfg.vocab_size != mc.vocab_size or ecfg.target_dim != mc.dim:
+    # an MTP adapter appends its <mtp_mask> token to the vocabulary; the drafter never proposes it
+    vocab = mc.vocab_size - 1 if mc.mask_token_id == mc.vocab_size - 1 else mc.vocab_size
+    if ecfg.vocab_size != vocab or ecfg.target_dim != mc.dim:
         raise ArtifactError(f"EAGLE-3 drafter {path} is for a vocabulary of {ecfg.vocab_size} and width "
-                            f"{ecfg.target_dim}; this model has {mc.vocab_size} and {mc.dim}")
+                            f"{ecfg.target_dim}; this model has {vocab} and {mc.dim}")
     bad = [k for k in ecfg.aux_layers if not 0 <= k <= mc.n_layers]
     if bad:
         raise ArtifactError(f"EAGLE-3 drafter {path} reads trunk layers {bad}; the model has {mc.n_layers}")
@@ -322,7 +324,7 @@ def load_drafter(model: Transformer, path) -> Eagle3Drafter:
     if d2t is None or d2t.dtype != torch.int64 or tuple(d2t.shape) != (ecfg.draft_vocab,):
         raise ArtifactError(f"{path / WEIGHTS}: d2t must be int64 [{ecfg.draft_vocab}]")
     ids = torch.arange(ecfg.draft_vocab) + d2t
-    if int(ids.min()) < 0 or int(ids.max()) >= mc.vocab_size or len(ids.unique()) != len(ids):
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(ids.unique()) != len(ids):
         raise ArtifactError(f"{path / WEIGHTS}: d2t does not map onto distinct token ids of this model")
     state.pop("t2d", None)  # derived from d2t
     try:
