@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="verify:K: K-1 speculative tokens")
+    ap.add_argument("--configs", default="", help="only these, e.g. 'plain tp1 pp1,eagle3 tp3 pp1' (default: all)")
     ap.add_argument("--out", default="runs/vllm_distributed")
     args = ap.parse_args()
     engine = Engine.load(EngineConfig(adapter="none"))
@@ -46,6 +47,9 @@ def main() -> int:
                  "prompt_lookup_min": 1}
         configs = [("plain", None, 1, 1), ("eagle3", eagle3, 1, 1), ("plain", None, 3, 1), ("eagle3", eagle3, 3, 1),
                    ("ngram", ngram, 3, 1), ("plain", None, 1, 2), ("eagle3", eagle3, 1, 2)]
+        wanted = {c.strip() for c in args.configs.split(",") if c.strip()}
+        if wanted:
+            configs = [c for c in configs if f"{c[0]} tp{c[2]} pp{c[3]}" in wanted]
         recs, logs = [], []
         for method, spec, tp, pp in configs:  # one vLLM process tree per configuration
             name = f"{method} tp{tp} pp{pp}"
