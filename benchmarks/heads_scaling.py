@@ -7,7 +7,7 @@ growing `mtp data` run) with the same settings, then scored on the same held-out
 `val_tokens_per_pass` is 1 + the leading run of correct depths = what `verify:D+1` accepts on the
 model's own greedy text, per source (GSM8K / self-instruct / self-written) and overall; the
 `--reference` heads (default: the shipped ones) are scored the same way first. Writes one JSON
-line per size and a plot.
+line per size to OUT/results.jsonl (`plot_scaling.py` draws it beside the mask adapter's curve).
 
     python benchmarks/heads_scaling.py --examples $MTP_CACHE_DIR/data/mix/train.jsonl \\
         --sizes 100,300,1000 --steps 600 --out benchmarks/results/heads_scaling
@@ -74,17 +74,24 @@ def main() -> int:
     val_rows = (example >= n_train_max).nonzero().squeeze(1)
     val_source = [sources[order[int(e)]] for e in example[val_rows]]
     readout = bf16_readout(model)
-    results = []
-    if args.reference != "none":
-        ref_dir = SHIPPED["smollm2-135m"] / "heads" if args.reference == "shipped" else Path(args.reference)
-        ref = load_heads(model, ref_dir)
-        rec = {"reference": args.reference, "all": evaluate(ref, model, feats, val_rows, readout)["val_tokens_per_pass"]}
+
+    def by_source(heads, part: dict, rows: torch.Tensor) -> dict:
+        """Held-out tokens per pass over `rows` of `part`, overall and per source (rows follow val_source)."""
+        rec = {"all": evaluate(heads, model, part, rows, readout)["val_tokens_per_pass"]}
         for s in sorted(set(val_source)):
-            rows = val_rows[torch.tensor([x == s for x in val_source])]
-            rec[s] = evaluate(ref, model, feats, rows, readout)["val_tokens_per_pass"]
+            mine = rows[torch.tensor([x == s for x in val_source])]
+            if len(mine):
+                rec[s] = evaluate(heads, model, part, mine, readout)["val_tokens_per_pass"]
+        return rec
+
+    def emit(rec: dict) -> None:
         print(json.dumps(rec), flush=True)
         with open(out / "results.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
+
+    if args.reference != "none":
+        ref_dir = SHIPPED["smollm2-135m"] / "heads" if args.reference == "shipped" else Path(args.reference)
+        emit({"reference": args.reference, **by_source(load_heads(model, ref_dir), feats, val_rows)})
     for n in sizes:
         keep = (example < n) | (example >= n_train_max)
         sub = {k: v[keep] for k, v in feats.items()}
@@ -99,37 +106,9 @@ def main() -> int:
         if run.exists():
             shutil.rmtree(run)
         train_heads(model, train_only, cfg, run, log=lambda m: None)
-        train_s = time.perf_counter() - t0
-        heads = load_heads(model, run)
         rec = {"answers": n, "train_rows": int((sub["example"] < n).sum()), "steps": args.steps,
-               "train_s": round(train_s, 1)}
-        vr = (sub["example"] >= n).nonzero().squeeze(1)
-        rec["all"] = evaluate(heads, model, sub, vr, readout)["val_tokens_per_pass"]
-        for s in sorted(set(val_source)):
-            rows = vr[torch.tensor([x == s for x in val_source])]
-            if len(rows):
-                rec[s] = evaluate(heads, model, sub, rows, readout)["val_tokens_per_pass"]
-        results.append(rec)
-        print(json.dumps(rec), flush=True)
-        with open(out / "results.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-    try:
-        import matplotlib  # optional [bench] dependency
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for key in ["all"] + sorted({k for r in results for k in r} - {"answers", "train_rows", "steps", "train_s",
-                                                                         "all"}):
-            pts = [(r["answers"], r[key]) for r in results if key in r]
-            ax.plot(*zip(*pts), "o-", label=key)
-        ax.set_xscale("log")
-        ax.set_xlabel("answers trained on")
-        ax.set_ylabel("held-out tokens per pass (verify)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "scaling.png", dpi=120)
-    except ImportError:
-        pass
+               "train_s": round(time.perf_counter() - t0, 1)}
+        emit({**rec, **by_source(load_heads(model, run), sub, (sub["example"] >= n).nonzero().squeeze(1))})
     return 0
 
 

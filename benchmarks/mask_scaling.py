@@ -6,7 +6,8 @@ One `mtp train` run from scratch (gated LoRA, `distill.train`) over the training
 answers (the same stable hash as `heads_scaling.py`, so both curves are read on the same text) with
 `mask_eval.tokens_per_pass`: 1 + the leading run of correct mask proposals = what `verify:K`
 accepts on the model's own greedy text, per source and overall. The shipped adapter is scored
-the same way first, as a reference. Writes one JSON line per point and a plot.
+the same way first, as a reference. Writes one JSON line per point to OUT/results.jsonl
+(`plot_scaling.py` draws it beside the heads' curve).
 
     python benchmarks/mask_scaling.py --examples $MTP_CACHE_DIR/data/mix/train.jsonl \\
         --steps 270 --eval-at 30,90,270 --out benchmarks/results/mask_scaling
@@ -103,25 +104,6 @@ def main() -> int:
               "train_s": round(time.perf_counter() - t_start - eval_total[0], 1), **rec})
 
     train(cfg, model, train_ex, n_used_tokens=len(engine.tokenizer), progress=False, on_step=on_step)
-    try:
-        import matplotlib  # optional [bench] dependency
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        pts = [json.loads(x) for x in results.read_text().splitlines()]
-        curve = [p for p in pts if p["point"] == "from scratch"]
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for key in ["all"] + sorted({k for p in curve for k in p} - {"point", "steps", "answers_seen", "train_s",
-                                                                     "eval_s", "all"}):
-            ax.plot([p["answers_seen"] for p in curve if key in p], [p[key] for p in curve if key in p], "o-",
-                    label=key)
-        ax.set_xscale("log")
-        ax.set_xlabel("answers seen (one pass, from scratch)")
-        ax.set_ylabel(f"held-out tokens per pass (verify:{args.k})")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "scaling.png", dpi=120)
-    except ImportError:
-        pass
     return 0
 
 

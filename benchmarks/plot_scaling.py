@@ -22,12 +22,16 @@ SOURCES = {"gsm8k": "GSM8K (held-out answers)", "self_written": "self-written re
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--heads", required=True)
-    ap.add_argument("--mask", required=True)
+    ap.add_argument("--heads", help="heads_scaling.py's results.jsonl")
+    ap.add_argument("--mask", help="mask_scaling.py's results.jsonl")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    heads = [json.loads(x) for x in Path(args.heads).read_text().splitlines() if x.strip()]
-    mask = [json.loads(x) for x in Path(args.mask).read_text().splitlines() if x.strip()]
+    if not (args.heads or args.mask):
+        raise SystemExit("give --heads and/or --mask")
+
+    def read(path):
+        return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()] if path else []
+    heads, mask = read(args.heads), read(args.mask)
     curves = {"MTP heads (trained on N)": ([r for r in heads if "answers" in r], "answers", "tab:blue",
                                            next((r for r in heads if "reference" in r), None)),
               "mask adapter (N seen, from scratch)": ([r for r in mask if r.get("point") == "from scratch"],
@@ -36,6 +40,8 @@ def main() -> int:
     fig, axes = plt.subplots(1, len(SOURCES), figsize=(10, 3.8), sharey=True)
     for ax, (src, title) in zip(axes, SOURCES.items()):
         for label, (pts, xkey, color, ref) in curves.items():
+            if not pts:
+                continue
             ax.plot([p[xkey] for p in pts], [p[src] for p in pts], "o-", color=color, label=label)
             if ref is not None and src in ref:
                 ax.axhline(ref[src], color=color, ls="--", lw=1, label=f"shipped {label.split(' (')[0]}")

@@ -70,7 +70,7 @@ def main() -> int:
             outs = [strip_eos(o, eos) for o in rec.pop("outputs")]
             rec["identical_to_plain_tp1"] = f"{sum(a == b for a, b in zip(outs, base))}/{len(base)}"
     (out / "results.json").write_text(json.dumps({"args": vars(args), "runs": recs}, indent=1))
-    print(f"| configuration | identical to plain TP 1 | mean acceptance length | tokens/s | error |")
+    print("| configuration | identical to plain TP 1 | mean acceptance length | tokens/s | error |")
     print("|---|---|---|---|---|")
     for r in recs:
         print(f"| {r['name']} | {r.get('identical_to_plain_tp1', '—')} | {r.get('mean_acceptance_length') or '—'} "

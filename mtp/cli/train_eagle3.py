@@ -7,11 +7,11 @@ from pathlib import Path
 
 from mtp.cli.options import check_device, check_threads
 from mtp.core import loading
-from mtp.core.artifacts import replaceable
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.proposers.eagle3 import CONFIG, Eagle3Config
+from mtp.core.proposers.eagle3 import Eagle3Config
 from mtp.training import data
-from mtp.training.eagle3_train import CHECKPOINT, TrainEagle3Config, cached_features, is_drafter_dir, train_eagle3
+from mtp.training.eagle3_train import TrainEagle3Config, cached_features, is_drafter_dir, train_eagle3
+from mtp.training.trainer import check_run_out
 
 
 def add_parser(sub) -> None:
@@ -65,9 +65,7 @@ def run_train_eagle3(args) -> int:
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     out = Path(args.out)
-    replaceable(out, is_drafter_dir)  # never overwrite what mtp did not write
-    if not args.resume and ((out / CONFIG).exists() or (out / CHECKPOINT).exists()):
-        raise ValueError(f"{out} already holds a drafter; pass --resume to continue or choose another --out")
+    check_run_out(out, is_drafter_dir, "a drafter", args.resume)
     check_threads(args.threads)
     check_device(args.device)
     if args.examples:

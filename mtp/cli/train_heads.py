@@ -7,11 +7,11 @@ from pathlib import Path
 
 from mtp.cli.options import check_device, check_threads
 from mtp.core import loading
-from mtp.core.artifacts import replaceable
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.proposers.heads import CONFIG, HeadsConfig
+from mtp.core.proposers.heads import HeadsConfig
 from mtp.training import data
-from mtp.training.heads_train import CHECKPOINT, TrainHeadsConfig, cached_features, is_heads_dir, train_heads
+from mtp.training.heads_train import TrainHeadsConfig, cached_features, is_heads_dir, train_heads
+from mtp.training.trainer import check_run_out
 
 
 def add_parser(sub) -> None:
@@ -55,9 +55,7 @@ def run_train_heads(args) -> int:
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     out = Path(args.out)
-    replaceable(out, is_heads_dir)  # never overwrite what mtp did not write
-    if not args.resume and ((out / CONFIG).exists() or (out / CHECKPOINT).exists()):
-        raise ValueError(f"{out} already holds heads; pass --resume to continue or choose another --out")
+    check_run_out(out, is_heads_dir, "heads", args.resume)
     check_threads(args.threads)
     check_device(args.device)
     prompts = data.load_prompts(args.data, args.prompt_field, None if args.self_generate else args.response_field,

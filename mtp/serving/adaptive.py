@@ -5,11 +5,9 @@ passes themselves took). K = 1 means no proposals this pass; capping K keeps los
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 from mtp.core.decode import Sequence
-from mtp.core.proposers import Proposer, TimedProposer  # noqa: F401  (re-exported)
 
 
 class AdaptiveK:

@@ -30,7 +30,8 @@ from mtp.core import batching
 from mtp.core.batching import Batch
 from mtp.core.decode import Sequence, block_slack
 from mtp.core.strategy import K_LIMIT
-from mtp.serving.adaptive import AdaptiveK, TimedProposer
+from mtp.core.proposers import TimedProposer
+from mtp.serving.adaptive import AdaptiveK
 
 log = logging.getLogger("mtp.serve")
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as torch_dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mtp.core.artifacts import has_format, load_safetensors, read_json, stale_temps, write_dir_atomic
+from mtp.core.artifacts import has_format, load_safetensors, read_json, replaceable, stale_temps, write_dir_atomic
 
 OPTIMIZER = "optimizer.safetensors"
 STATE = "trainer_state.json"
@@ -49,6 +49,15 @@ def run_dir_kinds(fmt: str, weights: str) -> tuple[Callable[[Path], bool], Calla
         return has_format(fmt, {"config.json", weights, CHECKPOINT})(path)
 
     return is_out, is_checkpoint
+
+
+def check_run_out(out: Path, kind: Callable[[Path], bool], what: str, resume: bool) -> None:
+    """Before any work (a trunk-feature pass can take hours): --out is not a folder mtp did not write
+    (`artifacts.replaceable` with the run's `kind`), and one that holds a finished run (config.json)
+    or a checkpoint is continued only with --resume."""
+    replaceable(out, kind)
+    if not resume and ((out / "config.json").exists() or (out / CHECKPOINT).exists()):
+        raise ValueError(f"{out} already holds {what}; pass --resume to continue or choose another --out")
 
 
 def lr_at(step: int, lr: float, warmup: int, steps: int) -> float:
