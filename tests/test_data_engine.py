@@ -11,6 +11,7 @@ from mtp.cli import main
 from mtp.core.decode import generate as greedy
 from mtp.core.sampling import SamplingParams
 from mtp.training import data_engine as E
+from mtp.training import shards
 from mtp.training.data import load_examples
 from test_data import make_tiny_model_dir, tiny_engine, write_jsonl  # noqa: F401
 
@@ -33,11 +34,17 @@ def lines(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def records(out, log="train"):
+    """Everything on disk for `log`: the sealed shards (checked) and the working file."""
+    return list(shards.read(out, log, repair=False)[0].values())
+
+
 def test_answers_are_greedy_and_held_out_prompts_are_never_answered(tiny_engine, tmp_path):
     gsm, tasks = sources(tmp_path)
     card = E.run(tiny_engine, config(tmp_path, gsm, tasks), progress=False)
     out = tmp_path / "out"
-    recs = lines(out / E.TRAIN)
+    assert not (out / E.TRAIN).read_text()  # sealed when the run ended
+    recs = records(out)
     assert len({r["id"] for r in recs}) == len(recs) == card["answers"]
     for r in recs[:8]:
         seq = greedy(tiny_engine.model, r["prompt_ids"], "ntp", SamplingParams(max_new_tokens=6),
@@ -52,7 +59,8 @@ def test_answers_are_greedy_and_held_out_prompts_are_never_answered(tiny_engine,
     assert {r["source"] for r in recs} >= {"gsm8k", "self_instruct"}
     assert card["by_source"]["gsm8k"]["answers"] == 6
     assert (out / "card.md").read_text().startswith("# Data card")
-    assert load_examples(out / E.TRAIN)  # what `mtp train --examples` reads
+    assert len(load_examples(out)) == len(recs)  # what `mtp train --examples` reads
+    assert len(load_examples(out / "train-00001.jsonl.gz")) == len(recs)
     with pytest.raises(ValueError, match="held-out split neither"):
         load_examples(next((out / E.HELDOUT).glob("*.jsonl")))
 
@@ -77,26 +85,30 @@ def test_a_killed_run_resumes_without_duplicates_or_losses(tiny_engine, tmp_path
     with pytest.raises(KeyboardInterrupt):
         E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(cut)), progress=False)
     card = json.loads((cut / "card.json").read_text())  # written on the way out: it counts what is on disk
-    assert card["answers"] == len(lines(cut / E.TRAIN)) > 0
+    assert card["answers"] == len(records(cut)) > 0
+    assert "train-00001.jsonl.gz" in card["shards"]
     with open(cut / E.TRAIN, "a") as f:
         f.write('{"id": "gsm8k-0", "prompt_ids": [1, 2')  # torn by the kill
     monkeypatch.setattr(E, "generate", real)
     E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(cut)), progress=False)
-    a, b = lines(full / E.TRAIN), lines(cut / E.TRAIN)
-    assert len(b) == len({r["id"] for r in b})  # nothing twice
+    a, b = records(full), records(cut)
+    b_lines = [r for e in shards.shard_entries(shards.read_manifest(cut), "train") for r in shards.read_shard(cut, e)]
+    assert len(b_lines) == len({r["id"] for r in b_lines}) == len(b)  # nothing twice, in two shards
     assert sorted(a, key=lambda r: r["id"]) == sorted(b, key=lambda r: r["id"])  # nothing lost, same answers
-    assert (full / E.INSTRUCTIONS).read_text().count("\n") == (cut / E.INSTRUCTIONS).read_text().count("\n")
+    assert len(records(full, "instructions")) == len(records(cut, "instructions"))
 
 
-def test_corrupt_lines_are_skipped_and_counted(tiny_engine, tmp_path):
+def test_corrupt_lines_are_skipped_and_counted(tiny_engine, tmp_path, monkeypatch):
     gsm, tasks = sources(tmp_path)
     cfg = config(tmp_path, gsm, tasks, self_written=0)
+    monkeypatch.setattr(shards, "seal", lambda out, key="id": [])  # a kill -9: nothing sealed, the working file stays
     E.run(tiny_engine, cfg, progress=False)
     path = tmp_path / "out" / E.TRAIN
     good = lines(path)
     text = path.read_text().splitlines(keepends=True)
     path.write_text(text[0] + "not json\n" + '{"id": "x", "prompt_ids": ["a"], "response_ids": []}\n'
                     + "".join(text[2:]))  # answer 2 corrupted, two bad lines
+    assert len(load_examples(path, log=lambda m: None)) == len(good) - 1  # the trainers' reader skips them too
     card = E.run(tiny_engine, cfg, progress=False)
     assert card["corrupt_lines_skipped"] == 2
     ids = [r["id"] for r in lines_ok(path)]

@@ -8,7 +8,7 @@ import sys
 
 from mtp.cli.options import check_device, check_threads
 from mtp.core.engine import Engine, EngineConfig
-from mtp.training.data_engine import DataConfig, file_prompts, run as run_engine, write_card
+from mtp.training.data_engine import DataConfig, file_prompts, run as run_engine, seal, write_card
 
 
 def add_parser(sub) -> None:
@@ -30,20 +30,24 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--card", action="store_true", help="only (re)write and print the data card of OUT")
+    p.add_argument("--card", action="store_true", help="only (re)write and print the data card of OUT (no source needed)")
+    p.add_argument("--seal", action="store_true",
+                   help="only seal OUT's working files into new shards (a run does this itself when it stops)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.card or args.seal:  # the folder's own manifest is the truth: no source flags, nothing generated
+        if args.seal:
+            seal(Path(args.out))
+        print(json.dumps(write_card(Path(args.out)), indent=1))
+        return 0
     cfg = DataConfig(out=args.out, gsm8k=args.gsm8k, self_instruct=args.self_instruct, prompts=args.prompts,
                      self_written=args.self_written, max_new_tokens=args.max_new_tokens,
                      max_prompt_tokens=args.max_prompt_tokens, heldout_fraction=args.heldout_fraction,
                      batch_size=args.batch_size, seed=args.seed, limit=args.limit)
     check_threads(args.threads)
     check_device(args.device)
-    if args.card:
-        print(json.dumps(write_card(Path(args.out), cfg), indent=1))
-        return 0
     file_prompts(cfg)  # every source file read (and a test split refused) before the model loads
     engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=args.device))
 
@@ -59,6 +63,6 @@ def run(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(f"{card['answers']:,} answers, {card['response_tokens']:,} response tokens, "
-          f"{card['cut_by_length_limit']:,} cut by the length limit -> {args.out}/train.jsonl "
+          f"{card['cut_by_length_limit']:,} cut by the length limit -> {args.out} ({len(card['shards'])} shards) "
           f"(card: {args.out}/card.md)", file=sys.stderr)
     return 0

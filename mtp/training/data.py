@@ -26,6 +26,8 @@ from mtp.core.loading import cache_root
 from mtp.core.proposers import MaskProposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
+from mtp.training import shards
+from mtp.training.eval_guard import check_not_evaluation
 
 
 @dataclass
@@ -35,12 +37,21 @@ class Example:
     line: int = field(default=0, compare=False, repr=False)  # where it was read (for error messages)
 
 
-EVAL_SPLITS = {"test", "heldout", "holdout"}  # file or folder names that no training run reads
+EVAL_WORDS = {"test", "tests", "testset", "heldout", "holdout", "eval", "evaluation", "dev", "validation"}
+EVAL_FOLDERS = {"test", "testset", "heldout", "holdout", "evaluation"}  # a folder named exactly so (any level)
 
 
 def _is_test_split(path: Path) -> bool:
-    words = re.split(r"[._\-]", path.name.lower())
-    return bool(EVAL_SPLITS & set(words)) or path.parent.name.lower() in EVAL_SPLITS
+    """A file no training run reads: its name (or, after following links, its target's) says test,
+    held-out or evaluation, or so does a folder it lies in (a folder named exactly so: `heldout/sub/p.jsonl`)."""
+    for p in {Path(path), Path(path).resolve()}:
+        words = [w for w in re.split(r"[^a-z0-9]+", p.name.lower()) if w]
+        joined = {"".join(words[i:i + 2]) for i in range(len(words))}
+        if EVAL_WORDS & (set(words) | joined):
+            return True
+        if any(re.sub(r"[^a-z0-9]", "", part.lower()) in EVAL_FOLDERS for part in p.parent.parts):
+            return True
+    return False
 
 
 def _open_jsonl(path) -> Path:
@@ -53,8 +64,9 @@ def _open_jsonl(path) -> Path:
 
 
 def load_prompts(path, prompt_field: str = "question", response_field: str | None = None,
-                 limit: int | None = None) -> list[dict]:
-    """[{'prompt': str, 'response': str | None}] from a JSONL file, in file order."""
+                 limit: int | None = None, hint: str = "set --prompt-field") -> list[dict]:
+    """[{'prompt': str, 'response': str | None}] from a JSONL file, in file order; `hint` ends the
+    message for a line without the prompt field (the flag that sets it, where the command has one)."""
     path = _open_jsonl(path)
     out = []
     with open(path, encoding="utf-8") as f:
@@ -68,7 +80,7 @@ def load_prompts(path, prompt_field: str = "question", response_field: str | Non
             except json.JSONDecodeError:
                 raise ValueError(f"{path.name} line {n}: not valid JSON") from None
             if not isinstance(rec, dict) or prompt_field not in rec:
-                raise ValueError(f"{path.name} line {n}: no field {prompt_field!r} (set --prompt-field)")
+                raise ValueError(f"{path.name} line {n}: no field {prompt_field!r} ({hint})")
             prompt = rec[prompt_field]
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError(f"{path.name} line {n}: empty prompt in field {prompt_field!r}")
@@ -82,28 +94,41 @@ def load_prompts(path, prompt_field: str = "question", response_field: str | Non
             out.append({"prompt": prompt, "response": response})
     if not out:
         raise ValueError(f"{path.name}: no prompts")
+    check_not_evaluation([r["prompt"] for r in out], path)
     return out
 
 
-def load_examples(path) -> list[Example]:
-    """Pre-tokenised examples: JSONL lines {"prompt_ids": [...], "response_ids": [...]}."""
-    path = _open_jsonl(path)
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                ex = Example([int(t) for t in rec["prompt_ids"]], [int(t) for t in rec["response_ids"]], n)
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise ValueError(f"{path.name} line {n}: expected {{\"prompt_ids\": [...], \"response_ids\": [...]}}") \
-                    from None
-            if not ex.prompt_ids or not ex.response_ids:
-                raise ValueError(f"{path.name} line {n}: empty prompt_ids or response_ids")
-            out.append(ex)
+def load_examples(path, log=None) -> list[Example]:
+    """Pre-tokenised examples: the one reader of every trainer and benchmark.
+
+    `path` is an `mtp data` folder (its checksummed shards and working file, `mtp.training.shards`),
+    one of its shards (`train-00001.jsonl.gz`, checked against the folder's manifest), or a JSONL
+    file of lines {"prompt_ids": [...], "response_ids": [...]}. Lines that are not such records are
+    skipped and counted (the rule `mtp data` applies to its own log), never trained on."""
+    path = Path(path)
+    if _is_test_split(path):
+        raise ValueError(f"{path.name}: the test split is never used for training (a held-out split neither)")
+    if path.is_dir():
+        if not (path / shards.MANIFEST).exists():
+            raise ValueError(f"{path}: a folder of examples must be an `mtp data` output (no {shards.MANIFEST})")
+        recs, bad = shards.read(path, "train", repair=False)
+        recs = list(recs.values())
+    elif path.name.endswith(".jsonl.gz"):
+        manifest = shards.read_manifest(path.parent)
+        entry = next((e for e in shards.shard_entries(manifest, "train") if e.get("file") == path.name), None)
+        if entry is None:
+            raise ValueError(f"{path}: not a shard named in {path.parent / shards.MANIFEST}")
+        recs, bad = shards.read_shard(path.parent, entry), 0
+    else:
+        recs, bad = shards.read_working(_open_jsonl(path), "prompt_ids", repair=False)
+    out = [Example(r["prompt_ids"], r["response_ids"], n) for n, r in enumerate(recs, 1)
+           if r["prompt_ids"] and r["response_ids"]]
+    bad += len(recs) - len(out)
+    what = 'not {"prompt_ids": [...], "response_ids": [...]} with both non-empty'
     if not out:
-        raise ValueError(f"{path.name}: no examples")
+        raise ValueError(f"{path.name}: no examples" + (f" ({bad} line(s) {what})" if bad else ""))
+    if bad:
+        (log or (lambda m: print(m, file=sys.stderr)))(f"{path.name}: skipped {bad} line(s) {what}")
     return out
 
 
@@ -143,34 +168,15 @@ def selfgen_cache_path(engine, prompt_ids: list[list[int]], max_new_tokens: int,
     return root / f"selfgen-{h.hexdigest()[:16]}.jsonl"
 
 
-def read_jsonl_log(path: Path, key: str) -> tuple[dict, int]:
+def read_jsonl_log(path: Path, key: str, repair: bool = True) -> tuple[dict, int]:
     """Records of an append-only JSONL log, by `key`: ({key: record}, corrupt lines skipped).
 
-    A torn last line (a kill while writing) is cut off the file, so appending continues cleanly;
-    any other line that is not a JSON object with `key`, `prompt_ids` and `response_ids` of ints
-    is skipped and counted, never returned."""
+    A torn last line (a kill while writing) is cut off the file when `repair`, so appending
+    continues cleanly; any other line that is not a JSON object with `key`, `prompt_ids` and
+    `response_ids` of ints is skipped and counted, never returned (`shards.parse_line`)."""
+    recs, bad = shards.read_working(Path(path), key, repair)
     done: dict = {}
-    bad = 0
-    if not path.exists():
-        return done, bad
-    raw = path.read_bytes()
-    if raw and not raw.endswith(b"\n"):
-        raw = raw[: raw.rfind(b"\n") + 1]
-        with open(path, "r+b") as f:
-            f.truncate(len(raw))
-    for line in raw.splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            ok = isinstance(rec, dict) and key in rec and all(
-                isinstance(rec.get(f), list) and all(type(t) is int for t in rec[f])
-                for f in ("prompt_ids", "response_ids"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            ok = False
-        if not ok:
-            bad += 1
-            continue
+    for rec in recs:
         done[rec[key]] = rec
     return done, bad
 

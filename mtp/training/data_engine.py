@@ -24,8 +24,11 @@ source, the length histogram, how many answers the length limit cut).
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import random
 import re
 import sys
@@ -35,13 +38,16 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from mtp.core.artifacts import ArtifactError, base_hash, read_json
+from mtp.core.artifacts import ArtifactError, base_hash
 from mtp.core.sampling import SamplingParams
-from mtp.training.data import Job, generate, load_prompts, read_jsonl_log, response_of
+from mtp.training import shards
+from mtp.training.data import Job, generate, load_prompts, response_of
+from mtp.training.eval_guard import check_not_evaluation
 
-TRAIN = "train.jsonl"
+TRAIN = "train.jsonl"  # working files (append-only; sealed into shards when a run stops: `shards.seal`)
 INSTRUCTIONS = "instructions.jsonl"
-MANIFEST = "manifest.json"
+MANIFEST = shards.MANIFEST
+LOCK = ".lock"
 HELDOUT = "heldout"
 SELF_INSTRUCT_FILES = ("seed_tasks.jsonl", "user_oriented_instructions.jsonl")
 FEW_SHOT = "Tasks that users give an AI assistant:\n1. {0}\n2. {1}\n3. {2}\n4."  # continued as plain text
@@ -116,7 +122,7 @@ def read_self_instruct(path) -> list[Prompt]:
             for i, inst in enumerate(instances):
                 given = (inst.get("input") or "").strip() if isinstance(inst, dict) else ""
                 text = instruction + (f"\n\n{given}" if given else "")
-                out.append(Prompt(f"si-{tid}-{i}", "self_instruct", text, category, group=tid,
+                out.append(Prompt(content_id(f"si-{tid}", text), "self_instruct", text, category, group=tid,
                                   meta={"instruction": instruction}))
     if not out:
         raise ValueError(f"--self-instruct {path}: no tasks")
@@ -159,24 +165,52 @@ class Deduplicator:
         self.sets.append(frozenset(norm.split()))
 
 
+def content_id(prefix: str, text: str) -> str:
+    """A prompt's key in the output log: its source and a hash of its text, so a resume finds it
+    wherever it moved in its file (and a different file of the same name is not mistaken for it)."""
+    return f"{prefix}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _unique(prompts: list[Prompt]) -> list[Prompt]:
+    seen: set[str] = set()
+    return [p for p in prompts if not (p.id in seen or seen.add(p.id))]
+
+
 def file_prompts(cfg: DataConfig) -> list[Prompt]:
+    """Every prompt of the file sources, keyed by content (an identical prompt twice is answered once)."""
     out: list[Prompt] = []
     if cfg.gsm8k:
-        rows = load_prompts(cfg.gsm8k, "question", None, cfg.limit)
-        out += [Prompt(f"gsm8k-{i}", "gsm8k", r["prompt"], "math word problems") for i, r in enumerate(rows)]
+        rows = load_prompts(cfg.gsm8k, "question", None, cfg.limit, hint="GSM8K lines need \"question\"")
+        out += [Prompt(content_id("gsm8k", r["prompt"]), "gsm8k", r["prompt"], "math word problems") for r in rows]
     if cfg.self_instruct:
         out += read_self_instruct(cfg.self_instruct)[: cfg.limit]
     if cfg.prompts:
-        rows = load_prompts(cfg.prompts, "prompt", None, cfg.limit)
-        out += [Prompt(f"p-{i}", "prompts", r["prompt"]) for i, r in enumerate(rows)]
-    return out
+        rows = load_prompts(cfg.prompts, "prompt", None, cfg.limit, hint="--prompts lines need \"prompt\"")
+        out += [Prompt(content_id("p", r["prompt"]), "prompts", r["prompt"]) for r in rows]
+    return _unique(out)
 
 
 def manifest(cfg: DataConfig, engine) -> dict:
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "batch_size")}
+    # --self-written N is not a setting of the run but how far to take it: request j is fixed by
+    # (seed, j), so a larger N later continues the same run
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "batch_size", "self_written")}
     for k in ("gsm8k", "self_instruct", "prompts"):
         keep[k] = Path(keep[k]).name if keep[k] else None
-    return {"format": "mtp-data", "version": 1, "base_hash": base_hash(engine.model), **keep}
+    return {"format": "mtp-data", "version": 2, "base_hash": base_hash(engine.model), **keep}
+
+
+def interleave(answers: list, writes: list) -> collections.deque:
+    """One queue: the model's own requests spread evenly among the answers, in proportion (a partial
+    run is a fair mix, and GSM8K does not crowd out the self-written requests early on)."""
+    queue: collections.deque = collections.deque()
+    w = 0
+    for i, job in enumerate(answers):
+        due = min(len(writes), i * len(writes) // max(1, len(answers)) + 1) if writes else 0
+        queue.extend(writes[w:due])
+        w = max(w, due)
+        queue.append(job)
+    queue.extend(writes[w:])
+    return queue
 
 
 def write_heldout(out: Path, prompts: list[Prompt]) -> dict[str, int]:
@@ -193,35 +227,89 @@ def write_heldout(out: Path, prompts: list[Prompt]) -> dict[str, int]:
     return {s: len(r) for s, r in by_source.items()}
 
 
-def run(engine, cfg: DataConfig, progress: bool | None = None, log=None) -> dict:
-    """Generate (or resume) the data set in cfg.out; return its card."""
-    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    out = Path(cfg.out)
+@contextlib.contextmanager
+def locked(out: Path):
+    """Hold OUT/.lock for the duration: a second run (or seal) on the same folder is refused in one line."""
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise ArtifactError(f"{out}: another `mtp data` run holds it (pid {other}); wait for it or stop it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def open_folder(out: Path, want: dict | None) -> dict:
+    """The folder's manifest (created from `want` for a new folder); refuses a folder mtp did not
+    write, or one made with other settings."""
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{out} exists and is not a directory")
-    want = manifest(cfg, engine)
     if (out / MANIFEST).exists():
-        have = read_json(out / MANIFEST, "data manifest")
-        diff = [k for k in want if have.get(k) != want[k]]
-        if diff:
-            raise ValueError(f"{out} holds a data set made with other settings ({diff[0]}: {have.get(diff[0])!r}, "
-                             f"now {want[diff[0]]!r}); choose another --out")
-    elif out.exists() and any(out.iterdir()):
+        have = shards.read_manifest(out)  # "not an mtp data set" for anyone else's manifest.json
+        if want is not None:
+            diff = [k for k in want if k != "version" and have.get(k) != want[k]]
+            if diff:
+                raise ValueError(f"{out} holds a data set made with other settings ({diff[0]}: "
+                                 f"{have.get(diff[0])!r}, now {want[diff[0]]!r}); choose another --out")
+        return have
+    if want is None:
+        raise ArtifactError(f"{out} is not an mtp data set (no {MANIFEST})")
+    if out.exists() and any(p.name != LOCK for p in out.iterdir()):
         raise ArtifactError(f"{out} is not empty and not an mtp data set; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).write_text(json.dumps(want, indent=1))
+    have = {**want, "shards": []}
+    shards.write_manifest(out, have)
+    return have
 
+
+def seal(out, log=None) -> list[dict]:
+    """Seal the working files of OUT into new shards (`shards.seal`), under the folder's lock."""
+    out = Path(out)
+    open_folder(out, None)
+    with locked(out):
+        added = shards.seal(out)
+    for e in added:
+        (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
+            f"data: sealed {e['lines']:,} lines into {out / e['file']}")
+    return added
+
+
+def run(engine, cfg: DataConfig, progress: bool | None = None, log=None) -> dict:
+    """Generate (or resume) the data set in cfg.out; seal what was made into new shards when it
+    stops (done, Ctrl-C or SIGTERM); return its card."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    out = Path(cfg.out)
+    open_folder(out, manifest(cfg, engine))
+    with locked(out):
+        try:
+            return _run(engine, cfg, out, progress, log)
+        finally:
+            for e in shards.seal(out):
+                log(f"data: sealed {e['lines']:,} lines into {out / e['file']}")
+            write_card(out, cfg)
+
+
+def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
     prompts = file_prompts(cfg)
     train = [p for p in prompts if not is_heldout(p, cfg)]
     heldout = [p for p in prompts if is_heldout(p, cfg)]
-    done, bad = read_jsonl_log(out / TRAIN, "id")
-    written, bad_w = read_jsonl_log(out / INSTRUCTIONS, "id")
+    check_not_evaluation([p.text for p in train if p.source == "self_instruct"], cfg.self_instruct or "")
+    done, bad = shards.read(out, "train")
+    written, bad_w = shards.read(out, "instructions")
     if bad or bad_w:
         log(f"data: skipped {bad + bad_w} corrupt line(s)")
 
     # self-written prompts: replay the instruction log in file order (what was kept, and where)
     human = [p.meta["instruction"] for p in prompts if p.source == "self_instruct"]
     examples = sorted({p.meta["instruction"] for p in train if p.source == "self_instruct"})
+    if cfg.self_written and len(examples) < 3:
+        raise ValueError(f"--self-written needs at least 3 self-instruct training tasks to imitate, found "
+                         f"{len(examples)} (raise --limit or lower --heldout-fraction)")
     dedup = Deduplicator(human)
     written_kept: list[Prompt] = []
 
@@ -262,21 +350,14 @@ def run(engine, cfg: DataConfig, progress: bool | None = None, log=None) -> dict
             ids = engine.encode(FEW_SHOT.format(*rng.sample(examples, 3)), chat=False)
             writes.append(Job(key, ids, SamplingParams(temperature=0.9, top_p=0.95, seed=cfg.seed * 7919 + j,
                                                        max_new_tokens=64, stop=["\n"]), {"kind": "instruction"}))
-    # one queue: the model's own prompts spread evenly among the answers (a partial run is a fair mix)
-    queue: collections.deque = collections.deque()
-    step = max(1, (len(answers) + len(writes)) // max(1, len(writes))) if writes else 0
-    wi = iter(writes)
-    for i, j in enumerate(answers):
-        if writes and i % step == 0:
-            queue.extend(x for x in [next(wi, None)] if x is not None)
-        queue.append(j)
-    queue.extend(wi)
+    queue = interleave(answers, writes)
     write_heldout(out, heldout)
     total = len(done) + len(answers)
     log(f"data: {len(done)} answers on disk, {len(answers)} to generate, {len(writes)} prompts for the model "
         f"to write; held out: {len(heldout)} prompts -> {out / HELDOUT}")
     if not queue:
         return write_card(out, cfg, skipped)
+    kept = {"requests": 0, "kept": 0}
 
     tokens = {"n": 0}
     t0 = time.perf_counter()
@@ -297,8 +378,10 @@ def run(engine, cfg: DataConfig, progress: bool | None = None, log=None) -> dict
                                             "response_ids": list(seq.output), "text": text}) + "\n")
                 f_written.flush()
                 p = judge(job.key, text)
+                kept["requests"] += 1
                 if p is None:
                     return
+                kept["kept"] += 1
                 if is_heldout(p, cfg):
                     f_held.write(json.dumps({"id": p.id, "category": p.category, "prompt": p.text}) + "\n")
                     f_held.flush()
@@ -329,46 +412,68 @@ def run(engine, cfg: DataConfig, progress: bool | None = None, log=None) -> dict
         finally:
             if bar is not None:
                 bar.stop()
-            card = write_card(out, cfg, skipped)  # also when stopped: the card describes what is on disk
-    return card
+            if kept["requests"]:
+                log(f"data: the model wrote {kept['requests']:,} requests, {kept['kept']:,} kept "
+                    f"(the rest unusable or near-duplicates)")
+    return write_card(out, cfg, skipped)
 
 
-def write_card(out: Path, cfg: DataConfig, skipped: dict | None = None) -> dict:
-    """card.json and card.md: answers and tokens per source, length histogram, answers cut short."""
-    done, bad = read_jsonl_log(out / TRAIN, "id")
+def write_card(out: Path, cfg: DataConfig | None = None, skipped: dict | None = None) -> dict:
+    """card.json and card.md: answers and tokens per source and category, length histogram, answers cut
+    short. Reads the folder only (shards and working file; a torn line is not cut); refuses a folder
+    that is not an mtp data set. The length limit reported is the stored one."""
+    out = Path(out)
+    stored = open_folder(out, None)
+    max_new = stored.get("max_new_tokens", cfg.max_new_tokens if cfg else None)
+    done, bad = shards.read(out, "train", repair=False)
     per: dict[str, dict] = {}
+    per_cat: dict[str, dict] = {}
     edges = [0, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 1 << 30]
     hist = [0] * (len(edges) - 1)
     for rec in done.values():
-        s = per.setdefault(rec.get("source", "?"), {"answers": 0, "response_tokens": 0, "prompt_tokens": 0, "cut": 0})
         n = len(rec["response_ids"])
-        s["answers"] += 1
-        s["response_tokens"] += n
-        s["prompt_tokens"] += len(rec["prompt_ids"])
-        s["cut"] += rec.get("finish") == "length"
+        for table, name in ((per, rec.get("source", "?")), (per_cat, f"{rec.get('source', '?')}: {rec.get('category') or '-'}")):
+            s = table.setdefault(name, {"answers": 0, "response_tokens": 0, "prompt_tokens": 0, "cut": 0})
+            s["answers"] += 1
+            s["response_tokens"] += n
+            s["prompt_tokens"] += len(rec["prompt_ids"])
+            s["cut"] += rec.get("finish") == "length"
         hist[next(i for i in range(len(hist)) if n < edges[i + 1])] += 1
     heldout = {}
     for f in sorted((out / HELDOUT).glob("*.jsonl")) if (out / HELDOUT).exists() else []:
         heldout[f.stem] = sum(1 for line in f.read_text(encoding="utf-8").splitlines() if line.strip())
-    written, _ = read_jsonl_log(out / INSTRUCTIONS, "id")
-    card = {"answers": sum(s["answers"] for s in per.values()),
+    written, _ = shards.read(out, "instructions", repair=False)
+    total = sum(s["answers"] for s in per.values())
+    card = {"answers": total,
             "response_tokens": sum(s["response_tokens"] for s in per.values()),
-            "cut_by_length_limit": sum(s["cut"] for s in per.values()), "max_new_tokens": cfg.max_new_tokens,
-            "by_source": per, "length_histogram": {f"{edges[i]}-{edges[i + 1] - 1 if edges[i + 1] < 1 << 30 else ''}": c
-                                                   for i, c in enumerate(hist) if c or i < len(hist) - 1},
+            "cut_by_length_limit": sum(s["cut"] for s in per.values()), "max_new_tokens": max_new,
+            "shards": [e["file"] for e in stored.get("shards", [])],
+            "by_source": per, "by_category": per_cat,
+            "length_histogram": {f"{edges[i]}-{edges[i + 1] - 1 if edges[i + 1] < 1 << 30 else ''}": c
+                                 for i, c in enumerate(hist) if c or i < len(hist) - 1},
             "heldout_prompts": heldout, "self_written_requests": len(written),
             "skipped_prompts_too_long": dict(skipped or {}), "corrupt_lines_skipped": bad}
-    (out / "card.json").write_text(json.dumps(card, indent=1))
+    _atomic_text(out / "card.json", json.dumps(card, indent=1))
     lines = [f"# Data card: {out.name}", "",
              f"{card['answers']:,} answers, {card['response_tokens']:,} response tokens; "
-             f"{card['cut_by_length_limit']:,} cut by the {cfg.max_new_tokens}-token limit.", "",
-             "| source | answers | response tokens | mean length | cut |", "| --- | --- | --- | --- | --- |"]
+             f"{card['cut_by_length_limit']:,} cut by the {max_new}-token limit; "
+             f"{len(card['shards'])} sealed shard(s).", "",
+             "| source | answers | share | response tokens | mean length | cut |", "| --- | --- | --- | --- | --- | --- |"]
     for name, s in sorted(per.items()):
-        lines.append(f"| {name} | {s['answers']:,} | {s['response_tokens']:,} | "
+        lines.append(f"| {name} | {s['answers']:,} | {s['answers'] / max(total, 1):.0%} | {s['response_tokens']:,} | "
                      f"{s['response_tokens'] / max(s['answers'], 1):.0f} | {s['cut']:,} |")
+    lines += ["", "| source: category | answers | response tokens |", "| --- | --- | --- |"]
+    lines += [f"| {k} | {v['answers']:,} | {v['response_tokens']:,} |"
+              for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1]["answers"])]
     lines += ["", "| response length | answers |", "| --- | --- |"]
     lines += [f"| {k} | {v:,} |" for k, v in card["length_histogram"].items()]
     lines += ["", "Held out (prompts only, never trained on): "
               + (", ".join(f"{k} {v}" for k, v in heldout.items()) or "none")]
-    (out / "card.md").write_text("\n".join(lines) + "\n")
+    _atomic_text(out / "card.md", "\n".join(lines) + "\n")
     return card
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)

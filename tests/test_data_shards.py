@@ -1,0 +1,241 @@
+"""The data set as committed shards (`mtp.training.shards`) and `mtp data`'s faults: a changed or
+truncated shard is refused in one line, a crash while sealing loses and duplicates nothing, two runs on
+one folder are refused, a resume finds prompts by content, evaluation prompts never reach a training
+file (by name, through a link, or by content), and `--card` reads a folder without touching it."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mtp.cli import main
+from mtp.training import data_engine as E
+from mtp.training import shards
+from mtp.training.data import load_examples, load_prompts
+from mtp.training.eval_guard import check_not_evaluation, known
+from test_data import make_tiny_model_dir, tiny_engine, write_jsonl  # noqa: F401
+from test_data_engine import config, records, sources
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "data" / "smollm2-135m" / "mix-v1"
+
+
+def rec(i, n=3):
+    return {"id": f"a{i}", "source": "gsm8k", "category": "", "prompt_ids": [1, 2, i], "response_ids": [i] * n,
+            "finish": "stop"}
+
+
+def folder(tmp_path, n=5):
+    out = tmp_path / "d"
+    out.mkdir()
+    shards.write_manifest(out, {"format": "mtp-data", "version": 2, "shards": []})
+    write_jsonl(out / "train.jsonl", [rec(i) for i in range(n)])
+    return out
+
+
+def test_seal_writes_a_checked_shard_and_empties_the_working_file(tmp_path):
+    out = folder(tmp_path)
+    [entry] = shards.seal(out)
+    assert entry["file"] == "train-00001.jsonl.gz" and entry["lines"] == 5 and entry["response_tokens"] == 15
+    assert (out / "train.jsonl").read_bytes() == b""
+    assert [r["id"] for r in shards.read_shard(out, entry)] == [f"a{i}" for i in range(5)]
+    write_jsonl(out / "train.jsonl", [rec(3), rec(7)])  # a3 is sealed already: only a7 is new
+    [second] = shards.seal(out)
+    assert second["file"] == "train-00002.jsonl.gz" and second["lines"] == 1
+    assert sorted(shards.read(out)[0]) == sorted(f"a{i}" for i in (0, 1, 2, 3, 4, 7))
+    assert len(load_examples(out)) == 6
+    assert shards.seal(out) == []  # nothing new: no empty shard
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "foreign-lines"])
+def test_a_damaged_shard_is_refused_in_one_line(tmp_path, damage):
+    out = folder(tmp_path)
+    [entry] = shards.seal(out)
+    path = out / entry["file"]
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        path.write_bytes(data[:-9] + bytes([data[-9] ^ 1]) + data[-8:])
+    elif damage == "delete":
+        path.unlink()
+    else:  # rewritten with other lines, manifest edited to match the checksum but not the line count
+        path.write_bytes(gzip.compress(b'{"id": "z", "prompt_ids": [1], "response_ids": [2]}\n'))
+        m = shards.read_manifest(out)
+        m["shards"][0]["sha256"] = shards.sha256_file(path)
+        shards.write_manifest(out, m)
+    with pytest.raises(shards.ShardError) as e:
+        load_examples(out)
+    msg = str(e.value)
+    assert "\n" not in msg and entry["file"] in msg
+    assert ("missing" if damage == "delete" else "checksum" if damage in ("truncate", "flip") else "lines") in msg
+
+
+def test_a_crash_while_sealing_loses_and_duplicates_nothing(tmp_path, monkeypatch):
+    out = folder(tmp_path)
+    real = shards.write_manifest
+
+    def crash(folder, manifest):
+        raise KeyboardInterrupt  # killed after the shard file was renamed, before the manifest names it
+
+    monkeypatch.setattr(shards, "write_manifest", crash)
+    with pytest.raises(KeyboardInterrupt):
+        shards.seal(out)
+    assert (out / "train-00001.jsonl.gz").exists() and len(shards.read(out)[0]) == 5  # lines still in working file
+    monkeypatch.setattr(shards, "write_manifest", real)
+    shards.seal(out)  # the orphan shard is written again, named this time
+    assert len(shards.read(out)[0]) == 5 and (out / "train.jsonl").read_bytes() == b""
+
+    write_jsonl(out / "train.jsonl", [rec(9)])
+    monkeypatch.setattr(os, "ftruncate", lambda *a: None)
+    real_open = open
+
+    def no_truncate(path, mode="r", *a, **k):  # killed after the manifest, before the working file is emptied
+        f = real_open(path, mode, *a, **k)
+        if mode == "r+b":
+            f.truncate = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt())
+        return f
+
+    monkeypatch.setattr("builtins.open", no_truncate)
+    with pytest.raises(KeyboardInterrupt):
+        shards.seal(out)
+    monkeypatch.setattr("builtins.open", real_open)
+    assert sorted(shards.read(out)[0]) == sorted(f"a{i}" for i in (0, 1, 2, 3, 4, 9))  # a9 twice on disk, once read
+    assert shards.seal(out) == [] and (out / "train.jsonl").read_bytes() == b""
+
+
+def test_a_second_run_on_the_same_folder_is_refused(tiny_engine, tmp_path):
+    gsm, tasks = sources(tmp_path)
+    cfg = config(tmp_path, gsm, tasks, self_written=0)
+    E.run(tiny_engine, cfg, progress=False)
+    with E.locked(Path(cfg.out)):
+        with pytest.raises(ValueError, match=f"another `mtp data` run holds it \\(pid {os.getpid()}\\)"):
+            E.run(tiny_engine, cfg, progress=False)
+        with pytest.raises(ValueError, match="another"):
+            E.seal(cfg.out)
+    assert E.run(tiny_engine, cfg, progress=False)["answers"] == len(records(Path(cfg.out)))  # free again
+
+
+def test_resume_keys_prompts_by_content(tiny_engine, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"w{i} w{i + 1} w{i + 2}"} for i in range(4)])
+    cfg = E.DataConfig(out=str(tmp_path / "out"), prompts=str(prompts), max_new_tokens=4, batch_size=2,
+                       heldout_fraction=0.0)
+    E.run(tiny_engine, cfg, progress=False)
+    first = {r["id"]: r for r in records(Path(cfg.out))}
+    assert len(first) == 4
+    write_jsonl(prompts, [{"prompt": "w40 w41 w42"}] + [{"prompt": f"w{i} w{i + 1} w{i + 2}"} for i in range(4)])
+    E.run(tiny_engine, cfg, progress=False)  # a line added at the top: only it is answered
+    second = records(Path(cfg.out))
+    assert len(second) == 5 == len({r["id"] for r in second})
+    assert {r["id"]: r for r in second if r["id"] in first} == first
+    new = next(r for r in second if r["id"] not in first)
+    assert new["prompt_ids"] == tiny_engine.encode("w40 w41 w42", chat=True)
+
+
+@pytest.mark.parametrize("name", ["held-out.jsonl", "testset.jsonl", "heldout/sub/p.jsonl", "my_eval.jsonl",
+                                  "link.jsonl"])
+def test_evaluation_files_are_refused_by_name_and_through_links(tmp_path, name):
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if name == "link.jsonl":
+        (tmp_path / "test.jsonl").write_text('{"question": "w1 w2"}\n')
+        path.symlink_to(tmp_path / "test.jsonl")
+    else:
+        path.write_text('{"question": "w1 w2"}\n')
+    with pytest.raises(ValueError, match="never used for training"):
+        load_prompts(path)
+    with pytest.raises(ValueError, match="never used for training"):
+        load_examples(path)
+
+
+def test_a_training_file_holding_an_evaluation_prompt_is_refused(tmp_path):
+    assert len(known()) > 7000  # GSM8K test, BIG-Bench Hard and the diverse set, as hashes
+    diverse = json.loads((ROOT / "benchmarks/results/final/diverse60.jsonl").read_text().splitlines()[3])["prompt"]
+    path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "w1 w2"}, {"prompt": "  " + diverse.upper() + " "}])
+    with pytest.raises(ValueError, match="prompt 2 is a prompt of the diverse held-out evaluation set"):
+        load_prompts(path, "prompt")  # what `mtp train --data` and `mtp data --prompts` read
+    check_not_evaluation(["w1 w2", "an ordinary request"], path)  # no match: no error
+
+
+def test_a_prompts_file_with_an_evaluation_prompt_stops_mtp_data(tiny_engine, tmp_path):
+    diverse = json.loads((ROOT / "benchmarks/results/final/diverse60.jsonl").read_text().splitlines()[0])["prompt"]
+    path = write_jsonl(tmp_path / "mine.jsonl", [{"prompt": "w1 w2"}, {"prompt": diverse}])
+    cfg = E.DataConfig(out=str(tmp_path / "o"), prompts=str(path), max_new_tokens=2, heldout_fraction=0.0)
+    with pytest.raises(ValueError, match="evaluation set"):
+        E.run(tiny_engine, cfg, progress=False)
+    assert records(Path(cfg.out)) == []
+
+
+def test_card_reads_a_folder_without_changing_it(tiny_engine, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "train.jsonl").write_text('{"a": 1}\n{"b": 2}')  # the user's last line has no newline
+    (mine / "card.md").write_text("my notes")
+    code = main(["data", "--card", "--out", str(mine)])
+    assert code == 2 and "not an mtp data set" in capsys.readouterr().err
+    assert (mine / "train.jsonl").read_text() == '{"a": 1}\n{"b": 2}' and (mine / "card.md").read_text() == "my notes"
+    (mine / "manifest.json").write_text('{"name": "someone else\'s"}')
+    assert main(["data", "--card", "--out", str(mine)]) == 2
+    assert "not an mtp data set" in capsys.readouterr().err
+
+    gsm, tasks = sources(tmp_path)
+    cfg = config(tmp_path, gsm, tasks, self_written=0, max_new_tokens=5)
+    E.run(tiny_engine, cfg, progress=False)
+    with open(Path(cfg.out) / "train.jsonl", "a") as f:
+        f.write('{"id": "torn", "prompt_ids": [1')
+    assert main(["data", "--card", "--out", cfg.out, "--max-new-tokens", "99"]) == 0  # no source flag needed
+    card = json.loads(capsys.readouterr().out)
+    assert card["max_new_tokens"] == 5 and card["answers"] == len(records(Path(cfg.out)))
+    assert (Path(cfg.out) / "train.jsonl").read_text().endswith('[1')  # a read-only command cuts nothing
+
+
+def test_self_written_needs_three_tasks_in_one_line(tmp_path, capsys):
+    _, tasks = sources(tmp_path)
+    model = make_tiny_model_dir(tmp_path / "m")
+    code = main(["data", "--out", str(tmp_path / "o"), "--model", str(model), "--self-instruct", str(tasks),
+                 "--self-written", "2", "--limit", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "at least 3 self-instruct training tasks" in err, err
+
+
+def test_data_suggests_only_flags_it_has(tmp_path, capsys):
+    bad = write_jsonl(tmp_path / "p.jsonl", [{"text": "w1"}])
+    model = make_tiny_model_dir(tmp_path / "m")
+    assert main(["data", "--out", str(tmp_path / "o"), "--model", str(model), "--prompts", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt-field" not in err and '"prompt"' in err, err
+
+
+@pytest.mark.skipif(not (SHIPPED / "manifest.json").exists(), reason="no committed data set")
+def test_the_committed_data_set_is_intact_and_holds_no_evaluation_or_heldout_prompt():
+    """Every committed shard matches its checksum; no training answer's prompt is held out or evaluated."""
+    manifest = shards.read_manifest(SHIPPED)
+    entries = shards.shard_entries(manifest, "train")
+    assert entries, "the committed data set has no sealed shard"
+    recs = [r for e in entries for r in shards.read_shard(SHIPPED, e)]
+    ids = [r["id"] for r in recs]
+    assert len(ids) == len(set(ids))
+    held = [json.loads(x) for f in sorted((SHIPPED / "heldout").glob("*.jsonl"))
+            for x in f.read_text().splitlines() if x.strip()]
+    held_keys = {h["id"] for h in held}
+    assert not held_keys & set(ids)
+    held_tasks = {h["id"].split("-")[1] for h in held if h["id"].startswith("si-")}
+    assert not {i.split("-")[1] for i in ids if i.startswith("si-")} & held_tasks
+    gsm_test = {E.content_id("gsm8k", q) for q in _gsm8k_test()}
+    assert not gsm_test & set(ids)
+    # self-written requests: the text of every trained one is neither held out nor an evaluation prompt
+    texts = {r["id"]: r.get("text", "") for e in shards.shard_entries(manifest, "instructions")
+             for r in shards.read_shard(SHIPPED, e)}
+    trained = [E.clean_instruction(texts[i]) for i in ids if i.startswith("sw-") and i in texts]
+    held_text = {E.normalise(h["prompt"]) for h in held}
+    assert not {E.normalise(t) for t in trained if t} & held_text
+    check_not_evaluation([t for t in trained if t], "committed self-written requests")
+
+
+def _gsm8k_test():
+    root = os.environ.get("MTP_DATA_DIR")
+    path = Path(root or "/nonexistent") / "gsm8k" / "test.jsonl"
+    return [json.loads(x)["question"] for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
