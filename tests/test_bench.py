@@ -312,6 +312,11 @@ def test_load_data_formats(tmp_path):
     (["--strategies", "fast:3"], "malformed strategy"),
     (["--strategies", "verify:4@oracle"], "unknown proposer"),
     (["--baselines", "sglang"], "unknown baseline"),
+    (["--baselines", "vllm-eagle3"], "vllm-eagle3:DIR"),
+    (["--strategies", "@heads"], "needs a strategy before '@'"),
+    (["--strategies", "verify:4@"], "needs a strategy before '@'"),
+    (["--strategies", ""], "names no strategy"),
+    (["--strategies", ","], "names no strategy"),
     (["--data", "gsm8k:/nonexistent/test.jsonl"], "data not found"),
     (["--data", "csv:x"], "bad --data"),
     (["--data", "prompts:BAD"], "not a JSON line"),
@@ -345,3 +350,30 @@ def test_results_name_shipped_assets_without_machine_paths(tmp_path):
     assert _asset_name(ASSETS / "smollm2-135m" / "adapter") == "shipped:smollm2-135m/adapter"
     assert _asset_name(tmp_path / "my-adapter") == str(tmp_path / "my-adapter")
     assert _asset_name(None) is None
+
+
+@pytest.mark.parametrize("kind", ["file", "foreign-folder"])
+def test_out_that_bench_did_not_write_is_refused_before_any_work(kind, tmp_path, capsys, monkeypatch):
+    """D3/T6: a file, or a folder of someone else's report.html, is refused before the model loads."""
+    from mtp.cli import main
+    from mtp.core import engine
+    out = tmp_path / "o"
+    if kind == "file":
+        out.write_text("mine")
+    else:
+        out.mkdir()
+        (out / "report.html").write_text("mine")
+    monkeypatch.setattr(engine.Engine, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    assert main(["bench", "--data", f"gsm8k:{_gsm8k_file(tmp_path)}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("is a file" in err if kind == "file" else "did not write" in err)
+    assert (out.read_text() if kind == "file" else (out / "report.html").read_text()) == "mine"
+
+
+def test_a_folder_bench_wrote_may_be_replaced(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    bench.check_out(out)  # empty: fine
+    (out / bench.MARKER).write_text("{}")
+    (out / "report.html").write_text("old report")
+    bench.check_out(out)  # its own earlier output: fine

@@ -380,9 +380,11 @@ def test_vllm_peers_are_named_and_skipped_with_a_hint_without_vllm(monkeypatch, 
     from mtp.eval.peers import make_peer, parse_baselines
     monkeypatch.setenv("MTP_VLLM_PYTHON", str(tmp_path / "no-python"))
     assert parse_baselines("vllm,vllm-ngram,vllm-eagle3:d") == ["vllm", "vllm-ngram", "vllm-eagle3:d"]
-    for bad in ("vllm-eagle3", "vllm:x", "sglang"):
+    for bad in ("vllm:x", "sglang"):
         with pytest.raises(ValueError, match="unknown baseline"):
             parse_baselines(bad)
+    with pytest.raises(ValueError, match="needs its drafter folder: vllm-eagle3:DIR"):
+        parse_baselines("vllm-eagle3")
     peer = make_peer("vllm-eagle3:d")
     assert peer.name == "vllm-eagle3:d" and peer.arg == "d" and "make vllm" in peer.missing()
     assert make_peer("vllm-ngram").speculative_config()["method"] == "ngram"

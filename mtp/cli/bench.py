@@ -11,9 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mtp.cli.options import add_model_args, engine_config
 from mtp.core.engine import Engine
-from mtp.eval.bench import (BenchConfig, load_data, parse_strategies, print_summary, run_bench,
+from mtp.eval.bench import (BenchConfig, check_out, load_data, parse_strategies, print_summary, run_bench,
                             write_outputs)
-from mtp.eval.peers import PEERS, parse_baselines
+from mtp.eval.peers import PARAMETRISED, PEERS, parse_baselines
 
 
 def add_parser(sub) -> None:
@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--strategies", default="ntp",
                    help="comma list and sweeps, e.g. 'verify:4,conf_adapt:0.99,0.9,static:1..8' (ntp always runs); "
                         "STRATEGY@PROPOSER gives a row its own proposer, e.g. verify:4@mask-single")
-    p.add_argument("--baselines", default="", help=f"peers to run alongside: {','.join(PEERS)}")
+    p.add_argument("--baselines", default="", help="peers to run alongside: " + ",".join(
+        n + (":DIR" if n in PARAMETRISED else "") for n in PEERS))
     p.add_argument("--limit", type=int, default=None, help="use the first N items")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1, help="timed repeats per prompt (median and spread)")
@@ -49,6 +50,7 @@ def run(args) -> int:
     strategies = parse_strategies(args.strategies)
     baselines = parse_baselines(args.baselines)
     kind, items = load_data(args.data, args.limit)
+    check_out(Path(args.out))
     cfg = BenchConfig(strategies, baselines, args.repeats, args.max_new_tokens, args.warmup, args.chat,
                       args.profile, args.profile_cache_len, args.profile_repeats)
     console = Console(stderr=True)

@@ -136,6 +136,7 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
     else:
         logits, hidden = out if need_hidden else (out, None)
     logits = logits.float().cpu()
+    finite = torch.isfinite(logits).all(-1)  # [B, N]; mask rows may be non-finite, ordinary rows never
     if mask_id is not None and mask_id < logits.shape[-1]:
         logits[..., mask_id] = float("-inf")  # the mask token is never a prediction
     if hidden is not None:
@@ -145,6 +146,9 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
     for i, s in enumerate(seqs):
         D = len(s.drafts)
         lg = logits[i]  # [N, V]: row j predicts the token after block position first+j
+        if not bool(finite[i, : D + 1].all()):  # never emit from a broken pass (lossless = identical)
+            raise NonFiniteError("the model produced non-finite logits (NaN/inf) at ordinary positions: its "
+                                 "weights or adapter are corrupt (try --adapter none)")
         # 3. accept drafts against the model's own predictions
         a, own = verify_drafts(lg[: D + 1], s.drafts, s.draft_probs, s.params, s.gen)
         own_conf = float(torch.softmax(lg[a], -1).max())
@@ -161,6 +165,7 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         # (a proposer with its own state, EAGLE-3, sees every pass: it must follow the committed prefix)
         guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 or s.proposer.aux_layers \
             else Guesses.none()
+        guesses = finite_prefix(guesses)
         # 5. emit by strategy
         preds, confs = [own] + guesses.tokens, [own_conf] + guesses.confidences
         n = s.strategy.emit_count(confs)
@@ -178,6 +183,22 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         s.stats.record_pass(produced, confs_emitted, len(blocks[i]))
         emitted_all.append(emitted)
     return emitted_all
+
+
+class NonFiniteError(ValueError):
+    """A forward pass whose logits at ordinary (non-mask) positions are NaN or inf."""
+
+
+def finite_prefix(g: Guesses) -> Guesses:
+    """The guesses up to the first one whose confidence or distribution is not finite: a NaN guess
+    is a rejected guess (it never becomes a draft, and no block is emitted from it)."""
+    n = 0
+    while n < len(g.tokens) and torch.isfinite(torch.tensor(g.confidences[n])) and (
+            g.probs is None or bool(torch.isfinite(g.probs[n]).all())):
+        n += 1
+    if n == len(g.tokens):
+        return g
+    return Guesses(g.tokens[:n], g.confidences[:n], None if g.probs is None else g.probs[:n])
 
 
 def _aux_layers(seqs: list[Sequence]) -> tuple[int, ...]:

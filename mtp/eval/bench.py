@@ -86,9 +86,15 @@ def parse_strategies(text: str) -> list[Spec]:
     """The sweep list with `ntp` first (always run: it is the reference), duplicates dropped."""
     out = [Spec(Strategy.parse("ntp"))]
     seen = set(out)
-    for piece in split_list(text or "ntp"):
-        strategy, _, proposer = piece.partition("@")
+    pieces = split_list("ntp" if text is None else text)
+    if not pieces:
+        raise ValueError(f"--strategies {text!r} names no strategy; e.g. verify:4,conf_adapt:0.9")
+    for piece in pieces:
+        strategy, at, proposer = piece.partition("@")
         proposer = proposer.strip() or None
+        if not strategy.strip() or (at and proposer is None):
+            raise ValueError(f"--strategies: {piece!r} needs a strategy before '@' and a proposer after it, "
+                             f"e.g. verify:4@heads")
         if proposer is not None:
             check_proposer(proposer)
         for s in expand_sweep(strategy):
@@ -402,8 +408,22 @@ def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) ->
 
 # ---------------------------------------------------------------------------------------------- outputs
 
+MARKER = "mtp-bench.json"  # written into every output folder: what a later run may replace
+
+
+def check_out(out: Path) -> None:
+    """Before any work: `--out` must be a new or empty folder, or one an earlier `mtp bench` wrote
+    (it holds MARKER); anything else is refused, so no user file is overwritten."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise ValueError(f"--out {out} holds files mtp bench did not write; choose a new or empty folder")
+
+
 def write_outputs(res: BenchResult, out: Path, engine=None, command: str = "", chunk_examples: int = 2) -> None:
+    check_out(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text(json.dumps({"format": "mtp-bench", "command": command}) + "\n")
     with open(out / "results.jsonl", "w") as f:
         for rec in res.records:
             f.write(json.dumps(rec) + "\n")

@@ -207,8 +207,11 @@ def parse_baselines(text: str | None) -> list[str]:
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
     for n in names:
         base, sep, arg = n.partition(":")
-        if base not in PEERS or (base in PARAMETRISED) != bool(sep and arg):
-            raise ValueError(f"unknown baseline {n!r}; choose from {', '.join(PEERS)} (vllm-eagle3:DIR)")
+        if base in PARAMETRISED and not (sep and arg):
+            raise ValueError(f"baseline {base} needs its drafter folder: {base}:DIR (e.g. from mtp export)")
+        if base not in PEERS or (base not in PARAMETRISED and sep):
+            raise ValueError(f"unknown baseline {n!r}; choose from " + ", ".join(
+                p + (":DIR" if p in PARAMETRISED else "") for p in PEERS))
     return list(dict.fromkeys(names))
 
 

@@ -33,6 +33,12 @@ class MaskProposer(Proposer):
         if k <= 1 or not view.masks_valid or view.mask_logits.shape[0] == 0:
             return Guesses.none()
         logits = view.mask_logits[: k - 1]  # [k-1, V]
+        # a NaN mask row is no guess (nor any after it); -inf is fine (the mask token's own column)
+        bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1).nonzero()
+        if len(bad):
+            logits = logits[: int(bad[0])]
+            if logits.shape[0] == 0:
+                return Guesses.none()
         tokens, probs = pick(logits, params, gen)
         conf = torch.softmax(logits.float(), -1).amax(-1)
         return Guesses(tokens.tolist(), conf.tolist(), probs)
