@@ -1,15 +1,24 @@
-"""`mtp serve`: the OpenAI-compatible server (`mtp.serving.app`) with its flags."""
+"""`mtp serve`: the OpenAI-compatible server (`mtp.serving.app`) with its flags.
+
+The API key comes from `--api-key KEY` (seen by anyone who runs `ps`), `--api-key-file PATH` (its one
+line) or the environment variable MTP_API_KEY, in that order; an empty one is refused, as is giving
+both flags. Every flag is checked before the model loads.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from mtp.cli.options import add_model_args, add_sampling_args, check_decoding_args, engine_config
 from mtp.core.costmodel import CostModel, measured_cost
 from mtp.core.engine import Engine
-from mtp.serving.config import ServeConfig
-from mtp.serving.scheduler import SchedulerConfig
+from mtp.serving.config import MAX_MESSAGES, ServeConfig
+from mtp.serving.scheduler import MAX_BATCH, SchedulerConfig
+
+API_KEY_ENV = "MTP_API_KEY"
 
 
 def add_parser(sub) -> None:
@@ -18,9 +27,13 @@ def add_parser(sub) -> None:
     add_sampling_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health); "
+                                                     f"visible in `ps`: prefer --api-key-file or ${API_KEY_ENV}")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help=f"read the API key from this file (default: ${API_KEY_ENV}, if set)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV-cache rows)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help=f"requests decoded together (KV-cache rows, 1..{MAX_BATCH}; the cache must fit in memory)")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="prompt + max_tokens per request (default: min(context window, 1024))")
     p.add_argument("--max-cache-tokens", type=int, default=0,
@@ -34,11 +47,32 @@ def add_parser(sub) -> None:
                    help="largest request body accepted (HTTP 413 above it; default 4 MiB)")
     p.add_argument("--max-prompt-chars", type=int, default=0,
                    help="largest prompt in characters, checked before tokenising (default 32 x max-model-len)")
+    p.add_argument("--max-messages", type=int, default=MAX_MESSAGES,
+                   help=f"most messages in a chat request (default {MAX_MESSAGES})")
     p.add_argument("--shadow-rate", type=float, default=0.0, help="fraction of MTP requests re-decoded with ntp")
     p.add_argument("--shadow-log", default="mtp-shadow.jsonl", help="JSONL log of shadow comparisons")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
+
+
+def api_key(args) -> str | None:
+    """The key from --api-key, --api-key-file or $MTP_API_KEY (None: no authentication)."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        if "\n" in key:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds more than one line")
+        return key
+    if args.api_key is None and API_KEY_ENV in os.environ:
+        key = os.environ[API_KEY_ENV].strip()
+        if not key:
+            raise ValueError(f"${API_KEY_ENV} is set but empty; give a key, or unset it for no authentication")
+        return key
+    return args.api_key
 
 
 def build_config(args, context_window: int) -> ServeConfig:
@@ -50,8 +84,9 @@ def build_config(args, context_window: int) -> ServeConfig:
     return ServeConfig(model_name=args.served_model_name or args.model, strategy=args.strategy,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                        max_tokens=args.max_new_tokens, stop=list(args.stop or []), seed=args.seed,
-                       api_key=args.api_key, shadow_rate=args.shadow_rate, shadow_log=args.shadow_log,
-                       max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, scheduler=sched)
+                       api_key=api_key(args), shadow_rate=args.shadow_rate, shadow_log=args.shadow_log,
+                       max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                       max_messages=args.max_messages, scheduler=sched)
 
 
 def run(args) -> int:

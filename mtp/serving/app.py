@@ -5,46 +5,48 @@ server-sent events ending in `data: [DONE]`), GET /v1/models, /health, /metrics 
 A request may carry `"mtp": {"strategy": "conf_adapt:0.9", "adaptive": false}`; omitted fields take the
 server's flags (`adaptive: false` exempts the request from the per-pass K cap, see `mtp.serving.scheduler`).
 Every bad input is HTTP 4xx with an OpenAI-style `{"error": {...}}` (413 for a body over
---max-body-bytes); `--api-key` guards every path but /health; SIGTERM stops admitting, lets running
-requests finish (up to --shutdown-timeout) and exits 0.
+--max-body-bytes); an API key (see `mtp.cli.serve`) guards every path but /health; SIGTERM stops
+admitting, lets running requests finish (up to --shutdown-timeout, then they are answered 503 / a
+final error event) and exits 0.
 
-Threads: uvicorn's event loop parses and answers (tokenising in a worker thread, so one large prompt
-never stalls other streams); one engine thread (`Scheduler`) owns the model and the KV cache. The
-request checks live in `mtp.serving.state`, the answering in `mtp.serving.completions`.
+Threads: uvicorn's event loop reads and answers (parsing and tokenising in a worker thread, so one
+large request never stalls other streams); one engine thread (`Scheduler`) owns the model and the KV
+cache. The request checks live in `mtp.serving.openai` and `mtp.serving.state`, the answering in
+`mtp.serving.completions`.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import json
 import signal
 import threading
 
 import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtp.core.engine import Engine
 from mtp.serving.completions import complete
-from mtp.serving.config import ServeConfig
-from mtp.serving.openai import APIError, ChatRequest, CompletionRequest
+from mtp.serving.config import SHUTDOWN_GRACE_S, ServeConfig
+from mtp.serving.openai import APIError, ChatRequest, CompletionRequest, parse_request
+from mtp.serving.prometheus import CONTENT_TYPE
 from mtp.serving.state import ServerState
 
 
 class APIKeyAuth:
-    """`Authorization: Bearer KEY` on every path but /health. A plain ASGI middleware: it hands the
-    request's `receive` through untouched, so a handler still sees its client disconnect."""
+    """`Authorization: Bearer KEY` on every path but /health (the scheme case-insensitive, RFC 9110
+    11.1). A plain ASGI middleware: it hands the request's `receive` through untouched, so a handler
+    still sees its client disconnect."""
 
     def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, token = dict(scope.get("headers") or []).get(b"authorization", b"").partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
                 err = APIError(401, "Incorrect API key provided", code="invalid_api_key")
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
@@ -94,20 +96,9 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
         return b"".join(chunks)
 
     async def parse(request: HTTPRequest, schema):
-        raw = await read_body(request)
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object")
-        try:
-            return schema.model_validate(data)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = [str(x) for x in err["loc"]]
-            raise APIError(400, f"{'.'.join(loc)}: {err['msg']}" if loc else err["msg"],
-                           loc[0] if loc else None) from None
+        raw = await read_body(request)  # then parsed off the event loop: a 4 MiB body never stalls streams
+        return await asyncio.to_thread(parse_request, raw, schema, config.max_messages)
+
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await parse(request, CompletionRequest)
@@ -136,8 +127,7 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(state.metrics.render(state.scheduler),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
 
@@ -150,20 +140,23 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "
     From the main thread (`mtp serve`), the engine loop runs on the main thread and uvicorn on a
     helper thread (torch is faster per small pass on the thread that loaded the model, see
     `Scheduler.start`). Signals reach the main thread, which drains the scheduler and tells uvicorn
-    to exit; uvicorn's shutdown (lifespan) stops the engine loop, which returns here."""
+    to exit: nothing new is admitted, running requests have `shutdown_timeout` seconds to finish, then
+    the scheduler cancels the rest (a waiting client gets a 503 JSON error, a stream a final error
+    event and `data: [DONE]`); uvicorn waits SHUTDOWN_GRACE_S longer for those answers to go out, and
+    its shutdown (lifespan) stops the engine loop, which returns here."""
 
     state: ServerState = app.state.mtp
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout)
+                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S)
     server = uvicorn.Server(config)
     if threading.current_thread() is not threading.main_thread():  # no signals here; the lifespan
         server.run()  # starts an engine thread
         return 0 if server.started else 1
 
     def on_signal(sig, frame):
-        state.scheduler.drain()  # stop admitting at once; running requests finish
-        if server.should_exit and sig == signal.SIGINT:
-            server.force_exit = True  # a second Ctrl-C: stop waiting for open connections
+        again = server.should_exit and sig == signal.SIGINT  # a second Ctrl-C: stop at once
+        state.scheduler.drain(0.0 if again else shutdown_timeout)  # stop admitting; running requests finish
+        server.force_exit = server.force_exit or again
         server.should_exit = True
 
     state.scheduler.hosted = True
@@ -175,5 +168,5 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "
     finally:
         for s, h in prev.items():
             signal.signal(s, h)
-        http.join(shutdown_timeout + 5)
+        http.join(shutdown_timeout + SHUTDOWN_GRACE_S + 5)
     return 0 if server.started else 1

@@ -1,5 +1,7 @@
 """Answering `/v1/completions` and `/v1/chat/completions`: one request through the scheduler, as one
-JSON response or as server-sent events (`stream: true`, ending in `data: [DONE]`).
+JSON response or as server-sent events (`stream: true`, ending in `data: [DONE]`). A request that
+fails (500) or that the server cancels at shutdown (503, `server_shutting_down`) is answered with that
+`{"error": ...}`: as the JSON response, or as the stream's last event before `data: [DONE]`.
 
 Tokens cross from the engine thread per pass through `loop.call_soon_threadsafe` into an asyncio
 queue per request. Text is detokenised here; a streamed delta never ends inside a possible stop
@@ -72,7 +74,7 @@ async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int
         raise APIError(500, f"decoding failed: {req.error}", type="server_error")
     if req.seq.finish_reason == "cancelled":
         state.metrics.count(endpoint, "cancelled")
-        raise APIError(503, "request cancelled: server shutting down", type="server_error")
+        raise shutting_down()
     text = state.text(req, tokens)
     choice = {"index": 0, "finish_reason": req.seq.finish_reason, "logprobs": None}
     if chat:
@@ -112,8 +114,10 @@ async def stream(state: ServerState, req: Request, queue: asyncio.Queue, base: d
             tokens += new
             if final:
                 if req.seq.finish_reason in ("error", "cancelled"):
-                    msg = req.error or "request cancelled: server shutting down"
-                    yield _sse(APIError(500, msg, type="server_error").body())
+                    err = shutting_down() if req.seq.finish_reason == "cancelled" else \
+                        APIError(500, f"decoding failed: {req.error}", type="server_error")
+                    yield _sse(err.body())
+                    yield b"data: [DONE]\n\n"
                     state.metrics.count(endpoint, req.seq.finish_reason)
                     finished = True
                     return
@@ -144,6 +148,12 @@ async def stream(state: ServerState, req: Request, queue: asyncio.Queue, base: d
             state.scheduler.cancel(req)
             state.metrics.count(endpoint, "cancelled")
     state.maybe_shadow(req)
+
+
+def shutting_down() -> APIError:
+    """What a request cancelled by the server (SIGTERM past --shutdown-timeout) is answered."""
+    return APIError(503, "request cancelled: server shutting down", code="server_shutting_down",
+                    type="server_error")
 
 
 def _sse(obj) -> bytes:

@@ -11,6 +11,8 @@ from mtp.serving.shadow import check_log_path
 
 MAX_BODY_BYTES = 4 << 20  # default request body limit (HTTP 413 above it)
 PROMPT_CHARS_PER_TOKEN = 32  # default prompt character limit = this x max_model_len (checked before tokenising)
+MAX_MESSAGES = 256  # default limit on a chat request's messages (checked before validating them)
+SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout: how long uvicorn waits for the 503s / error events to go out
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
 
 
@@ -30,6 +32,7 @@ class ServeConfig:
     shadow_seed: int = 0
     max_body_bytes: int = MAX_BODY_BYTES
     max_prompt_chars: int = 0  # 0 = PROMPT_CHARS_PER_TOKEN x scheduler.max_model_len
+    max_messages: int = MAX_MESSAGES
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self):
@@ -47,6 +50,8 @@ class ServeConfig:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_prompt_chars < 0:
             raise ValueError(f"--max-prompt-chars must be >= 0, got {self.max_prompt_chars}")
+        if self.max_messages < 1:
+            raise ValueError(f"--max-messages must be >= 1, got {self.max_messages}")
         if not self.max_prompt_chars:
             self.max_prompt_chars = PROMPT_CHARS_PER_TOKEN * self.scheduler.max_model_len
         if self.shadow_rate > 0:

@@ -11,7 +11,11 @@ One iteration of the engine thread:
      (`mtp.serving.adaptive.AdaptiveK`) caps K for it, after it each row's tokens go to its request's
      callback and finished rows leave.
 A request with `adaptive=False` is never capped (a lossy strategy then emits exactly what `mtp
-generate` does).
+generate` does). `drain(timeout)` stops admitting; once `timeout` seconds have passed, whatever still
+runs or waits is cancelled (finish_reason `cancelled`).
+
+The KV cache is allocated (zero-filled) up front: `--max-batch` is at most MAX_BATCH, and a cache that
+does not fit in the memory available is refused before it is allocated (`mtp.serving.memory`).
 """
 from __future__ import annotations
 
@@ -31,10 +35,12 @@ from mtp.core.batching import Batch
 from mtp.core.decode import Sequence, block_slack
 from mtp.core.strategy import K_LIMIT
 from mtp.core.proposers import TimedProposer
+from mtp.serving import memory
 from mtp.serving.adaptive import AdaptiveK
 
 log = logging.getLogger("mtp.serve")
 
+MAX_BATCH = 256  # most KV-cache rows --max-batch may ask for
 PREFILL_TOKENS = batching.PREFILL_TOKENS  # padded prompt tokens one prefill pass may carry (at least one prompt)
 
 
@@ -56,8 +62,8 @@ class SchedulerConfig:
     adaptive: bool = True  # cap K per pass with the cost model
 
     def __post_init__(self):
-        if self.max_batch < 1:
-            raise ValueError(f"--max-batch must be >= 1, got {self.max_batch}")
+        if not 1 <= self.max_batch <= MAX_BATCH:
+            raise ValueError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
         if self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.max_cache_tokens < 0:
@@ -101,13 +107,16 @@ class Scheduler:
 
     def __init__(self, model, mask_id: int | None, config: SchedulerConfig, pass_time=None):
         self.model, self.mask_id, self.config = model, mask_id, config
-        self.batch = Batch(model, mask_id, config.max_batch, config.max_model_len + block_slack(K_LIMIT))
+        capacity = config.max_model_len + block_slack(K_LIMIT)
+        memory.check_kv_cache(model, config.max_batch, capacity)
+        self.batch = Batch(model, mask_id, config.max_batch, capacity)
         self.requests: dict[int, Request] = {}  # id(seq) -> its request, for the batch's rows
         self.policy = AdaptiveK(pass_time) if (config.adaptive and pass_time is not None) else None
         self.queue: collections.deque[Request] = collections.deque()
         self.background: collections.deque[Request] = collections.deque()
         self.cond = threading.Condition()
         self.draining = False
+        self.deadline: float | None = None  # drain(timeout): time.monotonic() after which all is cancelled
         self.stopped = False
         self.thread: threading.Thread | None = None  # set by start(); run() may use the caller's thread
         self.running_loop: threading.Thread | None = None
@@ -162,10 +171,15 @@ class Scheduler:
         self.thread = threading.Thread(target=self.run, name="mtp-engine", daemon=True)
         self.thread.start()
 
-    def drain(self) -> None:
-        """Stop admitting new requests; queued and running ones still finish. Shadow work is dropped."""
+    def drain(self, timeout: float | None = None) -> None:
+        """Stop admitting new requests; queued and running ones still finish (within `timeout` seconds,
+        then they are cancelled; a second call can only shorten it). Shadow work is dropped."""
         with self.cond:
             self.draining = True
+            if timeout is not None:
+                end = time.monotonic() + timeout
+                self.deadline = end if self.deadline is None else min(self.deadline, end)
+                self.cond.notify()
             dropped = list(self.background)
             self.background.clear()
         for r in dropped:
@@ -201,6 +215,9 @@ class Scheduler:
                             self.stopped = True
                     if self.stopped:
                         break
+                    if self.deadline is not None and time.monotonic() >= self.deadline:
+                        for r in list(self.active) + list(self.queue):
+                            r.cancel()  # the active rows leave at the start of this iteration
                     newcomers = self._admit()
                 try:
                     self._iteration(newcomers)

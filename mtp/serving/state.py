@@ -1,6 +1,8 @@
 """What the server knows between requests: the engine, the scheduler, the metrics, and how an
 OpenAI request becomes a scheduled `Request` (its checks: model name, sampling limits, strategy,
-context length, prompt text and size)."""
+context length, prompt text and size). Everything that is tokenised counts against
+--max-prompt-chars before any tokenising: a completion's prompt; a chat's roles and contents
+together (the message count is bounded earlier, by `openai.parse_request`)."""
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +30,7 @@ class ServerState:
         if sc.max_model_len > engine.context_window:  # never promise more than the model's window
             sc.max_model_len = engine.context_window
         self.scheduler = Scheduler(engine.model, engine.mask_id, config.scheduler, pass_time)
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.scheduler)
         self.shadow_log = ShadowLog(config.shadow_log) if config.shadow_rate > 0 else None
         self.rng = random.Random(config.shadow_seed)
         self.created = int(time.time())
@@ -85,12 +87,16 @@ class ServerState:
             raise APIError(400, str(e), "mtp.strategy") from None
         return Request(seq, adaptive=body.mtp.adaptive if body.mtp else True)
 
+    def check_chars(self, n: int, param: str) -> None:
+        """`n` characters to tokenise: refused above --max-prompt-chars."""
+        if n > self.config.max_prompt_chars:
+            raise APIError(400, f"the prompt has {n} characters, more than this server's limit of "
+                                f"{self.config.max_prompt_chars}", param, "context_length_exceeded")
+
     def check_text(self, text: str, param: str) -> str:
         """Text a client sent: valid Unicode (no lone surrogates) and within the character limit,
         checked before any tokenising."""
-        if len(text) > self.config.max_prompt_chars:
-            raise APIError(400, f"the prompt has {len(text)} characters, more than this server's limit of "
-                                f"{self.config.max_prompt_chars}", param, "context_length_exceeded")
+        self.check_chars(len(text), param)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
@@ -119,7 +125,7 @@ class ServerState:
         """Token ids of a chat request's messages with the chat template (call off the event loop)."""
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        messages, total = [], 0
+        messages = []
         for m in body.messages:
             c = m.content
             if isinstance(c, list):
@@ -132,10 +138,10 @@ class ServerState:
                     raise APIError(400, "a message's content parts hold no text (only text parts are supported)",
                                    "messages")
                 c = "".join(texts)
-            total += len(c or "")
-            if total > self.config.max_prompt_chars:
-                self.check_text("x" * total, "messages")  # the one message for the limit
-            messages.append({"role": m.role, "content": self.check_text(c or "", "messages")})
+            messages.append({"role": m.role, "content": c or ""})
+        self.check_chars(sum(len(m["role"]) + len(m["content"]) for m in messages), "messages")
+        for m in messages:
+            self.check_text(m["content"], "messages")
         try:
             return self.engine.encode(messages, chat=True)
         except APIError:

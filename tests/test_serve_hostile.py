@@ -1,0 +1,230 @@
+"""Defects from the second hostile-user probe of `mtp serve`, each reproduced on the tiny random model
+(uvicorn on a loopback port, or the real CLI in a subprocess) and checked fixed: every tokenised string
+and the message count are bounded (S1), the API key need not be on the command line (S2) and its
+scheme is case-insensitive, hostile JSON is a 400 (T1), requests still running at the end of
+--shutdown-timeout get a 503 / a final error event (T2), impossible KV caches are refused at start-up
+(T7), and /metrics comes from prometheus_client with a registry per app."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from test_serve import LiveServer, engine, free_port, make_app, tiny_dir  # noqa: E402,F401
+from test_serve_limits import assert_error  # noqa: E402
+from mtp.serving.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+
+def no_tokenising(monkeypatch, app) -> list:
+    """Make tokenising fail, and note every call (the chat path turns a failure into a 400 too)."""
+    calls = []
+
+    def refuse(*a, **k):
+        calls.append(a)
+        raise AssertionError("tokenised a request over a limit")
+    monkeypatch.setattr(app.state.mtp.engine, "encode", refuse)
+    return calls
+
+
+def chat(srv, messages, **kw):
+    return httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                      json={"model": "tiny", "max_tokens": 2, "messages": messages, **kw})
+
+
+def serve_error(capsys, *argv) -> str:
+    """`mtp serve ARGV` in this process (as the `mtp` entry point runs it): exit 2, one stderr line."""
+    from mtp.cli import main
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtp: error:") and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+# ---- S1: what is tokenised is bounded --------------------------------------------------------------
+def test_s1_roles_count_against_the_character_limit(engine, monkeypatch):
+    app = make_app(engine, max_prompt_chars=1000)
+    calls = no_tokenising(monkeypatch, app)
+    with LiveServer(app) as srv:
+        # contents alone are 990 characters: with the three roles, 1,002 are tokenised
+        err = assert_error(chat(srv, [{"role": "user", "content": "a" * 330}] * 3), 400, "messages")
+    assert "1000" in err["message"] and not calls
+
+
+def test_s1_role_must_be_a_known_role(engine, monkeypatch):
+    app = make_app(engine)
+    calls = no_tokenising(monkeypatch, app)
+    with LiveServer(app) as srv:
+        for role in ("u" * 100_000, "wizard"):
+            err = assert_error(chat(srv, [{"role": role, "content": "hi"}]), 400, "messages")
+            assert len(err["message"]) < 200
+    assert not calls
+
+
+def test_s1_message_count_is_bounded(engine, monkeypatch):
+    app = make_app(engine, max_messages=4)
+    calls = no_tokenising(monkeypatch, app)
+    with LiveServer(app) as srv:
+        err = assert_error(chat(srv, [{"role": "user", "content": ""}] * 5), 400, "messages")
+        assert "4" in err["message"]
+    app = make_app(engine)  # the default holds too: 120,000 empty messages are never templated
+    calls += no_tokenising(monkeypatch, app)
+    with LiveServer(app) as srv:
+        assert_error(chat(srv, [{"role": "user", "content": ""}] * 120_000), 400, "messages")
+    assert not calls
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("model", "x" * 100_000, "model"), ("stop", ["x" * 100_000], "stop"), ("stop", "x" * 100_000, "stop"),
+    ("mtp", {"strategy": "x" * 100_000}, "mtp"),
+])
+def test_s1_other_strings_are_bounded(engine, field, value, param):
+    with LiveServer(make_app(engine)) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2,
+                                                           field: value})
+        err = assert_error(r, 400, param)
+    assert len(err["message"]) < 200  # never the client's string echoed back
+
+
+def test_s1_cli_has_a_max_messages_flag(capsys):
+    assert "--max-messages" in serve_error(capsys, "--max-messages", "0", "--model", "/nowhere")
+
+
+# ---- S2: the API key from the environment or a file; the scheme is case-insensitive -----------------
+def serve_args(*argv):
+    from mtp.cli import build_parser
+    from mtp.cli.serve import build_config
+    return build_config(build_parser().parse_args(["serve", *argv]), 1 << 30)
+
+
+def test_s2_api_key_from_environment_and_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTP_API_KEY", "from-env")
+    assert serve_args().api_key == "from-env"
+    key = tmp_path / "key"
+    key.write_text("from-file\n")
+    assert serve_args("--api-key-file", str(key)).api_key == "from-file"
+    assert serve_args("--api-key", "from-flag").api_key == "from-flag"
+    monkeypatch.delenv("MTP_API_KEY")
+    assert serve_args().api_key is None
+
+
+def test_s2_empty_key_file_or_variable_is_refused(tmp_path, capsys, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.write_text(" \n")
+    assert "is empty" in serve_error(capsys, "--api-key-file", str(empty), "--model", "/nowhere")
+    assert "missing" in serve_error(capsys, "--api-key-file", str(tmp_path / "missing"), "--model", "/nowhere")
+    assert "not both" in serve_error(capsys, "--api-key", "a", "--api-key-file", str(empty), "--model", "/nowhere")
+    monkeypatch.setenv("MTP_API_KEY", " ")
+    assert "MTP_API_KEY" in serve_error(capsys, "--model", "/nowhere")
+
+
+def test_s2_bearer_scheme_is_case_insensitive(engine):
+    with LiveServer(make_app(engine, api_key="s3cret")) as srv:
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert httpx.get(srv.url + "/v1/models", headers={"Authorization": f"{scheme} s3cret"}).status_code == 200
+        for given in ("bearer wrong", "Basic s3cret", "Bearers3cret", "s3cret"):
+            assert httpx.get(srv.url + "/v1/models", headers={"Authorization": given}).status_code == 401
+
+
+# ---- T1: hostile JSON -------------------------------------------------------------------------------
+@pytest.mark.parametrize("body", [
+    '{"model": "tiny", "prompt": "ab", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    '{"model": "tiny", "prompt": "ab", "max_tokens": ' + "9" * 5000 + "}",
+    '{"model": "tiny", "prompt": "ab", "max_tokens": ' + "9" * 4000 + "}",
+])
+def test_t1_deep_nesting_and_huge_integers_are_400(engine, body):
+    with LiveServer(make_app(engine)) as srv:
+        r = httpx.post(srv.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        err = assert_error(r, 400)
+    assert len(err["message"]) < 200
+
+
+# ---- T2: SIGTERM with requests running past --shutdown-timeout ------------------------------------
+SERVER_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_serve import make_app, slow_engine
+from mtp.core.engine import Engine, EngineConfig
+from mtp.serving.app import serve_app
+engine = slow_engine(Engine.load(EngineConfig(model={model!r}, adapter="none")), 0.05)
+sys.exit(serve_app(make_app(engine, max_model_len=256), "127.0.0.1", {port}, "info", 1.0))
+"""
+
+
+def test_t2_requests_past_the_shutdown_timeout_get_503_and_an_error_event(tiny_dir, tmp_path):
+    port = free_port()
+    script = tmp_path / "srv.py"
+    script.write_text(SERVER_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tiny_dir), port=port))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    url, body = f"http://127.0.0.1:{port}", {"model": "tiny", "prompt": "abc", "max_tokens": 200}
+    results, lines = {}, []
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=30).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        plain = threading.Thread(target=lambda: results.update(r=httpx.post(url + "/v1/completions", json=body,
+                                                                             timeout=120)))
+        plain.start()
+        with httpx.stream("POST", url + "/v1/completions", timeout=120, json={**body, "stream": True}) as r:
+            it = r.iter_lines()
+            lines.append(next(it))
+            while httpx.get(url + "/health", timeout=30).json()["running"] < 2:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)  # ~10 s of decoding left, 1 s allowed
+            lines += list(it)
+        plain.join(120)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert "Traceback" not in log, log
+    err = assert_error(results["r"], 503)
+    assert err["code"] == "server_shutting_down"
+    events = [ln for ln in lines if ln]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["code"] == "server_shutting_down"
+
+
+# ---- T7: KV caches that cannot be allocated are refused before anything loads ---------------------
+def test_t7_huge_max_batch_is_refused_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "mtp.cli", "serve", "--max-batch", "100000", "--model", "/nowhere"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--max-batch" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_t7_kv_cache_over_available_memory_is_refused(engine, monkeypatch):
+    from mtp.serving import memory
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
+    with pytest.raises(ValueError, match="KV cache"):
+        Scheduler(engine.model, engine.mask_id, SchedulerConfig(max_batch=64, max_model_len=256))
+
+
+# ---- /metrics through prometheus_client, one registry per app --------------------------------------
+def test_metrics_use_a_registry_per_app(engine):
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+    a, b = make_app(engine), make_app(engine)
+    assert isinstance(a.state.mtp.metrics.registry, CollectorRegistry)
+    assert a.state.mtp.metrics.registry is not b.state.mtp.metrics.registry
+    with LiveServer(a) as srv:
+        assert httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab",
+                                                             "max_tokens": 2}).status_code == 200
+        text = httpx.get(srv.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["mtp_requests"].type == "counter"
+    assert families["mtp_request_latency_seconds"].type == "histogram"
+    assert a.state.mtp.metrics.value("mtp_requests_total", endpoint="completions", status="ok") == 1
+    assert b.state.mtp.metrics.value("mtp_requests_total", endpoint="completions", status="ok") == 0
