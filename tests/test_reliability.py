@@ -239,14 +239,27 @@ def test_16_stale_temp_folders_are_removed_on_the_next_save_and_resume(tmp_path)
     exs = [__import__("mtp.training.data", fromlist=["Example"]).Example([1, 2, 3], [4, 5, 6, 7, 8])] * 4
     cfg = dict(out=str(tmp_path / "run"), steps=2, batch_size=2, k_max=3, spans=1, seq_len=32, save_every=1,
                log_every=1)
-    stale = tmp_path / ".run.tmp-killed"
-    stale.mkdir()
-    (stale / "adapter.safetensors").write_bytes(b"x" * 1000)
+    import json
+    import subprocess
+    from mtp.core import artifacts
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a process id that no longer runs: the save that made the folder was killed
+
+    def left_by_a_killed_save():
+        stale = tmp_path / ".run.tmp-killed"
+        stale.mkdir()
+        (stale / "adapter.safetensors").write_bytes(b"x" * 1000)
+        (stale / artifacts.MARKER).write_text(json.dumps({"pid": dead.pid}))
+        return stale
+
+    mine = tmp_path / ".run.tmp-mine"  # looks like a temp folder, but mtp did not make it (D4): kept
+    mine.mkdir()
+    stale = left_by_a_killed_save()
     train(TrainConfig(**cfg), tiny_model(0), exs, progress=False)
-    assert not stale.exists()
-    stale.mkdir()
+    assert not stale.exists() and mine.is_dir()
+    stale = left_by_a_killed_save()
     train(TrainConfig(**{**cfg, "steps": 3, "resume": True}), tiny_model(0), exs, progress=False)
-    assert not stale.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert not stale.exists() and sorted(p.name for p in tmp_path.iterdir()) == [".run.tmp-mine", "run"]
     assert set(load_file(str(tmp_path / "run" / "adapter.safetensors")))
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 import json
 import sys
 
+import jinja2
+
 from mtp.cli.options import (add_model_args, add_sampling_args, check_decoding_args, engine_config, read_prompt,
                              sampling_params)
 from mtp.core.engine import Engine
+from mtp.core.loading import chat_template_file
 
 
 def add_parser(sub) -> None:
@@ -23,7 +26,11 @@ def run(args) -> int:
     check_decoding_args(args)  # every flag before loading anything
     prompt = read_prompt(args)
     engine = Engine.load(engine_config(args))
-    result = engine.generate(prompt, args.strategy, sampling_params(args), chat=args.chat)
+    try:
+        result = engine.generate(prompt, args.strategy, sampling_params(args), chat=args.chat)
+    except jinja2.TemplateError as e:  # rendered once at load; this prompt makes it fail
+        raise ValueError(f"{chat_template_file(engine.loaded.source)}: the chat template fails on this "
+                         f"prompt ({type(e).__name__}: {e})") from None
     if args.json:
         print(json.dumps(result.to_json()))
         return 0

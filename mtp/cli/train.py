@@ -17,8 +17,8 @@ from mtp.core.adapter import MODES, TARGETS, is_adapter_dir
 from mtp.core.artifacts import replaceable
 from mtp.core.engine import Engine, EngineConfig
 from mtp.training.data import build_examples, check_example_ids, load_examples, load_prompts
-from mtp.training.distill import TEACHERS, TrainConfig, describe, train
-from mtp.training.trainer import distributed
+from mtp.training.distill import TEACHERS, TrainConfig, check_export, describe, train
+from mtp.training.trainer import check_lr, distributed
 
 
 def add_parser(sub) -> None:
@@ -61,6 +61,8 @@ def run(args) -> int:
         raise ValueError("give exactly one of --data FILE or --examples FILE")
     if args.data and not args.self_generate and not args.response_field:
         raise ValueError("--data needs --response-field FIELD or --self-generate")
+    check_lr(args.lr)
+    check_export(args.out, args.export)
     check_threads(args.threads)
     device = args.device
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -52,20 +52,27 @@ def run_train_heads(args) -> int:
     cfg = TrainHeadsConfig(depths=args.depths, blocks=args.blocks, width=args.width, steps=args.steps,
                            batch_size=args.batch_size, lr=args.lr, save_every=args.save_every,
                            val_fraction=args.val_fraction, seed=args.seed, draft_vocab=args.draft_vocab)
+    if bool(args.data) == bool(args.examples):
+        raise ValueError("give exactly one of --data FILE or --examples FILE")
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     out = Path(args.out)
     check_run_out(out, is_heads_dir, "heads", args.resume)
     check_threads(args.threads)
     check_device(args.device)
-    prompts = data.load_prompts(args.data, args.prompt_field, None if args.self_generate else args.response_field,
-                                args.limit)
+    if args.examples:
+        examples = data.load_examples(args.examples)[: args.limit]
+    else:
+        prompts = data.load_prompts(args.data, args.prompt_field,
+                                    None if args.self_generate else args.response_field, args.limit)
     engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=args.device))
     HeadsConfig.for_model(engine.model.config, cfg.depths, cfg.blocks, cfg.width)  # bad sizes fail before work
     t0 = time.perf_counter()
-    # the same call as `mtp train` makes, so both share the self-generated answers on disk
-    examples = data.build_examples(engine, prompts, args.self_generate, args.max_new_tokens, args.gen_batch_size,
-                                   Path(args.cache_dir) / "selfgen" if args.cache_dir else None)
+    if args.examples:
+        data.check_example_ids(examples, engine.model.config.vocab_size, args.examples)
+    else:  # the same call as `mtp train` makes, so both share the self-generated answers on disk
+        examples = data.build_examples(engine, prompts, args.self_generate, args.max_new_tokens,
+                                       args.gen_batch_size, Path(args.cache_dir) / "selfgen" if args.cache_dir else None)
     cache_dir = Path(args.cache_dir) if args.cache_dir else loading.cache_root()
     print(f"{len(examples)} examples ready in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     t0 = time.perf_counter()

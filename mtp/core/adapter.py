@@ -21,7 +21,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from mtp.core.artifacts import base_hash, check_trained_on, has_format, load_safetensors, read_json, write_dir_atomic
+from mtp.core.artifacts import (base_hash, cast_checked, check_finite, check_trained_on, has_format, load_safetensors,
+                                read_json, write_dir_atomic)
 from mtp.core.model import Linear, Transformer, add_mask_token, packed_matmul, use_packed
 
 FORMAT = "mtp-adapter"
@@ -164,10 +165,11 @@ def trainable_state(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def adapter_files(model: Transformer, extra_meta: dict | None = None, dtype=None) -> dict:
-    """{file name: content} of an adapter directory (what save_adapter writes)."""
+    """{file name: content} of an adapter directory (what save_adapter writes); `dtype` (e.g. float16
+    for a shipped copy) refuses a value it cannot hold rather than writing inf."""
     tensors = trainable_state(model)
     if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        tensors = cast_checked(tensors, dtype)
     config = {"format": FORMAT, "version": 1, **model.adapter_meta,
               "mask_token_id": model.config.mask_token_id, "vocab_size": model.config.vocab_size,
               "base_hash": base_hash(model), "meta": extra_meta or {}}
@@ -229,6 +231,7 @@ def load_adapter(model: Transformer, path, n_tokenizer: int | None = None) -> di
     check_trained_on(model, cfg, path, "adapter", WEIGHTS)
     check_mask_id(cfg, model, n_tokenizer, path)
     tensors = load_safetensors(path / WEIGHTS)
+    check_finite(tensors, path / WEIGHTS)  # one NaN would make every mask guess garbage
     add_adapters(model, cfg["rank"], cfg["alpha"], tuple(cfg["targets"]), cfg["mode"],
                  n_used_tokens=cfg["mask_token_id"])
     if model.config.mask_token_id != cfg["mask_token_id"]:

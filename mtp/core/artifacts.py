@@ -2,8 +2,12 @@
 
 Guarantees:
 - `atomic_dir` / `write_dir_atomic` build a directory under a temporary name and swap it into
-  place, so a reader sees the old directory or the new one, never a half-written one; temporary
-  folders a killed earlier save left beside the target are removed on the next save.
+  place, so a reader sees the old directory or the new one, never a half-written one. The work
+  folders of a save (`.NAME.tmp-*`, `.NAME.old-*`, from `tempfile.mkdtemp`) hold a marker file
+  (`MARKER`, with the saving process's id); the next save removes those a killed save left (and
+  puts back a previous directory a kill left aside), and never touches a folder without the marker.
+- Saved and loaded weights are finite (`check_finite`), and a float16 copy never overflows
+  (`cast_checked`): a NaN or inf weight is refused, naming the file and the tensor.
 - Nothing mtp did not write is ever replaced: an existing target must be empty or an mtp
   directory of the same kind (`replaceable`), else the save is refused before any work.
 - `base_hash` fingerprints base weights, so an adapter or heads directory refuses to load on
@@ -30,12 +34,86 @@ class ArtifactError(ValueError):
     """A file or directory that cannot be used as asked (one line, names the path)."""
 
 
-def stale_temps(path: Path) -> list[Path]:
-    """Temporary folders of earlier, interrupted saves of `path` (`.NAME.tmp-*` beside it)."""
+MARKER = ".mtp-save-in-progress"  # in every work folder of a save; nothing else is ever removed
+
+
+def _mark(folder: Path) -> None:
+    (folder / MARKER).write_text(json.dumps({"pid": os.getpid()}))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def _left_by_a_killed_save(folder: Path) -> bool:
+    """`folder` is a work folder of an mtp save (marker file) whose process is gone (or is us)."""
+    try:
+        pid = json.loads((folder / MARKER).read_text()).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return type(pid) is int and pid > 0 and (pid == os.getpid() or not _alive(pid))
+
+
+def leftovers(path: Path, kind: str) -> list[Path]:
+    """Work folders (`kind` "tmp" or "old") that interrupted mtp saves of `path` left beside it,
+    newest first; a folder without mtp's marker, or of a save still running, is not listed."""
     path = Path(path)
     if not path.parent.is_dir():
         return []
-    return [p for p in path.parent.glob(f".{path.name}.tmp-*") if p.is_dir()]
+    found = [p for p in path.parent.glob(f".{path.name}.{kind}-*")
+             if p.is_dir() and not p.is_symlink() and _left_by_a_killed_save(p)]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def recover_interrupted(path: Path) -> None:
+    """After a kill inside `atomic_dir`: put the previous directory back if the kill came between
+    the two renames (`path` missing), then remove the work folders interrupted saves left."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        for held in leftovers(path, "old"):
+            if (held / path.name).is_dir():
+                os.replace(held / path.name, path)
+                break
+    for folder in leftovers(path, "tmp") + leftovers(path, "old"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def first_nonfinite(tensors: dict) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an inf, else None."""
+    for name, t in tensors.items():
+        if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def check_finite(tensors: dict, where, action: str = "load") -> None:
+    """Refuse weights holding NaN or inf: one line naming `where` (a file) and the tensor."""
+    bad = first_nonfinite(tensors)
+    if bad is not None:
+        raise ArtifactError(f"{where}: tensor {bad} holds NaN or inf values; refusing to {action} it")
+
+
+def cast_checked(tensors: dict, dtype: torch.dtype) -> dict:
+    """Floating-point tensors cast to `dtype`; a finite value beyond its range (which would become
+    inf) is refused, naming the tensor."""
+    out = {}
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            out[name] = t
+            continue
+        c = t.to(dtype)
+        if not bool(torch.isfinite(c).all()):
+            big = float(t.detach().abs().max())
+            raise ArtifactError(f"tensor {name}: a value of magnitude {big:.3g} does not fit {dtype} "
+                                f"(largest {torch.finfo(dtype).max:.5g}); refusing a copy with inf in it")
+        out[name] = c
+    return out
 
 
 def replaceable(path: Path, kind: Callable[[Path], bool] | None) -> None:
@@ -57,31 +135,33 @@ def replaceable(path: Path, kind: Callable[[Path], bool] | None) -> None:
 def atomic_dir(path: Path, kind: Callable[[Path], bool] | None = None):
     """Build a directory under a temp name (yielded), then swap it into place in two renames.
 
-    A failure at any point leaves the previous directory (if any) untouched and no partial one;
-    a kill between the two renames leaves the previous one at `.NAME.old` (training resumes it).
+    A failure at any point leaves the previous directory (if any) untouched and no partial one; a
+    kill between the two renames leaves the previous one in a marked `.NAME.old-*` folder, which the
+    next save or `--resume` puts back (`recover_interrupted`).
     `kind`: see `replaceable` (None: only an absent or empty target may be replaced)."""
     path = Path(path)
+    recover_interrupted(path)
     replaceable(path, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in stale_temps(path):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    old = path.parent / f".{path.name}.old"
+    work = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        yield tmp
-        os.chmod(tmp, 0o755)
-        for f in tmp.rglob("*"):
+        _mark(work)
+        new = work / path.name
+        new.mkdir()
+        yield new
+        os.chmod(new, 0o755)
+        for f in new.rglob("*"):
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
+        held = None
         if path.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old.exists():
-            shutil.rmtree(old)
+            held = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            _mark(held)
+            os.replace(path, held / path.name)
+        os.replace(new, path)
+        if held is not None:
+            shutil.rmtree(held)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def write_files(root: Path, files: dict) -> None:
@@ -92,6 +172,7 @@ def write_files(root: Path, files: dict) -> None:
             (root / name).mkdir(parents=True, exist_ok=True)
             write_files(root / name, content)
         elif name.endswith(".safetensors"):
+            check_finite(content, name, "save")
             safetensors.torch.save_file({k: v.detach().contiguous().cpu() for k, v in content.items()},
                                         str(root / name))
         else:

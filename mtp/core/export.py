@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mtp.core.artifacts import ArtifactError, load_safetensors, read_json, write_dir_atomic
+from mtp.core.artifacts import ArtifactError, check_finite, load_safetensors, read_json, write_dir_atomic
 from mtp.core.proposers.eagle3 import CONFIG, FORMAT, WEIGHTS, Eagle3Config, Eagle3Drafter, read_drafter_config
 
 FORMATS = ("vllm-eagle3",)
@@ -62,6 +62,7 @@ def export_vllm_eagle3(src, out) -> dict:
         raise ArtifactError(f"{src} fuses trunk layers {ecfg.aux_layers}; vLLM collects distinct layers below the "
                             "last in ascending order (e.g. 2,15,27 of 30)")
     state = load_safetensors(src / WEIGHTS)
+    check_finite(state, src / WEIGHTS, "export")
     want = Eagle3Drafter(ecfg).state_dict()
     for name, t in want.items():
         if name not in state or tuple(state[name].shape) != tuple(t.shape) or state[name].dtype.is_floating_point \

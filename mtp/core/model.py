@@ -61,7 +61,8 @@ class ModelConfig:
         """Our architecture name for a Hugging Face config dict; unsupported scope fails loudly."""
         archs = hf.get("architectures") or []
         archs = archs if isinstance(archs, list) else [archs]
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in SUPPORTED_ARCHITECTURES),
+                    None)
         if arch is None:
             arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
                 str(hf.get("model_type", "")))
@@ -237,6 +238,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if gate is not None:  # a pass with mask rows: a non-finite mask row must not reach other rows
+            # (a masked-out NaN key still poisons the softmax: NaN + -inf = NaN), so its keys and values
+            # are zeroed; ordinary rows are then computed exactly as without it
+            k, v = torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0)
         if kv is not None:  # write this block into the cache, then attend over the cache prefix
             k, v = kv(k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,

@@ -1,6 +1,6 @@
 """`torchrun ... -m mtp.pipeline PROMPT ...`: one pipeline stage per process (the entry point only)."""
 import sys
 
-from mtp.cli.pipeline import main
+from mtp.pipeline.launch import stage_main
 
-sys.exit(main())
+sys.exit(stage_main())

@@ -30,7 +30,7 @@ from mtp.core.adapter import (MODES, TARGETS, WEIGHTS, adapter_files, add_adapte
                               load_trainable)
 from mtp.core.artifacts import load_safetensors, replaceable, write_dir_atomic
 from mtp.training.data import Example
-from mtp.training.trainer import Trainer, TrainerConfig, batch_indices, distributed
+from mtp.training.trainer import Trainer, TrainerConfig, batch_indices, check_lr, distributed
 
 TEACHERS = ("hard", "soft", "ground-truth")
 # settings that must match when resuming (they shape the model, the data or the optimisation)
@@ -344,10 +344,23 @@ def check_config(cfg: TrainConfig, model) -> None:
         raise ValueError("--k-max must be >= 2")
     if cfg.spans < 1 or cfg.batch_size < 1 or cfg.steps < 1 or cfg.save_every < 1 or cfg.log_every < 1:
         raise ValueError("--spans, --batch-size, --steps, --save-every and --log-every must be >= 1")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)) or cfg.warmup < 0:
-        raise ValueError("--lr must be a finite number > 0 and --warmup >= 0")
+    check_lr(cfg.lr)
+    if cfg.warmup < 0:
+        raise ValueError("--warmup must be >= 0")
     if cfg.seq_len > model.config.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's context window {model.config.max_seq_len}")
+
+
+def check_export(out, export) -> None:
+    """--export lies apart from --out: the float16 copy replaces its folder whole, so an export equal to
+    --out would wipe the checkpoint, one inside it would make --out no adapter directory (no --resume),
+    and one containing it would swallow it."""
+    if not export:
+        return
+    o, e = Path(out).resolve(), Path(export).resolve()
+    if e == o or o in e.parents or e in o.parents:
+        raise ValueError(f"--export {export} must be a folder apart from --out {out} (not the same, inside or "
+                         "around it): the float16 copy replaces its folder whole")
 
 
 def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int | None = None,
@@ -357,6 +370,7 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
     --out is both the adapter and the checkpoint (`mtp.training.trainer`); with --export a
     float16 adapter-only copy is written at the end. on_step(step): see `Trainer.run`."""
     check_config(cfg, model)
+    check_export(cfg.out, cfg.export)
     dist, rank, world = distributed()
     out = Path(cfg.out)
     replaceable(out, is_adapter_dir)  # before any work: never overwrite what mtp did not write

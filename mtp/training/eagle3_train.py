@@ -26,9 +26,10 @@ from safetensors.torch import load_file, save_file
 
 from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
 from mtp.core.model import Transformer
-from mtp.core.proposers.eagle3 import CONFIG, FORMAT, WEIGHTS, Eagle3Config, Eagle3Drafter, drafter_files
+from mtp.core.proposers.eagle3 import (CONFIG, FORMAT, WEIGHTS, Eagle3Config, Eagle3Drafter, drafter_files,
+                                       exportable_layers)
 from mtp.training.heads_train import split_rows
-from mtp.training.trainer import CHECKPOINT, Trainer, TrainerConfig, run_dir_kinds
+from mtp.training.trainer import CHECKPOINT, Trainer, TrainerConfig, check_lr, run_dir_kinds
 
 RESUME_KEYS = ("aux_layers", "draft_vocab", "ttt_steps", "batch_size", "max_len", "seed", "lr", "warmup",
                "val_fraction")
@@ -108,6 +109,9 @@ class TrainEagle3Config:
 
     def __post_init__(self):
         self.aux_layers = tuple(self.aux_layers)
+        if len(set(self.aux_layers)) != len(self.aux_layers):
+            raise ValueError(f"--aux-layers {','.join(map(str, self.aux_layers))} names a layer twice; give "
+                             "distinct layer ids (e.g. 2,15,27 of 30 layers)")
         if not 1 <= self.ttt_steps <= 8:
             raise ValueError(f"--ttt-steps must be in 1..8, got {self.ttt_steps}")
         for name in ("steps", "batch_size", "save_every", "draft_vocab"):
@@ -115,8 +119,7 @@ class TrainEagle3Config:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_len < 4:
             raise ValueError(f"--max-len must be >= 4, got {self.max_len}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        check_lr(self.lr)
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
 
@@ -330,6 +333,9 @@ def train_eagle3(model: Transformer, feats: dict, cfg: TrainEagle3Config, out, r
                       load_fn, settings, RESUME_KEYS, is_drafter_checkpoint, describe=describe, log=log,
                       progress=progress)
     n_params = sum(p.numel() for p in params)
+    if not exportable_layers(ecfg.aux_layers, model.config.n_layers):
+        log(f"note: layers {list(ecfg.aux_layers)} serve --proposer eagle3, but `mtp export --format vllm-eagle3` "
+            f"needs three ascending layers below {model.config.n_layers}")
     log(f"eagle3: layers {list(ecfg.aux_layers)}, draft vocabulary {len(vocab)}, {n_params:,} parameters; "
         f"{len(train)} train / {len(val)} val examples; {cfg.steps} steps of {cfg.batch_size}, TTT {cfg.ttt_steps}")
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_d
 from mtp.core.model import Transformer
 from mtp.core.proposers.heads import (CONFIG, FORMAT, MAX_AHEAD, WEIGHTS, HeadsConfig, MTPHeads, bf16_readout,
                                       heads_files)
-from mtp.training.trainer import CHECKPOINT, Trainer, TrainerConfig, batch_indices, run_dir_kinds
+from mtp.training.trainer import CHECKPOINT, Trainer, TrainerConfig, batch_indices, check_lr, run_dir_kinds
 
 # settings that must match when resuming (they shape the heads, the data or the optimisation)
 RESUME_KEYS = ("depths", "blocks", "width", "batch_size", "seed", "lr", "warmup", "val_fraction", "draft_vocab")
@@ -132,8 +132,7 @@ class TrainHeadsConfig:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        check_lr(self.lr)
         if self.save_every < 1:
             raise ValueError(f"--save-every must be >= 1, got {self.save_every}")
         if not 0 <= self.val_fraction < 1:

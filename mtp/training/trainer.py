@@ -10,15 +10,15 @@ that must match to resume. The trainer owns everything else, written once:
   files, `optimizer.safetensors` and `trainer_state.json` (step, settings, history, wall time),
   every `save_every` steps, at the end, and on Ctrl-C between steps;
 - resume: refuse a checkpoint made with other settings, naming the setting; refuse to start over
-  a checkpoint without --resume; recover a checkpoint a kill left at `.NAME.old`;
+  a checkpoint without --resume; recover a checkpoint a kill left aside (`artifacts.recover_interrupted`);
+- divergence: weights with a NaN or inf after a step stop the run with one line naming the step and
+  the tensor; such weights are never saved, so the last good checkpoint stays;
 - progress: a rich bar on a terminal, else one line every `log_every` steps;
 - several processes (DDP): rank 0 writes, the others wait at a barrier.
 """
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,11 +29,23 @@ import torch
 import torch.distributed as torch_dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mtp.core.artifacts import has_format, load_safetensors, read_json, replaceable, stale_temps, write_dir_atomic
+from mtp.core.artifacts import (first_nonfinite, has_format, load_safetensors, read_json, recover_interrupted,
+                                replaceable, write_dir_atomic)
 
 OPTIMIZER = "optimizer.safetensors"
 STATE = "trainer_state.json"
 CHECKPOINT = "checkpoint"  # sub-directory of a finished run's --out that holds the resumable trainer state
+MAX_LR = 10.0  # a larger learning rate only ever diverges (and 1e38 overflows AdamW's update)
+
+
+class DivergedError(ValueError):
+    """Training produced NaN or inf weights (one line: the step, the tensor, the checkpoint kept)."""
+
+
+def check_lr(lr) -> None:
+    """--lr is a finite number in (0, MAX_LR]; every trainer checks it before any work."""
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and 0 < lr <= MAX_LR):
+        raise ValueError(f"--lr must be a finite number in (0, {MAX_LR:g}], got {lr}")
 
 
 def run_dir_kinds(fmt: str, weights: str) -> tuple[Callable[[Path], bool], Callable[[Path], bool]]:
@@ -121,6 +133,9 @@ class TrainerConfig:
     clip_norm: float | None = None  # clip the gradient's global norm (None: no clipping)
     what: str = "training run"  # named in messages ("OUT already holds a training run")
 
+    def __post_init__(self):
+        check_lr(self.lr)
+
 
 @dataclass
 class Trainer:
@@ -152,12 +167,8 @@ class Trainer:
     def start(self, resume: bool) -> int:
         """Check the checkpoint directory (and load it when resuming); return the first step."""
         ckpt = self.ckpt
-        for stale in stale_temps(ckpt):  # temp folders of saves a kill interrupted
-            shutil.rmtree(stale, ignore_errors=True)
+        recover_interrupted(ckpt)  # a save a kill interrupted: its work folders, the previous checkpoint
         if resume:
-            old = ckpt.parent / f".{ckpt.name}.old"  # killed between the atomic save's two renames
-            if not ckpt.exists() and (old / STATE).exists():
-                os.replace(old, ckpt)
             if not (ckpt / STATE).exists():
                 raise ValueError(f"--resume: no checkpoint in {ckpt}")
             state = read_json(ckpt / STATE, "trainer state")
@@ -174,12 +185,30 @@ class Trainer:
                              f"{self.config.what}: pass --resume or another --out")
         return self.state["step"]
 
+    def diverged(self, step: int, name: str) -> DivergedError:
+        saved = read_json(self.ckpt / STATE, "trainer state").get("step") if (self.ckpt / STATE).exists() else None
+        kept = f"the last good checkpoint (step {saved}) in {self.ckpt} is kept" if saved else "nothing was saved"
+        return DivergedError(f"step {step}: {name} holds NaN or inf (training diverged; try a lower --lr); {kept}")
+
+    def check_finite(self, step: int) -> None:
+        """Stop at the first step whose weights hold a NaN or inf, naming the tensor."""
+        if bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all()):
+            return
+        names = {t.data_ptr(): n for content in self.files_fn().values() if isinstance(content, dict)
+                 for n, t in content.items() if torch.is_tensor(t)}  # the saved names share the storage
+        bad = next(i for i, p in enumerate(self.params) if not bool(torch.isfinite(p).all()))
+        raise self.diverged(step, f"tensor {names.get(self.params[bad].data_ptr(), f'parameter {bad}')}")
+
     def save(self, step: int) -> None:
         dist, rank, _ = distributed()
         if rank == 0:
             self.state.update(step=step, settings=self.settings)
             files = dict(self.files_fn())
             files[OPTIMIZER] = optimizer_tensors(self.opt, self.params)
+            for fname, content in files.items():  # never replace a good checkpoint with NaN or inf
+                bad = first_nonfinite(content) if fname.endswith(".safetensors") else None
+                if bad is not None:
+                    raise self.diverged(step, f"{fname} tensor {bad}")
             files[STATE] = self.state
             write_dir_atomic(self.ckpt, files, kind=self.kind)
         if dist is not None:
@@ -208,6 +237,7 @@ class Trainer:
                 self.opt.step()
                 step += 1
                 stepping = False
+                self.check_finite(step)
                 dt = time.perf_counter() - t0
                 self.state["wall_s"] += dt
                 rec = {"step": step, "loss": round(float(loss.detach()), 5), "lr": lr, **rec,

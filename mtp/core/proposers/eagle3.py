@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp.core.artifacts import ArtifactError, base_hash, check_trained_on, load_safetensors, read_json
+from mtp.core.artifacts import ArtifactError, base_hash, check_finite, check_trained_on, load_safetensors, read_json
 from mtp.core.model import Linear, ModelConfig, RMSNorm, Transformer, rope_inv_freq, rotate_half
 from mtp.core.proposers.base import Guesses, PassView, Proposer
 from mtp.core.sampling import pick
@@ -47,10 +47,21 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"  # what vLLM's registry maps to its EAGL
 
 
 def default_aux_layers(n_layers: int) -> list[int]:
-    """Low, middle, high: vLLM's default (2, n // 2, n - 3); id k = the residual stream after k layers."""
-    if n_layers < 4:
-        return [min(1, n_layers), max(1, n_layers // 2), n_layers]
-    return [2, n_layers // 2, n_layers - 3]
+    """Low, middle, high; id k = the residual stream after k layers. vLLM's default (2, n // 2, n - 3)
+    where those are distinct, else 0, n // 2, n - 1: from 3 layers up, three distinct layers below the
+    last (what vLLM can feed). A trunk of fewer layers gets 0..n (--proposer eagle3 only)."""
+    low, mid, high = 2, n_layers // 2, n_layers - 3
+    if low < mid < high:
+        return [low, mid, high]
+    if n_layers >= 3:
+        return [0, n_layers // 2, n_layers - 1]
+    return list(range(n_layers + 1))
+
+
+def exportable_layers(aux_layers, n_layers: int) -> bool:
+    """Whether vLLM's EAGLE-3 drafter can be fed these layers: three, ascending, below the last."""
+    aux = list(aux_layers)
+    return len(aux) == 3 and all(a < b for a, b in zip(aux, aux[1:])) and aux[0] >= 0 and aux[-1] < n_layers
 
 
 @dataclass
@@ -320,6 +331,7 @@ def load_drafter(model: Transformer, path) -> Eagle3Drafter:
         raise ArtifactError(f"EAGLE-3 drafter {path} reads trunk layers {bad}; the model has {mc.n_layers}")
     drafter = Eagle3Drafter(ecfg)
     state = load_safetensors(path / WEIGHTS)
+    check_finite(state, path / WEIGHTS)
     d2t = state.get("d2t")
     if d2t is None or d2t.dtype != torch.int64 or tuple(d2t.shape) != (ecfg.draft_vocab,):
         raise ArtifactError(f"{path / WEIGHTS}: d2t must be int64 [{ecfg.draft_vocab}]")
