@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from mtp.cli import bench, data, export, generate, pipeline, serve, shadow, train, train_eagle3, train_heads
+from mtp.cli import (bench, data, datastore, export, generate, pipeline, serve, shadow, train, train_eagle3,
+                     train_heads)
 from mtp.cli.errors import USER_ERRORS, report
 
-COMMANDS = [generate, train, train_heads, train_eagle3, export, data, bench, serve, shadow, pipeline]
+COMMANDS = [generate, train, train_heads, train_eagle3, export, data, datastore, bench, serve, shadow, pipeline]
 
 
 def build_parser() -> argparse.ArgumentParser:

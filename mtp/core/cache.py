@@ -57,6 +57,16 @@ class KVCache:
         self.lengths[dst] = n
         self.lengths[src] = 0
 
+    def compact(self, row: int, start: int, src: list[int]) -> None:
+        """Move the keys and values at slots start+src[t] to start+t (a token tree's accepted path,
+        mtp.core.tree), before committing them. Sources are read before any is overwritten."""
+        if not src or src == list(range(len(src))):
+            return
+        dst = torch.arange(start, start + len(src), device=self.k.device)
+        idx = torch.tensor(src, device=self.k.device) + start
+        self.k[:, row, :, dst] = self.k[:, row, :, idx]
+        self.v[:, row, :, dst] = self.v[:, row, :, idx]
+
     def writer(self, layer: int, positions: torch.Tensor, slots: torch.Tensor | None):
         """A function (k, v) -> (keys, values) for one layer's attention.
 

@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from mtp.core import tree
 from mtp.core.cache import KVCache
 from mtp.core.metrics import DecodeStats
 from mtp.core.proposers import Guesses, MaskProposer, PassView, Proposer, max_appended
@@ -52,6 +53,7 @@ class Sequence:
     gen: torch.Generator | None = None
     k_override: int | None = None  # a scheduler's cap on K for the next pass (mtp.serving.scheduler); None = strategy.k
     proposer_state: dict = field(default_factory=dict)  # the proposer's own per-sequence state (EAGLE-3: its KV)
+    tree: list[int] | None = None  # `tree:N`: each draft's parent (-1 = root; mtp.core.tree); None = a chain
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -62,6 +64,8 @@ class Sequence:
             self.gen = torch.Generator().manual_seed(self.params.seed)
         if self.strategy.thresholded and not self.proposer.has_confidence:
             raise ValueError(f"conf_adapt needs a proposer with confidences, not {self.proposer.name!r}")
+        if self.strategy.is_tree and (self.proposer.n_appended(self.strategy.k) or self.proposer.aux_layers):
+            raise ValueError(f"tree:N drafts from heads, lookup or suffix, not from {self.proposer.name!r}")
 
     @property
     def finished(self) -> bool:
@@ -95,9 +99,10 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
     # 1. blocks: pending + drafts + masks, right-padded to a common length T
     blocks, starts, branched = [], [], []
     for s in seqs:
-        if len(s.drafts) > s.k - 1:  # a capped K checks fewer drafts (still lossless)
+        if len(s.drafts) > s.k - 1:  # a capped K checks fewer drafts (still lossless; a tree keeps its top)
             s.drafts = s.drafts[: s.k - 1]
             s.draft_probs = None if s.draft_probs is None else s.draft_probs[: s.k - 1]
+            s.tree = None if s.tree is None else s.tree[: s.k - 1]
         n_mask = s.n_appended()
         if n_mask and mask_id is None:
             raise ValueError("this strategy needs a model with the <mtp_mask> token (an adapter)")
@@ -111,8 +116,12 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         tokens[i, : len(b)] = torch.tensor(b)
     slots_pos = torch.tensor(starts).view(B, 1) + torch.arange(T).view(1, T)  # [B, T] cache slots written
     positions, attn_mask = slots_pos, None  # RoPE positions; None = the plain causal rule over slots
-    if any(branched):
+    trees = [s.tree is not None and bool(s.drafts) for s in seqs]
+    if any(branched) or any(trees):
         positions, attn_mask = _branch_layout(seqs, slots_pos, branched)
+        for i, s in enumerate(seqs):
+            if trees[i]:
+                tree.apply_layout(positions, attn_mask, i, starts[i], len(s.pending), s.tree)
     # logits needed from the last pending token on: e.g. pending=[a,b], drafts=[c], masks=[M,M]
     # -> block [a,b,c,M,M], out rows 1..4 (predictions after b, after c, and the two masks)
     first = [len(s.pending) - 1 for s in seqs]
@@ -149,34 +158,48 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         if not bool(finite[i, : D + 1].all()):  # never emit from a broken pass (lossless = identical)
             raise NonFiniteError("the model produced non-finite logits (NaN/inf) at ordinary positions: its "
                                  "weights or adapter are corrupt (try --adapter none)")
-        # 3. accept drafts against the model's own predictions
-        a, own = verify_drafts(lg[: D + 1], s.drafts, s.draft_probs, s.params, s.gen)
-        own_conf = float(torch.softmax(lg[a], -1).max())
+        # 3. accept drafts against the model's own predictions (a tree: the path of the model's own tokens)
+        if s.strategy.is_tree:
+            path, own = tree.accept(lg[: D + 1], s.drafts, s.tree or list(range(-1, D - 1)), s.params, s.gen)
+            a, row = len(path), (1 + path[-1] if path else 0)
+            accepted = [s.drafts[j] for j in path]
+        else:
+            a, own = verify_drafts(lg[: D + 1], s.drafts, s.draft_probs, s.params, s.gen)
+            row, path, accepted = a, None, s.drafts[:a]
+        own_conf = float(torch.softmax(lg[row], -1).max())
         # 4. guesses for what follows `own`: the mask group that followed the accepted prefix
-        context = s.prompt_ids + s.output + s.drafts[:a] + [own]
+        context = s.prompt_ids + s.output + accepted + [own]
         g = s.proposer.n_appended(s.k)  # masks per group; groups: after all D drafts, then after 0, 1, ...
         has_group = a == D or a < s.groups() - 1
         first_mask = D + 1 + (0 if a == D else g * (1 + a))
         n_commit = len(s.pending) + a  # block positions 0..n_commit-1 become the row's prefix
         view = PassView(context=context, mask_logits=lg[first_mask: first_mask + g],
-                        hidden=hidden[i, a] if hidden is not None else None, masks_valid=has_group,
+                        hidden=hidden[i, row] if hidden is not None else None, masks_valid=has_group,
                         aux=aux[i, :n_commit] if aux is not None and s.proposer.aux_layers else None,
                         start=starts[i], state=s.proposer_state)
         # (a proposer with its own state, EAGLE-3, sees every pass: it must follow the committed prefix)
-        guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 or s.proposer.aux_layers \
-            else Guesses.none()
+        if s.strategy.is_tree:
+            guesses = s.proposer.propose_tree(view, s.k - 1) if s.k > 1 else Guesses.none()
+        else:
+            guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 or s.proposer.aux_layers \
+                else Guesses.none()
         guesses = finite_prefix(guesses)
         # 5. emit by strategy
         preds, confs = [own] + guesses.tokens, [own_conf] + guesses.confidences
         n = s.strategy.emit_count(confs)
         new = preds[:n]
-        emitted = s.drafts[:a] + new
+        emitted = accepted + new
         confs_emitted = [1.0] * a + confs[:n]
         # 6. commit: pending tokens and accepted drafts now hold valid KV; the rest is dropped
+        if path:  # a tree's accepted path moves into contiguous slots first
+            if not hasattr(cache, "compact"):
+                raise ValueError("tree:N needs a KV cache that can compact its accepted path (not a pipeline stage)")
+            cache.compact(s.slot, starts[i] + len(s.pending), path)
         cache.commit(s.slot, len(s.pending) + a)
         s.pending = new
         if s.strategy.verifies:
             s.drafts, s.draft_probs = guesses.tokens, guesses.probs
+            s.tree = guesses.parents if s.strategy.is_tree else None
         else:
             s.drafts, s.draft_probs = [], None
         emitted, produced = _append_output(s, emitted)
@@ -198,7 +221,8 @@ def finite_prefix(g: Guesses) -> Guesses:
         n += 1
     if n == len(g.tokens):
         return g
-    return Guesses(g.tokens[:n], g.confidences[:n], None if g.probs is None else g.probs[:n])
+    return Guesses(g.tokens[:n], g.confidences[:n], None if g.probs is None else g.probs[:n],
+                   None if g.parents is None else g.parents[:n])  # parents precede children: still a tree
 
 
 def _aux_layers(seqs: list[Sequence]) -> tuple[int, ...]:

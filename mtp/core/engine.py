@@ -18,7 +18,7 @@ from mtp.core.adapter import load_adapter
 from mtp.core.decode import Sequence, stream
 from mtp.core.metrics import DecodeStats
 from mtp.core.model import pack_weights
-from mtp.core.proposers import REGISTRY, Proposer, check_proposer
+from mtp.core.proposers import MergedProposer, Proposer, check_proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 
@@ -33,6 +33,7 @@ class EngineConfig:
     proposer: str = "mask"  # a name of mtp.core.proposers.REGISTRY
     heads: str | None = "auto"
     eagle3: str | None = "auto"  # EAGLE-3 drafter directory (for --proposer eagle3)
+    datastore: str | None = "auto"  # suffix datastore directory (for --proposer suffix; `mtp datastore build`)
     threads: int = 0
     device: str = "cpu"
     pack: bool = True  # oneDNN-packed weights for CPU float32 inference (model.pack_weights)
@@ -73,8 +74,9 @@ class Engine:
         if adapter is not None:
             load_adapter(engine.model, adapter, n_tokenizer=len(engine.tokenizer))
             engine.adapter_dir = adapter
-        if spec.asset is not None:
-            engine._load_asset_proposer(config.proposer)
+        for part in spec.parts or (config.proposer,):
+            if check_proposer(part).asset is not None:
+                engine._load_asset_proposer(part)
         if config.pack:
             pack_weights(engine.model)  # after every weight is final
         return engine
@@ -119,6 +121,8 @@ class Engine:
         eagle3) is loaded on first use and then shared by every sequence of the engine."""
         name = name or self.config.proposer
         spec = check_proposer(name)
+        if spec.parts:
+            return MergedProposer([self.proposer(p) for p in spec.parts])
         if spec.asset is None:
             return spec.make()
         if name not in self._loaded_proposers:
@@ -127,7 +131,7 @@ class Engine:
 
     def can_propose(self, name: str | None = None) -> bool:
         """Whether proposer `name` (default the engine's) can run: the mask proposers need an adapter."""
-        return not REGISTRY[name or self.config.proposer].needs_mask_token or self.mask_id is not None
+        return not check_proposer(name or self.config.proposer).needs_mask_token or self.mask_id is not None
 
     def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
         """Text (or chat messages) -> token ids, with the model's chat template when asked."""

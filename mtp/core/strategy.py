@@ -4,16 +4,35 @@ benchmarks reject bad strings alike), how many guesses a pass emits, whether gue
 and how many tokens a pass feeds in steady state (what the cost model and the server price)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-KINDS = ("ntp", "static", "conf_adapt", "verify")
-USAGE = "expected one of: ntp, static:K, conf_adapt:TAU[:KMAX], verify:K"
+KINDS = ("ntp", "static", "conf_adapt", "verify", "tree")
+USAGE = "expected one of: ntp, static:K, conf_adapt:TAU[:KMAX], verify:K, tree:N"
 K_LIMIT = 32  # the largest K any front end accepts (sizes KV-cache slack; checked before a model loads)
 SWEEP_LIMIT = 256  # strategies one sweep may expand to
 
 
 class StrategyError(ValueError):
     pass
+
+
+_INT = re.compile(r"-?[0-9]+")
+_FLOAT = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
+
+
+def ascii_int(text: str) -> int:
+    """An integer written in ASCII digits (int() alone also takes `４`, `1_0` and spaces)."""
+    if not _INT.fullmatch(text):
+        raise ValueError(f"not an ASCII integer: {text!r}")
+    return int(text)
+
+
+def ascii_float(text: str) -> float:
+    """A decimal number written in ASCII (float() alone also takes `０.９`, `1_0`, `nan`)."""
+    if not _FLOAT.fullmatch(text):
+        raise ValueError(f"not an ASCII number: {text!r}")
+    return float(text)
 
 
 @dataclass(frozen=True)
@@ -24,7 +43,12 @@ class Strategy:
 
     @property
     def lossless(self) -> bool:
-        return self.kind in ("ntp", "verify")
+        return self.kind in ("ntp", "verify", "tree")
+
+    @property
+    def is_tree(self) -> bool:
+        """Drafts form a token tree of at most k-1 nodes (`tree:N` has k = N + 1; mtp.core.tree)."""
+        return self.kind == "tree"
 
     @property
     def plain(self) -> bool:
@@ -34,7 +58,7 @@ class Strategy:
     @property
     def verifies(self) -> bool:
         """Guesses become drafts that the next pass checks (instead of being emitted unverified)."""
-        return self.kind == "verify"
+        return self.kind in ("verify", "tree")
 
     @property
     def thresholded(self) -> bool:
@@ -80,27 +104,36 @@ class Strategy:
             return "ntp"
         if self.kind == "conf_adapt":
             return f"conf_adapt:{self.tau:g}" + ("" if self.k == 16 else f":{self.k}")
+        if self.kind == "tree":
+            return f"tree:{self.k - 1}"
         return f"{self.kind}:{self.k}"
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
+        """One of USAGE's forms, its numbers in ASCII digits and in range (K, KMAX in 1..K_LIMIT, TAU
+        in (0, 1]); anything else is a StrategyError saying what is wrong."""
         parts = str(text).strip().split(":")
         kind, args = parts[0], parts[1:]
         try:
             if kind == "ntp" and not args:
                 return cls("ntp", 1)
             if kind in ("static", "verify") and len(args) == 1:
-                k = int(args[0])
+                k = ascii_int(args[0])
                 if k < 1:
                     raise StrategyError(f"K must be >= 1 in {text!r}")
                 if k > K_LIMIT:
                     raise StrategyError(f"K is at most {K_LIMIT} in {text!r}")
                 return cls(kind, k)
+            if kind == "tree" and len(args) == 1:
+                n = ascii_int(args[0])
+                if not 1 <= n <= K_LIMIT - 1:
+                    raise StrategyError(f"N (draft nodes) must be in 1..{K_LIMIT - 1} in {text!r}")
+                return cls("tree", n + 1)
             if kind == "conf_adapt" and len(args) in (1, 2):
-                tau = float(args[0])
-                if not 0 < tau <= 1:  # NaN fails this too
+                tau = ascii_float(args[0])
+                if not 0 < tau <= 1:
                     raise StrategyError(f"tau must be in (0, 1] in {text!r}")
-                k = int(args[1]) if len(args) == 2 else 16
+                k = ascii_int(args[1]) if len(args) == 2 else 16
                 if k < 1:
                     raise StrategyError(f"KMAX must be >= 1 in {text!r}")
                 if k > K_LIMIT:
@@ -121,7 +154,7 @@ def expand_sweep(text: str) -> list[Strategy]:
         if ".." in rest and kind in ("static", "verify"):
             lo, hi = rest.split("..", 1)
             try:
-                lo, hi = int(lo), int(hi)
+                lo, hi = ascii_int(lo), ascii_int(hi)
             except ValueError:
                 raise StrategyError(f"malformed range {chunk!r}; expected e.g. {kind}:1..8") from None
             if not 1 <= lo <= hi <= K_LIMIT:
@@ -138,7 +171,7 @@ def split_list(text: str) -> list[str]:
     """Split on commas, letting a bare number continue the previous strategy's kind."""
     items: list[str] = []
     for piece in [p.strip() for p in text.split(",") if p.strip()]:
-        if items and piece[0].isdigit():
+        if items and piece[0] in "0123456789":
             kind = items[-1].split(":")[0]
             items.append(f"{kind}:{piece}")
         else:

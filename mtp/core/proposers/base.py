@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mtp.core.sampling import SamplingParams
+
+GREEDY = SamplingParams()
 MAX_MASK_GROUPS = 8  # mask groups a branched `verify` pass carries at most (see MaskProposer)
 
 
@@ -29,6 +32,7 @@ class Guesses:
     tokens: list[int]
     confidences: list[float]  # top-1 probability of each guess's own distribution
     probs: torch.Tensor | None = None  # [n, V] distributions sampled from (None = greedy/deterministic)
+    parents: list[int] | None = None  # a token tree (mtp.core.tree): each guess's parent, -1 = root; None = chain
 
     @classmethod
     def none(cls) -> "Guesses":
@@ -61,6 +65,13 @@ class Proposer:
     def propose(self, view: PassView, k: int, params, gen) -> Guesses:
         raise NotImplementedError
 
+    def propose_tree(self, view: PassView, n: int) -> Guesses:
+        """At most n draft nodes as a tree (Guesses.parents), chosen without randomness (`tree:N`
+        stays exact under sampling only when drafts do not depend on the random state). The default
+        is the proposer's greedy chain."""
+        g = self.propose(view, n + 1, GREEDY, None)
+        return Guesses(g.tokens, g.confidences, None, list(range(-1, len(g.tokens) - 1)))
+
 
 class TimedProposer(Proposer):
     """A row's proposer with its `propose` calls timed into a shared clock (proposer name -> seconds)
@@ -74,6 +85,14 @@ class TimedProposer(Proposer):
 
     def n_appended(self, k: int, drafts: int = 0) -> int:
         return self.inner.n_appended(k, drafts)
+
+    def propose_tree(self, view, n):
+        t0 = time.perf_counter()
+        out = self.inner.propose_tree(view, n)
+        self.clock[self.name] = self.clock.get(self.name, 0.0) + time.perf_counter() - t0
+        if self.guesses is not None:
+            self.guesses[self.name] = self.guesses.get(self.name, 0) + len(out.tokens)
+        return out
 
     def propose(self, view, k, params, gen):
         t0 = time.perf_counter()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp.core.artifacts import base_hash, check_trained_on, load_safetensors, read_json
+from mtp.core.artifacts import base_hash, check_finite, check_trained_on, load_safetensors, read_json
 from mtp.core.model import Block, Linear, ModelConfig, RMSNorm, Transformer
 from mtp.core.proposers.base import Guesses, PassView, Proposer
 from mtp.core.sampling import pick
@@ -220,6 +220,50 @@ class HeadsProposer(Proposer):
         return Guesses(tokens, confs, torch.cat(dists) if dists else None)
 
 
+    def propose_tree(self, view: PassView, n: int, top_k: int = 4) -> Guesses:
+        """At most n nodes, depth by depth (EAGLE-2's idea): every frontier node's head gives its top_k
+        next tokens; the candidates with the highest cumulative probability (product of the heads'
+        probabilities along the path) are kept, ceil(n / depths) per depth, until n nodes are placed.
+        Deterministic (top-k, never sampled), so `tree:N` stays exact under sampling too."""
+        if n <= 0 or view.hidden is None:
+            return Guesses.none()
+        t0 = time.perf_counter()
+        dev = self.model.device
+        mid = self.model.config.mask_token_id
+        width = -(-n // self.depths)
+        # frontier: (node index or -1, head state [dim], its token, cumulative log-probability)
+        frontier = [(-1, view.hidden.to(dev, self.model.embed_tokens.weight.dtype), view.context[-1], 0.0)]
+        tokens: list[int] = []
+        parents: list[int] = []
+        confs: list[float] = []
+        with torch.inference_mode():
+            for head in self.heads.depths:
+                room = min(width, n - len(tokens))
+                if room <= 0 or not frontier:
+                    break
+                h = head(torch.stack([f[1] for f in frontier]),  # [F, dim]
+                         self.model.embed_tokens(torch.tensor([f[2] for f in frontier], device=dev)))
+                logits = self.readout(h).cpu()  # [F, V] or [F, Vd]
+                if self.vocab is None and mid is not None and mid < logits.shape[-1]:
+                    logits[:, mid] = float("-inf")
+                logp = torch.log_softmax(logits.float(), -1)
+                val, idx = logp.topk(min(top_k, logp.shape[-1]), -1)  # [F, top_k]
+                cum = torch.tensor([f[3] for f in frontier]).view(-1, 1) + val
+                order = cum.flatten().argsort(descending=True)[:room].tolist()
+                nxt = []
+                for o in order:
+                    f, r = divmod(o, val.shape[1])
+                    tok = int(idx[f, r]) if self.vocab is None else int(self.vocab[idx[f, r]])
+                    nxt.append((len(tokens), h[f], tok, float(cum[f, r])))
+                    tokens.append(tok)
+                    parents.append(frontier[f][0])
+                    confs.append(float(val[f, r].exp()))
+                frontier = nxt
+        self.draft_s += time.perf_counter() - t0
+        self.draft_calls += 1
+        return Guesses(tokens, confs, None, parents)
+
+
 def heads_files(heads: MTPHeads, model: Transformer, meta: dict | None = None) -> dict:
     tensors = dict(heads.state_dict())
     if heads.draft_vocab is not None:
@@ -250,6 +294,7 @@ def load_heads(model: Transformer, path) -> MTPHeads:
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path / CONFIG}: bad heads sizes ({str(e).splitlines()[0]})") from None
     state = load_safetensors(path / WEIGHTS)
+    check_finite(state, path / WEIGHTS)
     vocab = state.pop("draft_vocab", None)
     if vocab is not None:
         if vocab.dtype != torch.int64 or vocab.dim() != 1 or not len(vocab) \

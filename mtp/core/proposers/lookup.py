@@ -1,6 +1,7 @@
 """Prompt lookup: copy what followed the latest earlier occurrence of the context's last n-gram."""
 from __future__ import annotations
 
+from mtp.core import tree
 from mtp.core.proposers.base import Guesses, PassView, Proposer
 
 
@@ -25,3 +26,20 @@ class PromptLookupProposer(Proposer):
                     if cont:
                         return Guesses(cont, [1.0] * len(cont), None)
         return Guesses.none()
+
+    def propose_tree(self, view: PassView, n: int) -> Guesses:
+        """Every earlier occurrence's continuation, merged into one tree: longer n-grams first, then
+        the latest occurrence first; continuations are up to n tokens long."""
+        ctx = view.context
+        cands: list[list[int]] = []
+        for m in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(ctx) <= m:
+                continue
+            tail = ctx[-m:]
+            for start in range(len(ctx) - m - 1, -1, -1):
+                if ctx[start:start + m] == tail:
+                    cont = ctx[start + m:start + m + n]
+                    if cont:
+                        cands.append(cont)
+        tokens, parents = tree.build(cands, n)
+        return Guesses(tokens, [1.0] * len(tokens), None, parents)

@@ -1,0 +1,39 @@
+"""`mtp datastore build`: the suffix proposer's datastore from an `mtp data` folder (mtp.core.proposers.suffix)."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from mtp.core import loading
+from mtp.core.proposers.suffix import build_datastore
+from mtp.training import shards
+from mtp.training.data import load_examples
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("datastore", help="build the suffix proposer's datastore from the model's own answers",
+                       description="Indexes the answers of an `mtp data` folder (or one of its shards, or a JSONL "
+                                   "of token ids) for `--proposer suffix --datastore DIR`.")
+    p.add_argument("action", choices=["build"])
+    p.add_argument("--data", required=True, help="an `mtp data` folder, one of its shards, or a JSONL of token ids")
+    p.add_argument("--out", required=True, help="the datastore directory to write (replaced atomically)")
+    p.add_argument("--model", default=loading.DEFAULT_MODEL, help="the model the answers come from (its hash is recorded)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    if out.exists() and not (out / "config.json").exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not a datastore; choose a new folder")
+    t0 = time.perf_counter()
+    examples = load_examples(args.data)
+    data = Path(args.data)
+    meta = {"source": data.name}
+    if data.is_dir():
+        meta["shards"] = [e["file"] for e in shards.shard_entries(shards.read_manifest(data), "train")]
+    model = loading.load(args.model).model
+    store = build_datastore([ex.response_ids for ex in examples], model, meta, out)
+    print(f"datastore: {len(examples):,} answers, {len(store):,} tokens -> {out} "
+          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return 0

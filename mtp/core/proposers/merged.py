@@ -1,0 +1,64 @@
+"""Merged proposers (`--proposer heads+suffix+lookup`): several sources' trees as one tree.
+
+Each part drafts its own tree for the row (heads: top candidates per depth; suffix: the most frequent
+continuations; lookup: every earlier occurrence). A node of the merged tree is a token path from the
+root; its score is the best over the parts that proposed it of weight[part] x that part's confidence in
+the node (heads: cumulative probability; suffix: the share of matches through it; lookup: 1), and an
+ancestor scores at least as high as any descendant. The N best nodes are kept, parents first, shared
+prefixes once. Per row and per pass: a prompt that repeats itself gets lookup branches, an answer the
+heads predict well gets head branches. The weights are fixed priors (`WEIGHTS`), not yet calibrated on
+held-out acceptance.
+"""
+from __future__ import annotations
+
+from mtp.core.proposers.base import Guesses, PassView, Proposer
+
+WEIGHTS = {"heads": 1.0, "suffix": 0.8, "lookup": 0.5}  # prior trust in each part's confidences
+
+
+class MergedProposer(Proposer):
+    has_confidence = True
+
+    def __init__(self, parts: list[Proposer]):
+        if len(parts) < 2:
+            raise ValueError("a merged proposer needs at least two parts")
+        for p in parts:
+            if p.n_appended(4) or p.aux_layers:
+                raise ValueError(f"proposer {p.name!r} cannot be merged (it appends masks or keeps its own state)")
+        self.parts = parts
+        self.name = "+".join(p.name for p in parts)
+        self.needs_hidden = any(p.needs_hidden for p in parts)
+
+    def propose_tree(self, view: PassView, n: int) -> Guesses:
+        score: dict[tuple, float] = {}
+        for part in self.parts:
+            g = part.propose_tree(view, n)
+            w = WEIGHTS.get(part.name, 0.5)
+            paths: list[tuple] = []
+            for j, (t, p) in enumerate(zip(g.tokens, g.parents or list(range(-1, len(g.tokens) - 1)))):
+                paths.append((paths[p] if p >= 0 else ()) + (t,))
+                conf = g.confidences[j] if j < len(g.confidences) else 1.0
+                score[paths[-1]] = max(score.get(paths[-1], 0.0), w * float(conf))
+        for path in sorted(score, key=len, reverse=True):  # an ancestor is worth at least its best descendant
+            if len(path) > 1:
+                score[path[:-1]] = max(score[path[:-1]], score[path])
+        chosen = sorted(sorted(score, key=lambda q: (-score[q], len(q)))[:n], key=len)
+        index: dict[tuple, int] = {}
+        tokens, parents, confs = [], [], []
+        for path in chosen:
+            if len(path) > 1 and path[:-1] not in index:
+                continue
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]] if len(path) > 1 else -1)
+            confs.append(score[path])
+        return Guesses(tokens, confs, None, parents)
+
+    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
+        """A chain: the best-scoring root path of the merged tree."""
+        g = self.propose_tree(view, 4 * (k - 1))
+        chain: list[int] = []
+        for j in range(len(g.tokens)):
+            if g.parents[j] == (chain[-1] if chain else -1) and len(chain) < k - 1:
+                chain.append(j)
+        return Guesses([g.tokens[j] for j in chain], [g.confidences[j] for j in chain], None)

@@ -1,0 +1,109 @@
+"""Token trees: drafts that branch, verified in one forward pass (strategy `tree:N`).
+
+A tree of N draft nodes is two lists: `tokens[j]` and `parents[j]` (-1: a child of the root, the
+position whose prediction is the pass's own next token; otherwise an earlier node, so parents[j] < j).
+A chain of drafts is the tree parents = [-1, 0, 1, ...].
+
+Layout (one row of a pass; c = the row's cache length, P = its pending tokens): node j is fed at block
+index P + j and written to cache slot c + P + j; its RoPE position is c + P - 1 + depth(j) (depth 1 for
+a child of the root), and it attends to the committed prefix, the pending tokens, and its own
+ancestors and itself only. E.g. P = 1, tokens [a, b, x], parents [-1, 0, -1] (a->b, and a sibling x):
+
+    block   p     a     b     x
+    slot    c     c+1   c+2   c+3
+    RoPE    c     c+1   c+2   c+1
+    sees    ..c   ..c,a ..c,a,b ..c,x
+
+Acceptance (`accept`): walk from the root; at each node take the model's own token for the position
+(greedy: argmax; sampling: one sample of the model's distribution, drawn exactly as plain decoding
+draws it) and descend into the child holding that token, if there is one. Every emitted token is the
+model's own choice, so the output equals plain decoding's, token for token (greedy) and draw for draw
+(sampling with a seed: one sample per emitted token, in order). Drafts must not depend on the random
+state (tree proposers pick top-k deterministically), so the tree only decides how many of the model's
+own tokens one pass can confirm.
+
+Commit: the accepted path's keys and values sit at slots c+P+path[t]; `compact` moves them to the
+contiguous slots c+P+t (parents precede children, so path[t] >= t and no source is overwritten
+before it is read); everything else beyond the committed length is dropped as usual.
+"""
+from __future__ import annotations
+
+import torch
+
+from mtp.core.sampling import SamplingParams, pick
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of every node (a child of the root has depth 1)."""
+    out: list[int] = []
+    for j, p in enumerate(parents):
+        if not -1 <= p < j:
+            raise ValueError(f"tree node {j} has parent {p}: parents must precede their children")
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def ancestors(parents: list[int], j: int) -> list[int]:
+    """Node j and its ancestors, root-most first."""
+    line = []
+    while j >= 0:
+        line.append(j)
+        j = parents[j]
+    return line[::-1]
+
+
+def apply_layout(positions: torch.Tensor, attn: torch.Tensor, row: int, c: int, P: int, parents: list[int]) -> None:
+    """Write one row's tree layout into positions [B, T] and attn [B, T, S] (bool, True = attend)."""
+    S = attn.shape[-1]
+    slot = torch.arange(S)
+    prefix = slot <= c + P - 1
+    for j, d in enumerate(depths(parents)):
+        r = P + j
+        positions[row, r] = c + P - 1 + d
+        seen = torch.zeros(S, dtype=torch.bool)
+        seen[[c + P + a for a in ancestors(parents, j)]] = True
+        attn[row, r] = prefix | seen
+
+
+def own_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """The model's own next token from one row of logits [V], drawn as plain decoding draws it."""
+    return int(pick(logits.view(1, -1), params, gen)[0][0])
+
+
+def accept(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
+           gen: torch.Generator | None) -> tuple[list[int], int]:
+    """(the accepted path of node indices, root-most first; the model's own token after it).
+
+    logits: [1 + N, V]: row 0 predicts after the last pending token, row 1 + j after node j."""
+    children: dict[int, dict[int, int]] = {}
+    for j, (t, p) in enumerate(zip(tokens, parents)):
+        children.setdefault(p, {}).setdefault(t, j)  # a repeated sibling token: the first one counts
+    path: list[int] = []
+    node, row = -1, 0
+    while True:
+        own = own_token(logits[row], params, gen)
+        nxt = children.get(node, {}).get(own)
+        if nxt is None:
+            return path, own
+        path.append(nxt)
+        node, row = nxt, 1 + nxt
+
+
+def build(candidates: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
+    """Merge token sequences into one tree (shared prefixes once), at most `budget` nodes, the
+    earlier candidates first (callers order them by how much they trust them): (tokens, parents)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for cand in candidates:
+        node = -1
+        for t in cand:
+            key = (node, t)
+            if key not in index:
+                if len(tokens) >= budget:
+                    break
+                index[key] = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+            node = index[key]
+    return tokens, parents
