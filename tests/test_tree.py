@@ -201,3 +201,19 @@ def test_sampling_distribution_is_exact_where_a_naive_sibling_rule_is_not():
     ours, naive = tv(first_tokens(tree.accept)), tv(first_tokens(naive_accept))
     # 4,000 draws: the sampling noise in total variation is ~0.02; the naive rule is off by ~0.3
     assert ours < 0.03 and naive > 0.15, (ours, naive)
+
+
+def test_a_pipeline_model_refuses_trees_instead_of_moving_one_stage_only():
+    model = tiny_model(0)
+
+    class Stage0:  # what mtp.pipeline.stages.PipelineModel looks like to the loop: its own partial cache
+        config, device = model.config, model.device
+        new_cache = staticmethod(lambda rows, cap: KVCache.for_model(model, rows, cap))
+
+        def __call__(self, *a, **k):
+            return model(*a, **k)
+
+    seq = Sequence(list(PROMPT), Strategy.parse("tree:4"), params(8), PromptLookupProposer())
+    cache = KVCache.for_model(model, 1, 64)
+    with pytest.raises(ValueError, match="tree:N does not run in mtp pipeline"):
+        decode_step(Stage0(), cache, [seq], None)
