@@ -217,3 +217,22 @@ def test_a_pipeline_model_refuses_trees_instead_of_moving_one_stage_only():
     cache = KVCache.for_model(model, 1, 64)
     with pytest.raises(ValueError, match="tree:N does not run in mtp pipeline"):
         decode_step(Stage0(), cache, [seq], None)
+
+
+@pytest.mark.parametrize("argv", [["generate", "x", "--strategy", "tree:8"],
+                                  ["generate", "x", "--strategy", "tree:8", "--proposer", "eagle3"],
+                                  ["bench", "--data", "prompts:P", "--strategies", "tree:8", "--out", "O"],
+                                  ["bench", "--data", "prompts:P", "--strategies", "tree:8@mask", "--out", "O"],
+                                  ["pipeline", "x", "--strategy", "tree:4", "--proposer", "heads"]])
+def test_tree_with_a_proposer_that_cannot_draft_trees_is_refused_before_loading(argv, tmp_path, capsys, monkeypatch):
+    from mtp.cli import main
+    from mtp.core import engine, loading
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    argv = [a.replace("P", str(prompts)).replace("O", str(tmp_path / "o")) if a in ("prompts:P", "O") else a
+            for a in argv]
+    monkeypatch.setattr(engine.Engine, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("tree:N drafts from heads" in err or "does not run in mtp pipeline" in err), err

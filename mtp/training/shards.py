@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -70,14 +71,20 @@ def shard_entries(manifest: dict, log: str) -> list[dict]:
     return [s for s in manifest.get("shards", []) if isinstance(s, dict) and s.get("log") == log]
 
 
+ID_LISTS = ("prompt_ids", "response_ids")
+
+
 def parse_line(line: bytes | str, key: str = "id") -> dict | None:
-    """A record (a JSON object with `key` and int lists `prompt_ids`, `response_ids`), or None."""
+    """A record (a JSON object with `key` and int lists `prompt_ids`, `response_ids`), or None. A key
+    other than those lists must be a string or an integer (records are looked up by it)."""
     try:
         rec = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     ok = isinstance(rec, dict) and key in rec and all(
-        isinstance(rec.get(f), list) and all(type(t) is int for t in rec[f]) for f in ("prompt_ids", "response_ids"))
+        isinstance(rec.get(f), list) and all(type(t) is int for t in rec[f]) for f in ID_LISTS)
+    if ok and key not in ID_LISTS:
+        ok = type(rec[key]) in (str, int)  # e.g. {"id": [1]} is unhashable: a corrupt line, not a crash
     return rec if ok else None
 
 
@@ -129,6 +136,17 @@ def read(folder, log: str = "train", key: str = "id", repair: bool = True) -> tu
     return done, bad
 
 
+def _next_name(manifest: dict, log: str) -> str:
+    """The next shard name of `log`: after the highest number the manifest names, never one it names
+    (so a sealed shard is never overwritten, whatever entries were removed or reordered)."""
+    named = {str(e.get("file")) for e in manifest.get("shards", []) if isinstance(e, dict)}
+    numbers = [int(m.group(1)) for f in named if (m := re.fullmatch(rf"{re.escape(log)}-(\d+)\.jsonl\.gz", f))]
+    n = max(numbers, default=0) + 1
+    while f"{log}-{n:05d}.jsonl.gz" in named:
+        n += 1
+    return f"{log}-{n:05d}.jsonl.gz"
+
+
 def _gzip_lines(recs: list[dict]) -> bytes:
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, compresslevel=9) as z:  # same bytes for same lines
@@ -153,7 +171,7 @@ def seal(folder, key: str = "id") -> list[dict]:
                 seen.add(r[key])
                 new.append(r)
         if new:
-            name = f"{log}-{len(entries) + 1:05d}.jsonl.gz"
+            name = _next_name(manifest, log)
             data = _gzip_lines(new)
             tmp = folder / f".{name}.tmp-{os.getpid()}"
             with open(tmp, "wb") as f:

@@ -257,7 +257,7 @@ class HeadsProposer(Proposer):
                     nxt.append((len(tokens), h[f], tok, float(cum[f, r])))
                     tokens.append(tok)
                     parents.append(frontier[f][0])
-                    confs.append(float(val[f, r].exp()))
+                    confs.append(float(cum[f, r].exp()))  # the path's probability (what a merge compares)
                 frontier = nxt
         self.draft_s += time.perf_counter() - t0
         self.draft_calls += 1

@@ -14,13 +14,12 @@ load (a sort, ~1 s for 4 M tokens). A datastore of another model is refused.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mtp.core.artifacts import base_hash, load_safetensors, read_json, write_dir_atomic
+from mtp.core.artifacts import base_hash, has_format, load_safetensors, read_json, write_dir_atomic
 from mtp.core.proposers.base import Guesses, PassView, Proposer
 
 FORMAT = "mtp-datastore"
@@ -29,6 +28,7 @@ MAX_NGRAM = 4
 MAX_MATCHES = 16
 SEP = -1  # between answers: no n-gram or continuation crosses it
 _MUL = np.uint64(0x9E3779B97F4A7C15)
+is_datastore = has_format(FORMAT, {WEIGHTS, CONFIG})  # a folder `save` may replace (nothing else in it)
 
 
 def _hashes(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -99,7 +99,7 @@ class Datastore:
         if model is not None:
             cfg.update(base_hash=base_hash(model), vocab_size=model.config.vocab_size)
         write_dir_atomic(Path(path), {WEIGHTS: {"tokens": torch.from_numpy(self.tokens.astype(np.int32))},
-                                      CONFIG: cfg})
+                                      CONFIG: cfg}, kind=is_datastore)  # an earlier datastore is rebuilt
 
     @classmethod
     def load(cls, path, model=None) -> "Datastore":
@@ -115,12 +115,15 @@ class Datastore:
         tokens = load_safetensors(path / WEIGHTS).get("tokens")
         if tokens is None or tokens.dim() != 1:
             raise ValueError(f"{path / WEIGHTS}: no 1-D 'tokens' tensor")
+        if tokens.dtype not in (torch.int32, torch.int64):  # bf16 has no numpy form; floats are no ids
+            raise ValueError(f"{path / WEIGHTS}: 'tokens' must hold int32 token ids, not {tokens.dtype}")
         tokens = tokens.numpy().astype(np.int64)
-        vocab = model.config.vocab_size if model is not None else cfg.get("vocab_size")
-        if vocab is not None and len(tokens) and (tokens.max() >= vocab or tokens[tokens != SEP].min() < 0):
-            raise ValueError(f"{path}: token ids outside the model's vocabulary (another tokenizer?)")
-        if not (tokens != SEP).any():
+        ids = tokens[tokens != SEP]
+        if not len(ids):
             raise ValueError(f"{path}: the datastore is empty")
+        vocab = model.config.vocab_size if model is not None else cfg.get("vocab_size")
+        if isinstance(vocab, int) and (ids.max() >= vocab or ids.min() < 0):
+            raise ValueError(f"{path}: token ids outside the model's vocabulary (another tokenizer?)")
         return cls(tokens, cfg)
 
 
@@ -185,11 +188,14 @@ class SuffixProposer(Proposer):
         return (from_ctx + cands) if n_ctx >= n_store else (cands + from_ctx)
 
     def propose(self, view: PassView, k: int, params, gen) -> Guesses:
-        t, p, c = frequent_tree(self._candidates(view.context, k - 1), k - 1)
-        chain = []
-        for j in range(len(t)):  # the most frequent root path
-            if p[j] == (chain[-1] if chain else -1):
-                chain.append(j)
+        cands = self._candidates(view.context, k - 1)
+        t, p, c = frequent_tree(cands, len(cands) * (k - 1))  # the whole trie
+        chain: list[int] = []
+        while len(chain) < k - 1:  # the most frequent root path: at each depth the most travelled child
+            kids = [j for j in range(len(t)) if p[j] == (chain[-1] if chain else -1)]
+            if not kids:
+                break
+            chain.append(max(kids, key=lambda j: (c[j], -j)))
         return Guesses([t[j] for j in chain], [c[j] for j in chain], None)
 
     def propose_tree(self, view: PassView, n: int) -> Guesses:
@@ -201,6 +207,12 @@ def build_datastore(answers: list[list[int]], model=None, meta: dict | None = No
     store = Datastore.from_answers(answers, meta)
     if len(store) == 0:
         raise ValueError("no answers to build a datastore from")
+    if model is not None:  # another tokenizer's answers would make a datastore no load accepts
+        vocab = model.config.vocab_size
+        bad = next((t for a in answers for t in a if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} of the answers is outside the model's vocabulary (0..{vocab - 1}): "
+                             "answers of another tokenizer?")
     if out is not None:
         store.save(out, model, meta)
     return store
@@ -211,5 +223,5 @@ def load_suffix_proposer(model, path) -> SuffixProposer:
 
 
 def describe(path) -> str:
-    cfg = json.loads((Path(path) / CONFIG).read_text())
+    cfg = read_json(Path(path) / CONFIG, "datastore config")
     return f"{cfg.get('tokens', 0):,} tokens from {', '.join(cfg.get('shards', [])) or 'answers'}"
