@@ -353,3 +353,15 @@ def test_pipeline_entry_point_outside_torchrun(capsys, monkeypatch):
     assert stage_main(["hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "run under torchrun" in err
+
+
+def test_serve_reads_its_cost_model_and_demo_checks_threads_before_loading(tmp_path, capsys, monkeypatch):
+    from mtp.cli import demo, main
+    from mtp.core import engine
+    monkeypatch.setattr(engine.Engine, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    bad = tmp_path / "cost.json"
+    bad.write_text("{not json")
+    assert main(["serve", "--cost-model", str(bad)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    with pytest.raises((ValueError, SystemExit)):
+        demo.main(["--threads", "100000"])

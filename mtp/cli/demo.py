@@ -9,6 +9,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from mtp.core.options import check_threads
 from mtp.core.engine import Engine, EngineConfig
 from mtp.core.metrics import merge
 from mtp.core.sampling import SamplingParams
@@ -29,6 +30,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     console = Console(width=min(Console().width, 80))
     console.print(f"loading {args.model} (the first start converts the packaged model once, ~10 s) ...")
+    check_threads(args.threads)
     engines = {"mask": Engine.load(EngineConfig(model=args.model, threads=args.threads))}
     engines["lookup"] = Engine(engines["mask"].loaded, EngineConfig(model=args.model, proposer="lookup"))
     runs = [("ntp", "mask"), ("verify:3", "lookup")]

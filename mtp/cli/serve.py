@@ -98,13 +98,14 @@ def run(args) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     build_config(args, 1 << 30)  # every server flag (API key, shadow log, limits) before the model loads
+    cost_model = CostModel.load(args.cost_model) if args.cost_model else None  # a bad file: before the load too
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(message)s")
     engine = Engine.load(engine_config(args))
     config = build_config(args, engine.context_window)
     pass_time = None
     if config.scheduler.adaptive:
-        if args.cost_model:
-            pass_time = CostModel.load(args.cost_model).pass_time
+        if cost_model is not None:
+            pass_time = cost_model.pass_time
         elif engine.can_propose():
             print("mtp serve: measuring the pass-time cost model (--cost-model PATH skips this)...", file=sys.stderr)
             cost = measured_cost(engine.model, config.scheduler.max_batch)
