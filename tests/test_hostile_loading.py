@@ -22,19 +22,7 @@ from mtp.cli import main
 from mtp.core import loading
 from mtp.core.strategy import Strategy, StrategyError, expand_sweep
 from test_data import make_tiny_model_dir
-
-
-def run_cli(args, capsys):
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def one_line_error(code, err, *words):
-    assert code == 2, err
-    assert err.startswith("mtp: error:") and err.count("\n") == 1, err
-    for w in words:
-        assert w in err, (w, err)
+from test_reliability import one_line_error, run_cli  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ One step, for a batch of sequences (ragged rows, right-padded):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -220,7 +221,7 @@ def finite_prefix(g: Guesses) -> Guesses:
     """The guesses up to the first one whose confidence or distribution is not finite: a NaN guess
     is a rejected guess (it never becomes a draft, and no block is emitted from it)."""
     n = 0
-    while n < len(g.tokens) and torch.isfinite(torch.tensor(g.confidences[n])) and (
+    while n < len(g.tokens) and math.isfinite(g.confidences[n]) and (
             g.probs is None or bool(torch.isfinite(g.probs[n]).all())):
         n += 1
     if n == len(g.tokens):

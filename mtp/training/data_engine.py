@@ -453,7 +453,7 @@ def write_card(out: Path, cfg: DataConfig | None = None, skipped: dict | None = 
                                  for i, c in enumerate(hist) if c or i < len(hist) - 1},
             "heldout_prompts": heldout, "self_written_requests": len(written),
             "skipped_prompts_too_long": dict(skipped or {}), "corrupt_lines_skipped": bad}
-    _atomic_text(out / "card.json", json.dumps(card, indent=1))
+    shards.write_text_atomic(out / "card.json", json.dumps(card, indent=1))
     lines = [f"# Data card: {out.name}", "",
              f"{card['answers']:,} answers, {card['response_tokens']:,} response tokens; "
              f"{card['cut_by_length_limit']:,} cut by the {max_new}-token limit; "
@@ -469,11 +469,6 @@ def write_card(out: Path, cfg: DataConfig | None = None, skipped: dict | None = 
     lines += [f"| {k} | {v:,} |" for k, v in card["length_histogram"].items()]
     lines += ["", "Held out (prompts only, never trained on): "
               + (", ".join(f"{k} {v}" for k, v in heldout.items()) or "none")]
-    _atomic_text(out / "card.md", "\n".join(lines) + "\n")
+    shards.write_text_atomic(out / "card.md", "\n".join(lines) + "\n")
     return card
 
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)

@@ -56,15 +56,18 @@ def read_manifest(folder: Path) -> dict:
     return m
 
 
-def write_manifest(folder: Path, manifest: dict) -> None:
-    """Atomically (temporary file, fsync, rename)."""
-    path = Path(folder) / MANIFEST
-    tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically (temporary file beside it, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(manifest, indent=1) + "\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    write_text_atomic(Path(folder) / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
 def shard_entries(manifest: dict, log: str) -> list[dict]:
