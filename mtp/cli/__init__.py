@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 
 from mtp.cli import (bench, data, datastore, export, generate, pipeline, serve, shadow, train, train_eagle3,
-                     train_heads)
+                     train_heads, tune)
 from mtp.cli.errors import USER_ERRORS, report
 
-COMMANDS = [generate, train, train_heads, train_eagle3, export, data, datastore, bench, serve, shadow, pipeline]
+COMMANDS = [generate, train, train_heads, train_eagle3, export, data, datastore, bench, serve, shadow, pipeline, tune]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mtp.cli.options import add_model_args, add_sampling_args, check_decoding_args, engine_config
+from mtp.core import deploy as deploy_file
 from mtp.core.costmodel import CostModel, measured_cost
 from mtp.core.engine import Engine
 from mtp.serving.config import MAX_MESSAGES, ServeConfig
@@ -49,7 +50,19 @@ def add_parser(sub) -> None:
                    help="largest prompt in characters, checked before tokenising (default 32 x max-model-len)")
     p.add_argument("--max-messages", type=int, default=MAX_MESSAGES,
                    help=f"most messages in a chat request (default {MAX_MESSAGES})")
-    p.add_argument("--shadow-rate", type=float, default=0.0, help="fraction of MTP requests re-decoded with ntp")
+    p.add_argument("--deploy", default=None, metavar="DEPLOY.json",
+                   help="serve `mtp tune`'s choice: requests without their own strategy get the tuned configuration "
+                        "(a --rollout fraction of them) or its lossless fallback")
+    p.add_argument("--rollout", type=float, default=1.0,
+                   help="with --deploy: fraction of requests given the tuned configuration at start (default 1)")
+    p.add_argument("--rollout-step", type=float, default=0.0,
+                   help="with --deploy: added to the fraction after each window of shadow comparisons within "
+                        "the tolerance (default 0: no ramp)")
+    p.add_argument("--rollout-window", type=int, default=20,
+                   help="with --deploy: shadow comparisons per window (fallback when a window's loss exceeds "
+                        "the deploy file's tolerance)")
+    p.add_argument("--shadow-rate", type=float, default=None,
+                   help="fraction of MTP requests re-decoded with ntp (default 0; 1 with --deploy)")
     p.add_argument("--shadow-log", default="mtp-shadow.jsonl", help="JSONL log of shadow comparisons")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -75,18 +88,36 @@ def api_key(args) -> str | None:
     return args.api_key
 
 
-def build_config(args, context_window: int) -> ServeConfig:
+def read_deploy(args):
+    """The --deploy file, checked (before any model loads), or None; the --rollout flags need it."""
+    if args.deploy is None:
+        if args.rollout != 1.0 or args.rollout_step or args.rollout_window != 20:
+            raise ValueError("--rollout, --rollout-step and --rollout-window need --deploy DEPLOY.json")
+        return None
+    deploy = deploy_file.read(args.deploy)
+    if deploy.metric == "rougeL":
+        try:
+            import rouge_score  # noqa: F401
+        except ImportError:
+            raise ValueError(f"{args.deploy}: its metric rougeL needs the rouge-score package "
+                             "(pip install 'mtp[bench]')") from None
+    return deploy
+
+
+def build_config(args, context_window: int, deploy=None) -> ServeConfig:
     max_len = args.max_model_len or min(context_window, 1024)
     if max_len > context_window:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's context window {context_window}")
+    shadow_rate = args.shadow_rate if args.shadow_rate is not None else (1.0 if deploy is not None else 0.0)
     sched = SchedulerConfig(max_batch=args.max_batch, max_model_len=max_len, max_cache_tokens=args.max_cache_tokens,
                             adaptive=args.adaptive)
     return ServeConfig(model_name=args.served_model_name or args.model, strategy=args.strategy,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                        max_tokens=args.max_new_tokens, stop=list(args.stop or []), seed=args.seed,
-                       api_key=api_key(args), shadow_rate=args.shadow_rate, shadow_log=args.shadow_log,
+                       api_key=api_key(args), shadow_rate=shadow_rate, shadow_log=args.shadow_log,
                        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
-                       max_messages=args.max_messages, scheduler=sched)
+                       max_messages=args.max_messages, scheduler=sched, deploy=deploy, rollout=args.rollout,
+                       rollout_step=args.rollout_step, rollout_window=args.rollout_window)
 
 
 def run(args) -> int:
@@ -97,11 +128,22 @@ def run(args) -> int:
     check_decoding_args(args)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    build_config(args, 1 << 30)  # every server flag (API key, shadow log, limits) before the model loads
+    deploy = read_deploy(args)
+    build_config(args, 1 << 30, deploy)  # every server flag (API key, shadow log, limits) before the model loads
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None  # a bad file: before the load too
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), format="%(message)s")
-    engine = Engine.load(engine_config(args))
-    config = build_config(args, engine.context_window)
+    ecfg = engine_config(args)
+    if deploy is not None:  # the tuned proposer (calibrated as tuned) is the engine's
+        arms = [a for a in (deploy.tuned, deploy.fallback) if not a.strategy.plain]
+        ecfg.proposer = arms[0].proposer if arms else ecfg.proposer
+        ecfg.calibration = dict(deploy.calibration)
+    engine = Engine.load(ecfg)
+    if deploy is not None:
+        for arm in (deploy.tuned, deploy.fallback):
+            if not arm.strategy.plain:
+                engine.proposer(arm.proposer)  # loads its assets, so their hashes can be checked
+        deploy_file.check_engine(deploy, engine)
+    config = build_config(args, engine.context_window, deploy)
     pass_time = None
     if config.scheduler.adaptive:
         if cost_model is not None:
@@ -115,4 +157,9 @@ def run(args) -> int:
     app = create_app(engine, config, pass_time)
     print(f"mtp serve: {config.model_name} on http://{args.host}:{args.port}/v1 (strategy {config.strategy}, "
           f"max batch {config.scheduler.max_batch})", file=sys.stderr)
+    if deploy is not None:
+        print(f"mtp serve: rolling out {deploy.tuned} to {100 * config.rollout:.0f}% of requests"
+              f"{f', +{100 * config.rollout_step:.0f}% per clean window' if config.rollout_step else ''} "
+              f"(fallback {deploy.fallback}; {deploy.metric} loss within {deploy.tolerance:g} over windows of "
+              f"{config.rollout_window}, shadow rate {config.shadow_rate:g})", file=sys.stderr)
     return serve_app(app, args.host, args.port, args.log_level, args.shutdown_timeout)

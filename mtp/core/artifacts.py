@@ -224,6 +224,16 @@ def load_safetensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]
         raise ArtifactError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically (temporary file beside it, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
 def base_hash(model) -> str:
     """Fingerprint of the base weights (before any adapter): names, shapes and a strided sample of
     every tensor. Cheap (well under a second for 135M parameters) and enough to tell models apart."""

@@ -15,6 +15,7 @@ import html
 
 from mtp.core import loading
 from mtp.core.adapter import load_adapter
+from mtp.core.calibration import Calibration, CalibratedProposer
 from mtp.core.decode import Sequence, stream
 from mtp.core.metrics import DecodeStats
 from mtp.core.model import pack_weights
@@ -37,6 +38,7 @@ class EngineConfig:
     threads: int = 0
     device: str = "cpu"
     pack: bool = True  # oneDNN-packed weights for CPU float32 inference (model.pack_weights)
+    calibration: dict = field(default_factory=dict)  # proposer name -> per-depth maps (mtp.core.calibration)
 
 
 @dataclass
@@ -122,12 +124,18 @@ class Engine:
         name = name or self.config.proposer
         spec = check_proposer(name)
         if spec.parts:
-            return MergedProposer([self.proposer(p) for p in spec.parts])
-        if spec.asset is None:
-            return spec.make()
-        if name not in self._loaded_proposers:
-            return self._load_asset_proposer(name)
-        return self._loaded_proposers[name]
+            proposer = MergedProposer([self.proposer(p) for p in spec.parts])
+        elif spec.asset is None:
+            proposer = spec.make()
+        elif name not in self._loaded_proposers:
+            proposer = self._load_asset_proposer(name)
+        else:
+            proposer = self._loaded_proposers[name]
+        calibration = self.config.calibration.get(name)
+        if calibration is not None:  # `mtp tune`'s fit: conf_adapt reads calibrated confidences
+            c = calibration if isinstance(calibration, Calibration) else Calibration.from_json(calibration)
+            proposer = CalibratedProposer(proposer, c)
+        return proposer
 
     def can_propose(self, name: str | None = None) -> bool:
         """Whether proposer `name` (default the engine's) can run: the mask proposers need an adapter."""

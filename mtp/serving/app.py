@@ -123,7 +123,10 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
     async def health():
         if state.scheduler.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ok", "running": state.scheduler.running, "queued": state.scheduler.queue_length}
+        body = {"status": "ok", "running": state.scheduler.running, "queued": state.scheduler.queue_length}
+        if state.rollout is not None:
+            body["rollout"] = state.rollout.health()
+        return body
 
     @app.get("/metrics")
     async def prometheus():

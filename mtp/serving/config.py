@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mtp.core.deploy import Deploy
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.serving.scheduler import SchedulerConfig
+from mtp.serving.rollout import check_fraction
 from mtp.serving.shadow import check_log_path
 
 MAX_BODY_BYTES = 4 << 20  # default request body limit (HTTP 413 above it)
@@ -34,6 +36,10 @@ class ServeConfig:
     max_prompt_chars: int = 0  # 0 = PROMPT_CHARS_PER_TOKEN x scheduler.max_model_len
     max_messages: int = MAX_MESSAGES
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    deploy: Deploy | None = None  # `mtp tune`'s choice, rolled out (mtp.serving.rollout)
+    rollout: float = 1.0  # fraction of requests given the tuned configuration at start
+    rollout_step: float = 0.0  # added to the fraction after each clean window
+    rollout_window: int = 20  # shadow comparisons per window
 
     def __post_init__(self):
         Strategy.parse(self.strategy)
@@ -54,5 +60,12 @@ class ServeConfig:
             raise ValueError(f"--max-messages must be >= 1, got {self.max_messages}")
         if not self.max_prompt_chars:
             self.max_prompt_chars = PROMPT_CHARS_PER_TOKEN * self.scheduler.max_model_len
+        check_fraction(self.rollout, "--rollout")
+        check_fraction(self.rollout_step, "--rollout-step")
+        if isinstance(self.rollout_window, bool) or not isinstance(self.rollout_window, int) or self.rollout_window < 1:
+            raise ValueError(f"--rollout-window must be an integer >= 1, got {self.rollout_window!r}")
+        if self.deploy is not None and self.rollout < 1 and self.shadow_rate == 0:
+            raise ValueError("--rollout below 1 needs --shadow-rate > 0: without shadow comparisons the rollout "
+                             "can neither ramp up nor fall back")
         if self.shadow_rate > 0:
             check_log_path(self.shadow_log)

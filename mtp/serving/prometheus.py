@@ -23,7 +23,7 @@ SHADOW_COUNTS = ("requests", "exact_match", "answer_compared", "answer_agree")
 class ServerMetrics:
     """The server's metrics on `self.registry`; `render()` is the /metrics body."""
 
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: Scheduler, rollout=None):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("mtp_requests_total", "HTTP requests by endpoint and outcome",
                                 ["endpoint", "status"], registry=r)
@@ -41,6 +41,8 @@ class ServerMetrics:
         self.shadow_ratio = Histogram("mtp_shadow_latency_ratio", "MTP decode time / ntp shadow decode time",
                                       buckets=RATIO_BUCKETS, registry=r)
         r.register(SchedulerCollector(sched))
+        if rollout is not None:
+            r.register(RolloutCollector(rollout))
 
     def count(self, endpoint: str, status: str) -> None:
         self.requests.labels(endpoint, status).inc()
@@ -106,3 +108,38 @@ class SchedulerCollector:
                 acc.add_metric([strat, str(i)], a)
         yield tpf
         yield acc
+
+
+class RolloutCollector:
+    """A rollout's state (`mtp.serving.rollout`), read when scraped."""
+
+    STATES = ("rolling", "full", "fallback")
+
+    def __init__(self, rollout):
+        self.rollout = rollout
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        h = self.rollout.health()
+        yield GaugeMetricFamily("mtp_rollout_fraction", "fraction of requests given the tuned configuration",
+                                h["fraction"])
+        state = GaugeMetricFamily("mtp_rollout_state", "1 for the rollout's current state", labels=["state"])
+        for name in self.STATES:
+            state.add_metric([name], 1.0 if h["state"] == name else 0.0)
+        yield state
+        loss = GaugeMetricFamily("mtp_rollout_window_loss", "mean loss over the sliding window of shadow "
+                                 "comparisons", labels=["metric"])
+        for m, v in h["window_loss"].items():
+            if v is not None:
+                loss.add_metric([m], v)
+        yield loss
+        yield CounterMetricFamily("mtp_rollout_fallbacks", "automatic fallbacks to the lossless configuration",
+                                  h["fallbacks"])
+        yield CounterMetricFamily("mtp_rollout_ramps", "steps up of the rollout fraction", h["ramps"])
+        yield CounterMetricFamily("mtp_rollout_compared", "shadow comparisons of tuned requests", h["compared"])
+        arms = CounterMetricFamily("mtp_rollout_requests", "requests by the configuration assigned", labels=["arm"])
+        for arm in ("tuned", "fallback"):
+            arms.add_metric([arm], h["assigned"].get(arm, 0))
+        yield arms

@@ -84,6 +84,7 @@ class Request:
     on_event: Callable[["Request", list[int], bool], None] = lambda r, t, f: None
     background: bool = False  # shadow work: admitted only when no live request waits
     adaptive: bool = True  # False: the policy never caps this row's K (exact `generate` output for lossy strategies)
+    arm: str | None = None  # under a rollout (mtp.serving.rollout): "tuned" or "fallback"; None = chose its own
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False
     error: str | None = None

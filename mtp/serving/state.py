@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import time
@@ -16,7 +17,9 @@ from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.serving.config import ServeConfig
 from mtp.serving.openai import APIError, ChatRequest, CompletionRequest, _Common
+from mtp.eval import quality
 from mtp.serving.prometheus import ServerMetrics
+from mtp.serving.rollout import TUNED, Rollout
 from mtp.serving.scheduler import Request, Scheduler, SchedulerClosed
 from mtp.serving.shadow import ShadowLog, compare
 
@@ -30,7 +33,12 @@ class ServerState:
         if sc.max_model_len > engine.context_window:  # never promise more than the model's window
             sc.max_model_len = engine.context_window
         self.scheduler = Scheduler(engine.model, engine.mask_id, config.scheduler, pass_time)
-        self.metrics = ServerMetrics(self.scheduler)
+        self.rollout = None
+        if config.deploy is not None:
+            self.rollout = Rollout(config.deploy, config.rollout, config.rollout_step, config.rollout_window,
+                                   config.shadow_seed)
+        self.request_ids = itertools.count()  # what a rollout hashes to assign a request
+        self.metrics = ServerMetrics(self.scheduler, self.rollout)
         self.shadow_log = ShadowLog(config.shadow_log) if config.shadow_rate > 0 else None
         self.rng = random.Random(config.shadow_seed)
         self.created = int(time.time())
@@ -67,7 +75,13 @@ class ServerState:
             raise APIError(404, f"The model {body.model!r} does not exist; this server serves "
                                 f"{self.config.model_name!r}", "model", "model_not_found")
         params = self.sampling(body)
-        strategy = self.strategy(body)
+        arm, proposer = None, None
+        if self.rollout is not None and not (body.mtp and body.mtp.strategy is not None):
+            arm, chosen = self.rollout.assign(next(self.request_ids))  # once, at admission: a switch never
+            strategy, proposer = chosen.strategy, chosen.proposer  # moves a request in flight
+        else:
+            strategy = self.strategy(body)
+            self.check_caps(strategy)
         limit = self.config.scheduler.max_model_len
         n = len(ids)
         if n >= limit:
@@ -82,10 +96,23 @@ class ServerState:
                                 f"max_tokens ({max_tokens}) exceed it", "max_tokens", "context_length_exceeded")
         params.max_new_tokens = max_tokens
         try:
-            seq = self.engine.new_sequence(ids, strategy, params)
+            seq = self.engine.new_sequence(ids, strategy, params, proposer)
         except ValueError as e:
             raise APIError(400, str(e), "mtp.strategy") from None
-        return Request(seq, adaptive=body.mtp.adaptive if body.mtp else True)
+        return Request(seq, adaptive=body.mtp.adaptive if body.mtp else True, arm=arm)
+
+    def check_caps(self, strategy: Strategy) -> None:
+        """Under a deploy file, a request's own lossy strategy stays within its safety caps: K at most
+        `max_k`, and conf_adapt's τ at least `min_tau`."""
+        caps = self.config.deploy.caps if self.config.deploy is not None else {}
+        if strategy.lossless or not caps:
+            return
+        if "max_k" in caps and strategy.k > caps["max_k"]:
+            raise APIError(400, f"strategy {strategy} exceeds this server's safety cap K <= {caps['max_k']}",
+                           "mtp.strategy")
+        if "min_tau" in caps and strategy.thresholded and strategy.tau < caps["min_tau"]:
+            raise APIError(400, f"strategy {strategy} is below this server's safety cap tau >= {caps['min_tau']:g}",
+                           "mtp.strategy")
 
     def check_chars(self, n: int, param: str) -> None:
         """`n` characters to tokenise: refused above --max-prompt-chars."""
@@ -182,12 +209,23 @@ class ServerState:
                 "queue_s": round((req.t_admitted or req.t_arrival) - req.t_arrival, 4),
                 "decode_s": round((req.t_finish or 0) - (req.t_admitted or 0), 4) if req.t_finish else None}
 
+    def loss_metrics(self) -> tuple[str, ...]:
+        """The losses a rollout tracks: exact and answer always, ROUGE-L when its package is there
+        (or when the deploy file's metric is ROUGE-L: then `mtp serve` checked it at start-up)."""
+        if self.config.deploy is not None and self.config.deploy.metric == "rougeL":
+            return quality.METRICS
+        try:
+            import rouge_score  # noqa: F401  (optional: the [bench] extra)
+            return quality.METRICS
+        except ImportError:
+            return ("exact", "answer")
+
     def maybe_shadow(self, req: Request) -> None:
         """After the answer went out: decode the same prompt with ntp in the background and log it."""
         seq = req.seq
         if (self.shadow_log is None or seq.strategy.plain or seq.finish_reason not in ("stop", "length")
-                or self.rng.random() >= self.config.shadow_rate):
-            return
+                or (req.arm is not None and req.arm != TUNED) or self.rng.random() >= self.config.shadow_rate):
+            return  # under a rollout only the tuned configuration's requests are compared
         params = SamplingParams(temperature=seq.params.temperature, top_p=seq.params.top_p, top_k=seq.params.top_k,
                                 seed=seq.params.seed, max_new_tokens=seq.params.max_new_tokens,
                                 stop=list(seq.params.stop))
@@ -207,8 +245,15 @@ class ServerState:
                    "latency_s": round(primary["latency"], 4), "shadow_latency_s": round(latency, 4),
                    "latency_ratio": round(primary["latency"] / latency, 4) if latency > 0 else None,
                    "tokens_per_forward": round(primary["tpf"], 4)}
+            if req.arm is not None:
+                shadow_text = self.text(r, r.seq.output)
+                rec["arm"] = req.arm
+                rec["loss"] = {m: quality.item_loss(m, primary["ids"], primary["text"], r.seq.output, shadow_text)
+                               for m in self.loss_metrics()}
             self.shadow_log.write(rec)
             self.metrics.shadow_done(rec)
+            if req.arm == TUNED:
+                self.rollout.observe(rec["loss"])
 
         shadow.on_event = on_event
         with contextlib.suppress(SchedulerClosed, ValueError):

@@ -27,6 +27,8 @@ import os
 import re
 from pathlib import Path
 
+from mtp.core.artifacts import write_text_atomic  # noqa: F401  (shards.write_text_atomic: one writer)
+
 MANIFEST = "manifest.json"
 LOGS = ("train", "instructions")  # the working file of log L is L.jsonl; its shards L-00001.jsonl.gz, ...
 
@@ -54,16 +56,6 @@ def read_manifest(folder: Path) -> dict:
     if not isinstance(m.get("shards", []), list):
         raise ShardError(f"{path}: \"shards\" is not a list")
     return m
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` atomically (temporary file beside it, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:

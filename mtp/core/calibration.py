@@ -1,0 +1,168 @@
+"""Calibrated confidences: a proposer's confidence of τ made to mean "right with probability τ".
+
+`conf_adapt:TAU` emits a guess unverified when its confidence is at least τ, so τ is a promise only
+if confidences are calibrated. A proposer's raw confidence is the top-1 probability of its own
+distribution for that depth; heads and mask adapters are over-confident at depth 3 and beyond,
+where they guess from a context they only partly see.
+
+Calibration per depth d (1 = the first guess after the model's own token), fitted on held-out
+(confidence, right) pairs, where "right" means the guess equals the model's greedy token given that
+every earlier guess was right (what a `verify` chain records: a draft is checked only after its
+predecessors were accepted, which is exactly when conf_adapt would emit it). The decoder sees only
+each guess's top-1 confidence c, so the map is a temperature with a bias on its log-odds (Platt
+scaling; the bias-free case is the plain temperature):
+
+    c' = sigmoid(logit(c) / T_d + b_d)
+
+monotone in c, so the ranking of guesses (and a tree's shape) is kept. Depths beyond the fitted
+ones use the last fitted depth's map. `expected_calibration_error` is the measure (10 equal-width
+bins, weighted by count); `CalibratedProposer` applies a fit to a proposer's guesses.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mtp.core.proposers.base import Guesses, Proposer
+
+EPS = 1e-6
+BINS = 10
+
+
+def _logit(c: float) -> float:
+    c = min(max(c, EPS), 1 - EPS)
+    return math.log(c / (1 - c))
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+@dataclass(frozen=True)
+class DepthMap:
+    temperature: float = 1.0
+    bias: float = 0.0
+
+    def __call__(self, c: float) -> float:
+        if not math.isfinite(c):
+            return c  # a non-finite guess stays one (decode rejects it)
+        return _sigmoid(_logit(c) / self.temperature + self.bias)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per-depth maps of one proposer's confidences (depth 1 first)."""
+    depths: tuple[DepthMap, ...]
+
+    def __post_init__(self):
+        if not self.depths:
+            raise ValueError("a calibration needs at least one depth")
+        for m in self.depths:
+            if not (math.isfinite(m.temperature) and m.temperature > 0 and math.isfinite(m.bias)):
+                raise ValueError(f"calibration temperatures must be finite and > 0, biases finite: {m}")
+
+    def map(self, depth: int, c: float) -> float:
+        """The calibrated confidence of a guess at `depth` (0 = the first guess)."""
+        return self.depths[min(depth, len(self.depths) - 1)](c)
+
+    def apply(self, confidences: list[float]) -> list[float]:
+        return [self.map(d, c) for d, c in enumerate(confidences)]
+
+    def to_json(self) -> list[dict]:
+        return [{"temperature": m.temperature, "bias": m.bias} for m in self.depths]
+
+    @classmethod
+    def from_json(cls, data) -> "Calibration":
+        if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+            raise ValueError("a calibration is a list of {'temperature', 'bias'} per depth")
+        try:
+            return cls(tuple(DepthMap(float(d["temperature"]), float(d.get("bias", 0.0))) for d in data))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad calibration entry: {e}") from None
+
+
+def fit_depth(pairs: list[tuple[float, bool]], iterations: int = 50, l2: float = 1e-3) -> DepthMap:
+    """The (temperature, bias) minimising the log loss of sigmoid(w * logit(c) + b) on (c, right)
+    pairs (Newton steps on a two-parameter logistic regression; w = 1 / temperature). Too few
+    pairs, or pairs that are all right or all wrong, leave the identity (nothing to learn from)."""
+    if len(pairs) < 20 or all(r for _, r in pairs) or not any(r for _, r in pairs):
+        return DepthMap()
+    xs = [_logit(c) for c, _ in pairs]
+    ys = [1.0 if r else 0.0 for _, r in pairs]
+    w, b = 1.0, 0.0
+    for _ in range(iterations):
+        gw = gb = hww = hwb = hbb = 0.0
+        for x, y in zip(xs, ys):
+            p = _sigmoid(w * x + b)
+            e, v = p - y, p * (1 - p)
+            gw += e * x
+            gb += e
+            hww += v * x * x
+            hwb += v * x
+            hbb += v
+        gw += l2 * (w - 1)  # a weak pull towards the identity keeps separable data finite
+        hww += l2
+        hbb += 1e-9
+        det = hww * hbb - hwb * hwb
+        if det <= 0:
+            break
+        dw = (hbb * gw - hwb * gb) / det
+        db = (hww * gb - hwb * gw) / det
+        w, b = w - dw, b - db
+        if abs(dw) < 1e-7 and abs(db) < 1e-7:
+            break
+    w = max(w, 1e-3)  # a map must stay increasing in c
+    return DepthMap(1 / w, b)
+
+
+def fit(pairs_by_depth: list[list[tuple[float, bool]]]) -> Calibration:
+    """One map per depth that has pairs (depths are 1, 2, ... in list order)."""
+    maps = [fit_depth(p) for p in pairs_by_depth if p]
+    return Calibration(tuple(maps) or (DepthMap(),))
+
+
+def expected_calibration_error(pairs: list[tuple[float, bool]], bins: int = BINS) -> float | None:
+    """sum over equal-width confidence bins of (bin share) x |accuracy - mean confidence|; None if empty."""
+    if not pairs:
+        return None
+    total = [0] * bins
+    conf = [0.0] * bins
+    right = [0] * bins
+    for c, r in pairs:
+        j = min(int(c * bins), bins - 1)
+        total[j] += 1
+        conf[j] += c
+        right[j] += bool(r)
+    n = len(pairs)
+    return sum(abs(right[j] / total[j] - conf[j] / total[j]) * total[j] / n for j in range(bins) if total[j])
+
+
+def reliability(pairs: list[tuple[float, bool]], bins: int = BINS) -> list[dict]:
+    """Per non-empty bin: its range, count, mean confidence and accuracy (the reliability diagram)."""
+    out = []
+    for j in range(bins):
+        lo, hi = j / bins, (j + 1) / bins
+        inside = [(c, r) for c, r in pairs if lo <= c < hi or (j == bins - 1 and c == 1.0)]
+        if inside:
+            out.append({"lo": lo, "hi": hi, "n": len(inside), "confidence": sum(c for c, _ in inside) / len(inside),
+                        "accuracy": sum(bool(r) for _, r in inside) / len(inside)})
+    return out
+
+
+class CalibratedProposer(Proposer):
+    """`inner` with its guesses' confidences mapped by a `Calibration` (drafts and trees unchanged)."""
+
+    def __init__(self, inner: Proposer, calibration: Calibration):
+        self.inner, self.calibration = inner, calibration
+        self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
+        self.aux_layers = getattr(inner, "aux_layers", ())
+
+    def n_appended(self, k: int, drafts: int = 0) -> int:
+        return self.inner.n_appended(k, drafts)
+
+    def propose(self, view, k, params, gen) -> Guesses:
+        g = self.inner.propose(view, k, params, gen)
+        return Guesses(g.tokens, self.calibration.apply(g.confidences), g.probs, g.parents)
+
+    def propose_tree(self, view, n) -> Guesses:
+        return self.inner.propose_tree(view, n)  # tree nodes carry path scores, not per-depth confidences

@@ -1,0 +1,121 @@
+"""Offline decoding of many prompts with one candidate, `batch` rows at a time through the one
+batching loop (`mtp.core.batching.Batch`), greedy: what `mtp tune` runs to learn each candidate's
+outputs, acceptance and block sizes without paying one single-stream decode per prompt.
+
+Per prompt it keeps the output ids and text, the tokens emitted and fed per pass (`chunks`,
+`blocks`), and with `record=True` the confidences of every proposal the row's proposer made, one
+list per pass (`proposals`); the proposer's time per guess is clocked over the whole run
+(`TimedProposer`). Rows of one batch share each pass, so wall times here are not single-stream
+speeds: `mtp tune` prices candidates with the cost model and measures the best ones alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mtp.core.batching import Batch
+from mtp.core.decode import block_slack
+from mtp.core.proposers import Proposer, TimedProposer
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy
+
+
+@dataclass
+class Output:
+    ids: list[int]
+    text: str
+    chunks: list[int]
+    blocks: list[int]
+    finish: str
+    proposals: list[list[float]] = field(default_factory=list)  # per pass: the guesses' confidences
+
+
+@dataclass
+class RunStats:
+    outputs: list[Output]
+    proposing_s: float  # seconds the proposer spent in total
+    guesses: int  # guesses it made in total
+
+    @property
+    def guess_s(self) -> float:
+        return self.proposing_s / self.guesses if self.guesses else 0.0
+
+
+class RecordingProposer(Proposer):
+    """`inner` with the confidences of each chain of guesses it returns appended to `log`."""
+
+    def __init__(self, inner: Proposer, log: list[list[float]]):
+        self.inner, self.log = inner, log
+        self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
+        self.aux_layers = getattr(inner, "aux_layers", ())
+
+    def n_appended(self, k: int, drafts: int = 0) -> int:
+        return self.inner.n_appended(k, drafts)
+
+    def propose(self, view, k, params, gen):
+        g = self.inner.propose(view, k, params, gen)
+        self.log.append(list(g.confidences))
+        return g
+
+    def propose_tree(self, view, n):
+        return self.inner.propose_tree(view, n)
+
+
+def decode_all(engine, prompts: list[list[int]], strategy: Strategy, proposer: str | None, max_new_tokens: int,
+               batch: int = 16, record: bool = False, stop_after=None) -> RunStats:
+    """Greedy outputs of every prompt under `strategy` drafting from `proposer` (None: the engine's).
+    `stop_after(index, output) -> bool` may end the run early (the outputs so far are returned, in
+    prompt order, up to the first prompt not yet finished)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    longest = max(len(p) for p in prompts)
+    rows = Batch(engine.model, engine.mask_id, max(1, min(batch, len(prompts))),
+                 min(engine.context_window, longest + max_new_tokens + block_slack(strategy.k)))
+    clock: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    done: dict[int, Output] = {}
+    logs: dict[int, list[list[float]]] = {}
+    index: dict[int, int] = {}  # id(seq) -> prompt index
+    todo = list(range(len(prompts)))
+    stopped = False
+    with torch.inference_mode():
+        while (todo and not stopped) or rows.active:
+            while todo and rows.free and not stopped:
+                j = todo.pop(0)
+                seq = engine.new_sequence(prompts[j], strategy, params, proposer)
+                inner = seq.proposer
+                if record:
+                    logs[j] = []
+                    inner = RecordingProposer(inner, logs[j])
+                seq.proposer = TimedProposer(inner, clock, counts)
+                rows.add(seq)
+                index[id(seq)] = j
+            rows.step()
+            for seq in [s for s in rows.active if s.finished]:
+                rows.remove(seq)
+                j = index.pop(id(seq))
+                done[j] = Output(list(seq.output), engine.decode_text(seq.output), list(seq.stats.chunks),
+                                 list(seq.stats.blocks), seq.finish_reason or "length", logs.get(j, []))
+                if stop_after is not None and stop_after(j, done[j]):
+                    stopped = True
+    ordered = []
+    for j in range(len(prompts)):
+        if j not in done:
+            break
+        ordered.append(done[j])
+    return RunStats(ordered, sum(clock.values()), sum(counts.values()))
+
+
+def chain_pairs(out: Output) -> list[list[tuple[float, bool]]]:
+    """(confidence, right) pairs per depth from a `verify` run with `record=True`: pass p's guesses
+    are checked by pass p+1, which emits its accepted drafts plus the model's own token, so guess d
+    (0-based) was reached when d <= accepted and was right when d < accepted. The last pass is left
+    out (EOS or the length limit may cut what it emits)."""
+    pairs: list[list[tuple[float, bool]]] = []
+    for p, confs in enumerate(out.proposals[: len(out.chunks) - 2]):
+        accepted = out.chunks[p + 1] - 1
+        for d, c in enumerate(confs[: accepted + 1]):
+            while len(pairs) <= d:
+                pairs.append([])
+            pairs[d].append((float(c), d < accepted))
+    return pairs

@@ -1,0 +1,57 @@
+"""How predictable the target task is: the model's per-token entropy and top-1 probability on its own
+greedy answers, per prompt category, and the share of answer tokens whose top-1 probability reaches
+each τ (a token below τ ends a ConfAdapt block even when every guess after it would be right).
+
+Measured teacher-forced: one forward pass over prompt + answer per item, reading the distribution
+that predicted each answer token. Categories come from the prompts file's `category` field (GSM8K
+items are one category, `gsm8k`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mtp.core.cache import KVCache
+
+TAUS = (0.5, 0.8, 0.9, 0.95, 0.99)
+
+
+def token_stats(model, prompt_ids: list[int], answer_ids: list[int]) -> tuple[list[float], list[float]]:
+    """(entropy in nats, top-1 probability) of the model's distribution for each answer token."""
+    if not answer_ids:
+        return [], []
+    ids = list(prompt_ids) + list(answer_ids)
+    n = len(ids)
+    cache = KVCache.for_model(model, 1, n)
+    tokens = torch.tensor([ids], device=model.device)
+    positions = torch.arange(n, device=model.device).view(1, n)
+    with torch.inference_mode():
+        logits = model(tokens, positions, cache=cache).float()[0, len(prompt_ids) - 1: n - 1]  # [A, V]
+        mask_id = model.config.mask_token_id
+        if mask_id is not None and mask_id < logits.shape[-1]:
+            logits[:, mask_id] = float("-inf")  # never a prediction, as in decoding
+        logp = torch.log_softmax(logits, -1)
+        entropy = -(logp.exp() * logp).nan_to_num().sum(-1)
+        return entropy.tolist(), logp.max(-1).values.exp().tolist()
+
+
+def report(model, items: list[dict], prompts: list[list[int]], answers: list[list[int]]) -> dict:
+    """Per category (and `all`): items, answer tokens, mean entropy, mean top-1 probability and the
+    share of tokens with top-1 probability >= each τ of TAUS."""
+    groups: dict[str, list[tuple[list[float], list[float]]]] = {}
+    for it, p, a in zip(items, prompts, answers):
+        stats = token_stats(model, p, a)
+        groups.setdefault(it.get("category", "all"), []).append(stats)
+    if len(groups) > 1:
+        groups["all"] = [s for g in list(groups.values()) for s in g]
+    out = {}
+    for cat, rows in groups.items():
+        ent = [e for r in rows for e in r[0] if math.isfinite(e)]
+        top = [t for r in rows for t in r[1]]
+        out[cat] = {"items": len(rows), "tokens": len(top),
+                    "entropy_mean": sum(ent) / len(ent) if ent else None,
+                    "top1_mean": sum(top) / len(top) if top else None,
+                    "share_at_least": {f"{tau:g}": (sum(t >= tau for t in top) / len(top) if top else None)
+                                       for tau in TAUS}}
+    return out

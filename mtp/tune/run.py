@@ -1,0 +1,294 @@
+"""`mtp tune`: from a tolerance to a configuration, on this machine, in one command.
+
+The adoption checklist, in order:
+1. reference: greedy `ntp` answers of every prompt (batched, `mtp.tune.offline`);
+2. hardware: this machine's t(q) (`mtp.core.costmodel.measure`);
+3. predictability: entropy and top-1 probability of the model on its own answers, per category
+   (`mtp.tune.predictability`);
+4. calibration: for each proposer with confidences, a `verify:4` run on the probe prompts records
+   (confidence, right) per depth; a map per depth is fitted on the even-numbered prompts and its
+   expected calibration error measured on the odd ones (`mtp.core.calibration`); conf_adapt then
+   reads calibrated confidences;
+5. probe: every candidate decodes the first `probe` prompts (batched); its steady-state tokens/s is
+   priced as tokens / (sum of t(block) over its passes + its proposer's time), the same for `ntp`;
+6. quality: a lossy candidate that could win (priced at least as fast as the best lossless one) and
+   whose lossier family members did not already fail decodes every prompt, stopping as soon as its
+   loss can no longer stay within the tolerance; lossless candidates always qualify;
+7. measurement: the best qualifying candidates by price (`measure_rows`, plus mask-token ones near
+   the top, whose adapter cost t(q) does not include) are decoded one prompt at a time,
+   interleaved with `ntp`, on the first `measure` prompts (`mtp.eval.bench.run_bench`); the fastest
+   measured one is chosen; the fallback is the fastest measured lossless one (`ntp` when the choice
+   is lossless itself);
+8. `deploy.json` (`mtp.core.deploy`), `results.json` (every candidate) and `report.html`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtp.core import calibration as calib
+from mtp.core import deploy as D
+from mtp.core.costmodel import measure
+from mtp.core.strategy import Strategy
+from mtp.eval import quality
+from mtp.eval.bench import BenchConfig, Spec, environment, load_data, run_bench
+from mtp.tune import candidates as C
+from mtp.tune import predictability
+from mtp.tune.offline import chain_pairs, decode_all
+
+MARKER = "mtp-tune.json"
+UNCERTAIN_BAND = 0.15  # mask-token candidates priced within this of the best are measured too
+
+
+@dataclass
+class TuneConfig:
+    data: str
+    tolerance: float
+    metric: str | None = None  # default: answer for gsm8k, rougeL for prompts
+    latency_ms: float | None = None  # a target ms per token, reported against
+    limit: int | None = 100
+    max_new_tokens: int = 256
+    probe: int = 16  # prompts every candidate decodes (batched)
+    measure: int = 8  # prompts the finalists decode one at a time
+    measure_rows: int = 3  # finalists besides ntp
+    measure_all: bool = False  # measure every qualifying candidate (a full sweep, for checking the choice)
+    batch: int = 16
+    candidates: str | None = None
+    profile_repeats: int = 3
+
+    def __post_init__(self):
+        D.check_tolerance(self.tolerance)
+        if self.metric is not None:
+            D.check_metric(self.metric)
+        for name in ("limit", "max_new_tokens", "probe", "measure", "measure_rows", "batch", "profile_repeats"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.latency_ms is not None and not self.latency_ms > 0:
+            raise ValueError(f"--latency-ms must be > 0, got {self.latency_ms}")
+
+
+@dataclass
+class Row:
+    """One candidate's figures (what results.json lists)."""
+    name: str
+    lossless: bool
+    tokens_per_forward: float | None = None
+    predicted_tps: float | None = None
+    predicted_speedup: float | None = None
+    probe_loss: float | None = None
+    loss: float | None = None  # over every prompt (lossy, when run); 0 for lossless
+    loss_items: int = 0
+    qualifies: bool | None = None
+    measured_tps: float | None = None
+    measured_speedup: float | None = None
+    measured_exact: float | None = None
+    note: str = ""
+    acceptance_by_position: list = field(default_factory=list)
+    by_category: dict = field(default_factory=dict)
+
+
+def steady_price(cost, outs, proposing_s: float) -> tuple[float, float]:
+    """(tokens per pass, tokens/s) in steady state: prompt passes left out, every other pass priced
+    at t(its block) plus the proposer's time."""
+    tokens = sum(c for o in outs for c in o.chunks[1:])
+    passes = sum(len(o.chunks) - 1 for o in outs)
+    seconds = sum(cost.pass_time(q) for o in outs for q in o.blocks[1:]) + proposing_s
+    return (tokens / passes if passes else 0.0), (tokens / seconds if seconds > 0 else 0.0)
+
+
+def run(engine, cfg: TuneConfig, log=print) -> dict:
+    t_start = time.perf_counter()
+    kind, items = load_data(cfg.data, cfg.limit)
+    metric = cfg.metric or ("answer" if kind == "gsm8k" else "rougeL")
+    cands = C.parse(cfg.candidates) if cfg.candidates else C.defaults()
+    cands, unavailable = C.loadable(engine, cands)
+    for name, why in unavailable.items():
+        log(f"tune: proposer {name} left out: {why}")
+    if not cands:
+        raise ValueError("no candidate can run on this engine (see the lines above)")
+    prompts = [engine.encode(it["prompt"], chat=True) for it in items]
+    for j, ids in enumerate(prompts):
+        if len(ids) + cfg.max_new_tokens > engine.context_window:
+            raise ValueError(f"prompt {j} ({len(ids)} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the "
+                             f"context window of {engine.context_window}")
+    n, probe = len(items), min(cfg.probe, len(items))
+    log(f"tune: {n} prompts ({kind}), tolerance {cfg.tolerance:g} on {metric}, {len(cands)} candidates")
+
+    # 1-3. reference, hardware, predictability
+    ntp = Strategy()
+    ref = decode_all(engine, prompts, ntp, None, cfg.max_new_tokens, cfg.batch).outputs
+    refs = [(o.ids, o.text) for o in ref]
+    log(f"tune: reference ntp answers: {sum(len(o.ids) for o in ref):,} tokens "
+        f"[{time.perf_counter() - t_start:.0f}s]")
+    q_max = 32
+    cache_len = max(0, min(300, engine.context_window - q_max))
+    cost = measure(engine.model, range(1, q_max + 1), cache_len, 1, cfg.profile_repeats)
+    log(f"tune: t(1) {1e3 * cost.pass_time(1):.1f} ms, t(8) {1e3 * cost.pass_time(8):.1f} ms, "
+        f"t(32) {1e3 * cost.pass_time(32):.1f} ms")
+    predict = predictability.report(engine.model, items, prompts, [o.ids for o in ref])
+    ntp_tpf, ntp_price = steady_price(cost, ref[:probe], 0.0)
+
+    # 4. calibration, from verify:4 chains of each confidence proposer among the candidates
+    calibrations, cal_report = {}, {}
+    probe_runs: dict[str, tuple] = {}
+    for name in sorted({c.proposer for c in cands if c.strategy.thresholded}):
+        arm = D.Arm(Strategy.parse("verify:4"), name)
+        stats = decode_all(engine, prompts[:probe], arm.strategy, name, cfg.max_new_tokens, cfg.batch, record=True)
+        probe_runs[str(arm)] = stats
+        fit_pairs, test_pairs = [], []
+        for j, out in enumerate(stats.outputs):
+            for d, pairs in enumerate(chain_pairs(out)):
+                target = fit_pairs if j % 2 == 0 else test_pairs
+                while len(target) <= d:
+                    target.append([])
+                target[d].extend(pairs)
+        fitted = calib.fit(fit_pairs)
+        before = [p for d in test_pairs for p in d]
+        after = [(fitted.map(d, c), r) for d, pairs in enumerate(test_pairs) for c, r in pairs]
+        cal_report[name] = {"fit_pairs": sum(map(len, fit_pairs)), "test_pairs": len(before),
+                            "ece_before": calib.expected_calibration_error(before),
+                            "ece_after": calib.expected_calibration_error(after),
+                            "reliability_before": calib.reliability(before),
+                            "reliability_after": calib.reliability(after), "maps": fitted.to_json()}
+        calibrations[name] = fitted
+        engine.config.calibration[name] = fitted
+        log(f"tune: calibration of {name}: ECE {_f(cal_report[name]['ece_before'], 3)} -> "
+            f"{_f(cal_report[name]['ece_after'], 3)} on {len(before)} held-out guesses")
+
+    # 5. probe every candidate
+    rows: dict[str, Row] = {"ntp": Row("ntp", True, ntp_tpf, ntp_price, 1.0, 0.0, 0.0, n, True)}
+    for c in cands:
+        stats = probe_runs.get(str(c)) or decode_all(engine, prompts[:probe], c.strategy, c.proposer,
+                                                      cfg.max_new_tokens, cfg.batch)
+        tpf, price = steady_price(cost, stats.outputs, stats.proposing_s)
+        row = Row(str(c), c.lossless, tpf, price, price / ntp_price if ntp_price else None)
+        chunks = [x for o in stats.outputs for x in o.chunks[1:]]
+        k = c.strategy.k
+        row.acceptance_by_position = [sum(x > i for x in chunks) / len(chunks) for i in range(k)] if chunks else []
+        row.probe_loss = quality.mean_loss(metric, [(o.ids, o.text) for o in stats.outputs], refs[:probe])
+        if c.lossless:
+            row.loss, row.loss_items, row.qualifies = 0.0, n, True
+        rows[str(c)] = row
+        log(f"tune: probe {c}: {tpf:.2f} tokens/pass, priced {row.predicted_speedup:.2f}x ntp"
+            + ("" if c.lossless else f", loss {row.probe_loss:.3f} on {probe} prompts"))
+
+    # 6. quality of the lossy candidates that could win
+    best_lossless = max(r.predicted_tps for r in rows.values() if r.lossless)
+    failed_families: dict[tuple, float] = {}
+    lossy = sorted((c for c in cands if not c.lossless), key=lambda c: (c.family, c.risk))
+    budget = cfg.tolerance * n  # the most item losses a qualifying candidate may have
+    for c in lossy:
+        row = rows[str(c)]
+        if c.family in failed_families and c.risk > failed_families[c.family]:
+            row.qualifies, row.note = False, "a less lossy member of its family already exceeded the tolerance"
+            continue
+        if row.probe_loss * probe > budget:
+            row.qualifies, row.note = False, "exceeds the tolerance on the probe prompts alone"
+            row.loss, row.loss_items = row.probe_loss, probe
+            failed_families[c.family] = min(failed_families.get(c.family, 9.0), c.risk)
+            continue
+        if row.predicted_tps < best_lossless:
+            row.qualifies, row.note = None, "not run on every prompt: priced slower than the best lossless candidate"
+            continue
+        spent = {"loss": 0.0, "items": 0}
+
+        def over(j, out, spent=spent):
+            spent["loss"] += quality.item_loss(metric, out.ids, out.text, *refs[j])
+            spent["items"] += 1
+            return spent["loss"] > budget
+
+        stats = decode_all(engine, prompts, c.strategy, c.proposer, cfg.max_new_tokens, cfg.batch, stop_after=over)
+        outs = stats.outputs
+        row.loss_items = len(outs)
+        row.loss = quality.mean_loss(metric, [(o.ids, o.text) for o in outs], refs[: len(outs)])
+        row.qualifies = spent["loss"] <= budget and len(outs) == n
+        if not row.qualifies:
+            row.note = f"exceeds the tolerance (stopped after {spent['items']} prompts)"
+            failed_families[c.family] = min(failed_families.get(c.family, 9.0), c.risk)
+        log(f"tune: quality {c}: loss {row.loss:.3f} over {row.loss_items} prompts -> "
+            f"{'within' if row.qualifies else 'outside'} the tolerance")
+
+    # 7. measure the finalists one prompt at a time, interleaved with ntp
+    qualifying = sorted((r for r in rows.values() if r.qualifies and r.name != "ntp"),
+                        key=lambda r: -r.predicted_tps)
+    top = qualifying[0].predicted_tps if qualifying else 0.0
+    finalists = qualifying if cfg.measure_all else [
+        r for i, r in enumerate(qualifying)
+        if i < cfg.measure_rows or ("@mask" in r.name and r.predicted_tps >= (1 - UNCERTAIN_BAND) * top)]
+    specs = [Spec(ntp)] + [Spec(Strategy.parse(r.name.split("@")[0]), r.name.split("@")[1]) for r in finalists]
+    m = min(cfg.measure, n)
+    log(f"tune: measuring ntp and {len(finalists)} finalists on {m} prompts, one at a time: "
+        + ", ".join(r.name for r in finalists))
+    bench = run_bench(engine, kind, items[:m], BenchConfig(specs, max_new_tokens=cfg.max_new_tokens))
+    for rec in bench.records:
+        r = rows.get(rec["strategy"])
+        if r is not None:
+            r.measured_tps, r.measured_speedup, r.measured_exact = rec["tokens_per_s"], rec["speedup_vs_ntp"], \
+                rec["exact_match"]
+    measured = [r for r in rows.values() if r.measured_tps is not None and r.qualifies]
+    chosen = max(measured, key=lambda r: r.measured_tps)
+    lossless_measured = [r for r in measured if r.lossless and r is not chosen]
+    fallback = "ntp" if chosen.lossless else max(lossless_measured, key=lambda r: r.measured_tps).name
+
+    # 8. the deploy file
+    tuned_arm, fallback_arm = _arm(chosen.name, engine), _arm(fallback, engine)
+    used = {a.proposer for a in (tuned_arm, fallback_arm) if not a.strategy.plain}
+    caps = {"max_k": tuned_arm.strategy.k}
+    if tuned_arm.strategy.thresholded:
+        caps["min_tau"] = tuned_arm.strategy.tau
+    env = environment(engine)
+    latency = None if chosen.measured_tps is None else 1e3 / chosen.measured_tps
+    deploy = D.Deploy(tuned=tuned_arm, fallback=fallback_arm, tolerance=cfg.tolerance, metric=metric, caps=caps,
+                      calibration={p: calibrations[p] for p in used if p in calibrations},
+                      hashes=D.engine_hashes(engine, [a.proposer for a in (tuned_arm, fallback_arm)
+                                                                   if not a.strategy.plain]),
+                      extra={"measured": {"tokens_per_s": chosen.measured_tps, "speedup_vs_ntp": chosen.measured_speedup,
+                                          "ms_per_token": latency, "loss": chosen.loss, "loss_items": chosen.loss_items,
+                                          "tokens_per_forward": chosen.tokens_per_forward,
+                                          "measure_prompts": m, "data": cfg.data, "prompts": n},
+                             "latency_target_ms": cfg.latency_ms,
+                             "latency_target_met": None if cfg.latency_ms is None or latency is None
+                             else latency <= cfg.latency_ms,
+                             "hardware": {**env, "t_q_ms": {str(q): round(1e3 * t, 3) for q, t in cost.points.items()}}})
+    result = {"chosen": chosen.name, "fallback": fallback, "metric": metric, "tolerance": cfg.tolerance,
+              "kind": kind, "prompts": n, "probe": probe, "measure": m, "rows": [r.__dict__ for r in rows.values()],
+              "calibration": cal_report, "predictability": predict, "unavailable": unavailable,
+              "seconds": time.perf_counter() - t_start, "deploy": deploy}
+    if cfg.latency_ms is not None and latency is not None and latency > cfg.latency_ms:
+        log(f"tune: no configuration meets {cfg.latency_ms:g} ms per token on this machine; the fastest "
+            f"within the tolerance, {chosen.name}, takes {latency:.1f} ms")
+    return result
+
+
+def _arm(name: str, engine) -> D.Arm:
+    strategy, _, proposer = name.partition("@")
+    return D.Arm(Strategy.parse(strategy), proposer or engine.config.proposer)
+
+
+def _f(x, digits=2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def check_out(out: Path) -> None:
+    """`--out` must be new, empty, or a folder an earlier `mtp tune` wrote (it holds MARKER)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise ValueError(f"--out {out} holds files mtp tune did not write; choose a new or empty folder")
+
+
+def write(result: dict, out: Path, command: str) -> None:
+    from mtp.tune import report  # matplotlib only when writing
+
+    check_out(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text(json.dumps({"format": "mtp-tune", "command": command}) + "\n")
+    deploy = result["deploy"]
+    deploy.extra["command"] = command
+    D.write(deploy, out / "deploy.json")
+    plain = {k: v for k, v in result.items() if k != "deploy"}
+    (out / "results.json").write_text(json.dumps(plain, indent=1) + "\n")
+    report.write(result, out)

@@ -1,0 +1,185 @@
+"""`mtp tune` (mtp.tune) and calibration (mtp.core.calibration): calibration halves the error of
+over-confident guesses on held-out pairs, the (confidence, right) pairs come from the right passes,
+offline batched decoding gives the single-stream outputs, predictability reads the model's own
+confidences, the end-to-end run writes a deploy file whose choice is the fastest measured
+configuration within the tolerance, the toy check prints blocks, and bad input is one line."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from test_serve import EOS, reference, tiny_dir, engine  # noqa: F401  (fixtures)
+from mtp.core import calibration as calib
+from mtp.core import deploy as D
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.proposers import Guesses, Proposer
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy
+from mtp.tune import predictability
+from mtp.tune.offline import Output, chain_pairs, decode_all
+
+
+def overconfident(n, seed):
+    """Pairs whose real probability of being right is c**3 (a proposer far too sure of itself)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        c = rng.uniform(0.3, 1.0)
+        out.append((c, rng.random() < c ** 3))
+    return out
+
+
+def test_calibration_halves_the_error_on_held_out_pairs():
+    fitted = calib.fit([overconfident(3000, 0)])
+    held_out = overconfident(3000, 1)
+    before = calib.expected_calibration_error(held_out)
+    after = calib.expected_calibration_error([(fitted.map(0, c), r) for c, r in held_out])
+    assert before > 0.1 and after < before / 2
+    assert fitted.depths[0].temperature != 1.0
+    # monotone: the order of guesses is kept
+    cs = [0.31, 0.5, 0.7, 0.9, 0.99]
+    mapped = [fitted.map(0, c) for c in cs]
+    assert mapped == sorted(mapped)
+    # depths beyond the fitted ones use the last map; the identity when there is nothing to learn
+    assert fitted.map(5, 0.7) == fitted.map(0, 0.7)
+    assert calib.fit_depth([(0.9, True)] * 50) == calib.DepthMap()
+    assert calib.expected_calibration_error([]) is None
+    with pytest.raises(ValueError, match="temperatures must be finite"):
+        calib.Calibration.from_json([{"temperature": 0, "bias": 0}])
+    with pytest.raises(ValueError, match="a calibration is a list"):
+        calib.Calibration.from_json({"temperature": 1})
+
+
+def test_calibrated_proposer_maps_confidences_and_keeps_tokens():
+    class Fixed(Proposer):
+        name = "fixed"
+
+        def propose(self, view, k, params, gen):
+            return Guesses([5, 6, 7], [0.9, 0.8, 0.7])
+
+    c = calib.Calibration((calib.DepthMap(2.0, 0.0), calib.DepthMap(1.0, -1.0)))
+    g = calib.CalibratedProposer(Fixed(), c).propose(None, 4, None, None)
+    assert g.tokens == [5, 6, 7]
+    assert g.confidences == pytest.approx([c.map(0, 0.9), c.map(1, 0.8), c.map(1, 0.7)])
+    assert g.confidences[0] == pytest.approx(0.75)  # sigmoid(logit(0.9) / 2) = 3 / (3 + 1)
+
+
+def test_chain_pairs_reads_each_proposal_against_the_next_pass():
+    out = Output(ids=[], text="", chunks=[1, 3, 1, 4, 2], blocks=[],
+                 finish="length", proposals=[[.9, .8, .7], [.6, .5, .4], [.9, .9, .9], [.1, .1, .1], [.2]])
+    pairs = chain_pairs(out)
+    # pass 1 emitted 3 = 2 accepted + its own: guesses 0, 1 right, guess 2 reached and wrong;
+    # pass 2 accepted none; pass 3 accepted 3; the last pass (4) may be cut, so proposal 3 is left out
+    assert pairs[0] == [(.9, True), (.6, False), (.9, True)]
+    assert pairs[1] == [(.8, True), (.9, True)]
+    assert pairs[2] == [(.7, False), (.9, True)]
+
+
+def test_offline_batches_give_the_single_stream_outputs(engine):
+    prompts = [engine.encode(p, chat=True) for p in ("abc", "hello there", "x", "count: 1 2 3")]
+    ntp = decode_all(engine, prompts, Strategy(), None, 12, batch=3)
+    ver = decode_all(engine, prompts, Strategy.parse("verify:4"), "mask", 12, batch=3, record=True)
+    for p, a, b in zip(prompts, ntp.outputs, ver.outputs):
+        want = engine.generate(p, "ntp", SamplingParams(max_new_tokens=12))
+        assert a.ids == want.token_ids and b.ids == want.token_ids  # batched and lossless
+        assert len(b.proposals) == len(b.chunks)  # one proposal per pass
+        assert sum(len(d) for d in chain_pairs(b)) > 0
+    assert ver.guesses > 0 and ver.proposing_s > 0 and ver.guess_s > 0
+    stopped = decode_all(engine, prompts, Strategy(), None, 12, batch=1, stop_after=lambda j, o: j == 1)
+    assert [o.ids for o in stopped.outputs] == [o.ids for o in ntp.outputs[:2]]
+
+
+def test_predictability_reads_the_models_own_confidences(engine):
+    ids = engine.encode("hello there", chat=True)
+    res = engine.generate(ids, "ntp", SamplingParams(max_new_tokens=10))
+    entropy, top1 = predictability.token_stats(engine.model, ids, res.token_ids)
+    assert len(top1) == len(res.token_ids)
+    assert top1 == pytest.approx(res.confidences[: len(top1)], abs=1e-4)  # teacher-forced = decoded
+    assert all(e >= 0 for e in entropy)
+    rep = predictability.report(engine.model, [{"prompt": "a", "category": "x"}, {"prompt": "b", "category": "y"}],
+                                [ids, ids], [res.token_ids, res.token_ids])
+    assert set(rep) == {"x", "y", "all"} and rep["all"]["tokens"] == 2 * len(top1)
+    shares = [rep["all"]["share_at_least"][t] for t in ("0.5", "0.8", "0.9", "0.95", "0.99")]
+    assert shares == sorted(shares, reverse=True)
+
+
+def prompts_file(path, n=4):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"say {i} {i} {i}", "category": "rep" if i % 2 else "say"}) + "\n")
+    return path
+
+
+def test_tune_end_to_end_chooses_the_fastest_measured_within_tolerance(tiny_dir, tmp_path, capsys):
+    from mtp.cli import main
+    data = prompts_file(tmp_path / "p.jsonl")
+    out = tmp_path / "tuned"
+    argv = ["tune", "--model", str(tiny_dir), "--adapter", "none", "--data", f"prompts:{data}", "--tolerance", "0",
+            "--metric", "exact", "--limit", "4", "--probe", "2", "--measure", "2", "--max-new-tokens", "12",
+            "--candidates", "verify:4@mask,static:4@mask,conf_adapt:0.9:4@mask", "--out", str(out)]
+    assert main(argv) == 0
+    assert "mtp tune:" in capsys.readouterr().out
+    deploy = D.read(out / "deploy.json")
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["name"]: r for r in res["rows"]}
+    assert set(rows) == {"ntp", "verify:4@mask", "static:4@mask", "conf_adapt:0.9:4@mask"}
+    assert rows["verify:4@mask"]["qualifies"] and rows["verify:4@mask"]["loss"] == 0.0
+    static = rows["static:4@mask"]
+    assert static["qualifies"] is False and static["probe_loss"] > 0  # random guesses change the output
+    measured = [r for r in rows.values() if r["qualifies"] and r["measured_tps"] is not None]
+    best = max(measured, key=lambda r: r["measured_tps"])
+    assert str(deploy.tuned) in (best["name"], "ntp") and res["chosen"] == best["name"]
+    assert deploy.fallback.strategy.lossless and deploy.tolerance == 0 and deploy.metric == "exact"
+    loaded = Engine.load(EngineConfig(model=str(tiny_dir), adapter="none"))
+    D.check_engine(deploy, loaded)  # tuned on these weights
+    assert set(res["predictability"]) == {"say", "rep", "all"}
+    assert "mask" in res["calibration"] and res["calibration"]["mask"]["test_pairs"] > 0
+    html = (out / "report.html").read_text()
+    assert "Predictability" in html and "Calibration" in html and (out / "pareto.png").stat().st_size > 0
+    assert main(argv) == 0  # a folder tune wrote may be replaced
+
+
+def test_tune_refuses_bad_input_in_one_line(tiny_dir, tmp_path, capsys):
+    from mtp.cli import main
+    data = prompts_file(tmp_path / "p.jsonl")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    bad_cfg = tmp_path / "cfg.toml"
+    bad_cfg.write_text('tolerance = 0.02\nwarp = 9\n')
+    good_cfg = tmp_path / "cfg.json"
+    good_cfg.write_text(json.dumps({"data": f"prompts:{data}", "tolerance": 0.5, "metric": "exact"}))
+    base = ["tune", "--model", str(tiny_dir), "--adapter", "none"]
+    cases = [(["--data", f"prompts:{data}", "--tolerance", "1.5", "--out", str(tmp_path / "o")], "[0, 1]"),
+             (["--data", f"prompts:{data}", "--tolerance", "-0.1", "--out", str(tmp_path / "o")], "[0, 1]"),
+             (["--data", f"prompts:{data}", "--tolerance", "0.1", "--metric", "bleu", "--out", str(tmp_path / "o")],
+              "unknown metric"),
+             (["--data", f"prompts:{empty}", "--tolerance", "0.1", "--out", str(tmp_path / "o")], "no items"),
+             (["--data", f"prompts:{data}", "--tolerance", "0.1", "--out", str(foreign)], "did not write"),
+             (["--config", str(bad_cfg), "--out", str(tmp_path / "o")], "unknown option 'warp'"),
+             (["--tolerance", "0.1", "--out", str(tmp_path / "o")], "needs --data"),
+             (["--config", str(good_cfg), "--tolerance", "3", "--out", str(tmp_path / "o")], "[0, 1]"),
+             (["--data", f"prompts:{data}", "--tolerance", "0.1", "--candidates", "ntp", "--out", str(tmp_path / "o")],
+              "names no candidate"),
+             (["--data", f"prompts:{data}", "--tolerance", "0.1", "--probe", "0", "--out", str(tmp_path / "o")],
+              "--probe must be")]
+    for flags, words in cases:
+        assert main(base + flags) == 2, flags
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.search(re.escape(words), err), (flags, err)
+    assert (foreign / "notes.txt").read_text() == "mine" and not (tmp_path / "o").exists()
+
+
+def test_toy_check_prints_blocks(engine, capsys):
+    from mtp.tune import toy
+    lines = []
+    rows = toy.run(engine, max_new_tokens=12, write=lines.append, colour=False)
+    strategies = {r["strategy"] for r in rows}
+    assert strategies == {"ntp", "verify:4@mask", "conf_adapt:0.9:4@mask"}
+    assert all(r["tokens_per_forward"] == 1.0 for r in rows if r["strategy"] == "ntp")
+    assert sum(1 for line in lines if "tokens/pass" in line) == len(rows) == 3 * len(toy.PROMPTS)
