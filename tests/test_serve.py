@@ -225,6 +225,36 @@ def test_concurrent_mixed_strategies_equal_generate(engine, adaptive):
         assert out.usage.completion_tokens == len(ref.token_ids)
 
 
+TREE_JOBS = [("abcabcabcabc", "tree:8", 60), ("la la la la la", "tree:4", 50), ("Hello", "verify:3", 40),
+             ("xyxyxyxy xyxy", "tree:16", 70), ("The quick brown fox", "ntp", 30)]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_concurrent_trees_equal_ntp(tiny_dir, adaptive):
+    """Token trees in the server: rows with different trees (and chains, and plain rows) share passes,
+    3 batch rows for 5 clients; with the adaptive policy capping K the trees shrink (their top nodes
+    kept); every output is ntp's."""
+    lookup = Engine.load(EngineConfig(model=str(tiny_dir), adapter="none", proposer="lookup"))
+    refs = [reference(lookup, p, "ntp", n, chat=True) for p, _, n in TREE_JOBS]
+    app = make_app(lookup, pass_time=(lambda q: 0.01 * (1 + q / 8)) if adaptive else None, max_batch=3,
+                   max_model_len=200)
+    with LiveServer(app) as srv:
+        c = client_for(srv)
+
+        def ask(job):
+            p, s, n = job
+            return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=n,
+                                             temperature=0, extra_body={"mtp": {"strategy": s}})
+
+        with ThreadPoolExecutor(len(TREE_JOBS)) as pool:
+            outs = list(pool.map(ask, TREE_JOBS))
+    for out, ref, (_, s, _) in zip(outs, refs, TREE_JOBS):
+        assert out.choices[0].message.content == ref.text, s
+        assert out.usage.completion_tokens == len(ref.token_ids)
+    if not adaptive:  # the repetitive prompts let lookup's trees through
+        assert max(o.model_extra["mtp"]["tokens_per_forward"] for o in outs[:2]) > 1.0
+
+
 def test_opted_out_requests_are_never_capped(engine):
     """`"mtp": {"adaptive": false}`: a steep cost model caps the other rows to K=1, but the opted-out
     lossy rows keep their K and emit exactly what `mtp generate` does."""
