@@ -19,7 +19,7 @@ from mtp.core.proposers import Guesses, Proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.tune import predictability
-from mtp.tune.offline import Output, chain_pairs, decode_all
+from mtp.tune.offline import Output, chain_pairs, decode_all, tree_pairs
 
 
 def overconfident(n, seed):
@@ -76,6 +76,42 @@ def test_chain_pairs_reads_each_proposal_against_the_next_pass():
     assert pairs[0] == [(.9, True), (.6, False), (.9, True)]
     assert pairs[1] == [(.8, True), (.9, True)]
     assert pairs[2] == [(.7, False), (.9, True)]
+
+
+def test_tree_pairs_check_each_nodes_path_against_the_output():
+    # after pass 0 (1 token) the output continues 7 8 9; after pass 1 (3 tokens) it continues 4
+    out = Output(ids=[1, 7, 8, 9, 4], text="", chunks=[1, 3, 1], blocks=[], finish="length",
+                 trees=[([7, 5, 8, 9], [-1, -1, 0, 2], [.9, .5, .6, .4]), ([4, 6], [-1, 0], [.8, .3]),
+                        ([2], [-1], [.7])])
+    pairs = tree_pairs(out)
+    assert pairs[0] == [(.9, True), (.5, False), (.8, True)]
+    assert pairs[1] == [(.6, True)]  # 7 8; the path 4 6 runs past the output's end: unknown, left out
+    assert pairs[2] == [(.4, True)]  # 7 8 9
+    assert calib.node_depths([-1, -1, 0, 2, 0]) == [0, 0, 1, 2, 1]
+
+
+def test_merge_compares_calibrated_node_probabilities():
+    from mtp.core.proposers import MergedProposer
+
+    class Part(Proposer):
+        def __init__(self, name, token, conf):
+            self.name, self.token, self.conf = name, token, conf
+
+        def propose_tree(self, view, n):
+            return Guesses([self.token], [self.conf], None, [-1])
+
+    # uncalibrated: fixed priors (heads 1.0 x 0.5 beats lookup 0.5 x 1.0 only on ties: both 0.5 here)
+    heads, lookup = Part("heads", 11, 0.6), Part("lookup", 22, 1.0)
+    g = MergedProposer([heads, lookup]).propose_tree(None, 1)
+    assert g.tokens == [11]  # 0.6 > 0.5 x 1.0
+    # calibrated: lookup's 1.0 means "right 90 % of the time", heads' 0.6 means 0.3: lookup's node wins
+    lookup_cal = calib.CalibratedProposer(lookup, tree=calib.fit([[(1.0, True)] * 90 + [(1.0, False)] * 10]))
+    heads_cal = calib.CalibratedProposer(heads, tree=calib.Calibration((calib.DepthMap(1.0, -1.253),)))
+    g = MergedProposer([heads_cal, lookup_cal]).propose_tree(None, 1)
+    assert g.tokens == [22] and g.confidences[0] == pytest.approx(0.9, abs=1e-3)
+    assert heads_cal.propose_tree(None, 1).confidences[0] == pytest.approx(0.3, abs=1e-3)
+    from mtp.core.proposers import PromptLookupProposer  # a tree map gives lookup no chain confidences
+    assert calib.CalibratedProposer(PromptLookupProposer(), tree=lookup_cal.tree_calibration).has_confidence is False
 
 
 def test_offline_batches_give_the_single_stream_outputs(engine):

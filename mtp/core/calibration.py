@@ -89,6 +89,9 @@ def fit_depth(pairs: list[tuple[float, bool]], iterations: int = 50, l2: float =
         return DepthMap()
     xs = [_logit(c) for c, _ in pairs]
     ys = [1.0 if r else 0.0 for _, r in pairs]
+    mean_x = sum(xs) / len(xs)
+    if max(xs) - min(xs) < 1e-6:  # one confidence for every guess (prompt lookup's 1.0): its rate is all to learn
+        return DepthMap(1.0, _logit(sum(ys) / len(ys)) - mean_x)
     w, b = 1.0, 0.0
     for _ in range(iterations):
         gw = gb = hww = hwb = hbb = 0.0
@@ -149,11 +152,22 @@ def reliability(pairs: list[tuple[float, bool]], bins: int = BINS) -> list[dict]
     return out
 
 
-class CalibratedProposer(Proposer):
-    """`inner` with its guesses' confidences mapped by a `Calibration` (drafts and trees unchanged)."""
+def node_depths(parents: list[int]) -> list[int]:
+    """Depth of every tree node (0 = a child of the root); parents precede children."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
 
-    def __init__(self, inner: Proposer, calibration: Calibration):
-        self.inner, self.calibration = inner, calibration
+
+class CalibratedProposer(Proposer):
+    """`inner` with its confidences mapped: a chain's guesses by `chain` (per depth), a tree's nodes
+    by `tree` (per node depth; a node's confidence is then the probability that its whole root path
+    is the model's continuation, what a merged proposer compares across parts). Tokens and tree
+    shapes are unchanged; either map may be None (left as is)."""
+
+    def __init__(self, inner: Proposer, chain: Calibration | None = None, tree: Calibration | None = None):
+        self.inner, self.chain, self.tree_calibration = inner, chain, tree
         self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
         self.aux_layers = getattr(inner, "aux_layers", ())
 
@@ -162,7 +176,14 @@ class CalibratedProposer(Proposer):
 
     def propose(self, view, k, params, gen) -> Guesses:
         g = self.inner.propose(view, k, params, gen)
-        return Guesses(g.tokens, self.calibration.apply(g.confidences), g.probs, g.parents)
+        if self.chain is None:
+            return g
+        return Guesses(g.tokens, self.chain.apply(g.confidences), g.probs, g.parents)
 
     def propose_tree(self, view, n) -> Guesses:
-        return self.inner.propose_tree(view, n)  # tree nodes carry path scores, not per-depth confidences
+        g = self.inner.propose_tree(view, n)
+        if self.tree_calibration is None or not g.tokens:
+            return g
+        parents = g.parents if g.parents is not None else list(range(-1, len(g.tokens) - 1))
+        confs = [self.tree_calibration.map(d, c) for d, c in zip(node_depths(parents), g.confidences)]
+        return Guesses(g.tokens, confs, g.probs, g.parents)

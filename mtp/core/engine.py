@@ -25,6 +25,7 @@ from mtp.core.strategy import Strategy
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # mtp/assets
 SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads per embedded model
+TREE_SUFFIX = "/tree"  # EngineConfig.calibration key of a proposer's tree-node calibration ("heads/tree")
 
 
 @dataclass
@@ -38,7 +39,7 @@ class EngineConfig:
     threads: int = 0
     device: str = "cpu"
     pack: bool = True  # oneDNN-packed weights for CPU float32 inference (model.pack_weights)
-    calibration: dict = field(default_factory=dict)  # proposer name -> per-depth maps (mtp.core.calibration)
+    calibration: dict = field(default_factory=dict)  # proposer name (chains) or name + '/tree' -> per-depth maps
 
 
 @dataclass
@@ -131,11 +132,14 @@ class Engine:
             proposer = self._load_asset_proposer(name)
         else:
             proposer = self._loaded_proposers[name]
-        calibration = self.config.calibration.get(name)
-        if calibration is not None:  # `mtp tune`'s fit: conf_adapt reads calibrated confidences
-            c = calibration if isinstance(calibration, Calibration) else Calibration.from_json(calibration)
-            proposer = CalibratedProposer(proposer, c)
+        chain, tree = (self._calibration(key) for key in (name, name + TREE_SUFFIX))
+        if chain is not None or tree is not None:  # `mtp tune`'s fits: conf_adapt and merges read them
+            proposer = CalibratedProposer(proposer, chain, tree)
         return proposer
+
+    def _calibration(self, key: str) -> Calibration | None:
+        c = self.config.calibration.get(key)
+        return c if c is None or isinstance(c, Calibration) else Calibration.from_json(c)
 
     def can_propose(self, name: str | None = None) -> bool:
         """Whether proposer `name` (default the engine's) can run: the mask proposers need an adapter."""

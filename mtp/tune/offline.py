@@ -29,6 +29,7 @@ class Output:
     blocks: list[int]
     finish: str
     proposals: list[list[float]] = field(default_factory=list)  # per pass: the guesses' confidences
+    trees: list[tuple] = field(default_factory=list)  # per pass of a tree run: (tokens, parents, confidences)
 
 
 @dataclass
@@ -43,10 +44,11 @@ class RunStats:
 
 
 class RecordingProposer(Proposer):
-    """`inner` with the confidences of each chain of guesses it returns appended to `log`."""
+    """`inner` with the confidences of each chain of guesses it returns appended to `log`, and each
+    tree it drafts to `trees`."""
 
-    def __init__(self, inner: Proposer, log: list[list[float]]):
-        self.inner, self.log = inner, log
+    def __init__(self, inner: Proposer, log: list[list[float]], trees: list[tuple] | None = None):
+        self.inner, self.log, self.trees = inner, log, trees if trees is not None else []
         self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
         self.aux_layers = getattr(inner, "aux_layers", ())
 
@@ -59,7 +61,9 @@ class RecordingProposer(Proposer):
         return g
 
     def propose_tree(self, view, n):
-        return self.inner.propose_tree(view, n)
+        g = self.inner.propose_tree(view, n)
+        self.trees.append((list(g.tokens), list(g.parents or range(-1, len(g.tokens) - 1)), list(g.confidences)))
+        return g
 
 
 def decode_all(engine, prompts: list[list[int]], strategy: Strategy, proposer: str | None, max_new_tokens: int,
@@ -75,6 +79,7 @@ def decode_all(engine, prompts: list[list[int]], strategy: Strategy, proposer: s
     counts: dict[str, int] = {}
     done: dict[int, Output] = {}
     logs: dict[int, list[list[float]]] = {}
+    trees: dict[int, list[tuple]] = {}
     index: dict[int, int] = {}  # id(seq) -> prompt index
     todo = list(range(len(prompts)))
     stopped = False
@@ -85,8 +90,8 @@ def decode_all(engine, prompts: list[list[int]], strategy: Strategy, proposer: s
                 seq = engine.new_sequence(prompts[j], strategy, params, proposer)
                 inner = seq.proposer
                 if record:
-                    logs[j] = []
-                    inner = RecordingProposer(inner, logs[j])
+                    logs[j], trees[j] = [], []
+                    inner = RecordingProposer(inner, logs[j], trees[j])
                 seq.proposer = TimedProposer(inner, clock, counts)
                 rows.add(seq)
                 index[id(seq)] = j
@@ -95,7 +100,8 @@ def decode_all(engine, prompts: list[list[int]], strategy: Strategy, proposer: s
                 rows.remove(seq)
                 j = index.pop(id(seq))
                 done[j] = Output(list(seq.output), engine.decode_text(seq.output), list(seq.stats.chunks),
-                                 list(seq.stats.blocks), seq.finish_reason or "length", logs.get(j, []))
+                                 list(seq.stats.blocks), seq.finish_reason or "length", logs.get(j, []),
+                                 trees.get(j, []))
                 if stop_after is not None and stop_after(j, done[j]):
                     stopped = True
     ordered = []
@@ -118,4 +124,26 @@ def chain_pairs(out: Output) -> list[list[tuple[float, bool]]]:
             while len(pairs) <= d:
                 pairs.append([])
             pairs[d].append((float(c), d < accepted))
+    return pairs
+
+
+def tree_pairs(out: Output) -> list[list[tuple[float, bool]]]:
+    """(node confidence, right) pairs per node depth from a lossless tree run with `record=True`: the
+    tree drafted after pass p sits where the output stood after that pass, and a node is right when
+    its whole root path is what the output continues with (the output is the model's own greedy
+    text). Nodes whose path runs past the end of the output are left out (unknown)."""
+    pairs: list[list[tuple[float, bool]]] = []
+    pos = 0
+    for p, (tokens, parents, confs) in enumerate(out.trees):
+        pos += out.chunks[p] if p < len(out.chunks) else 0
+        paths: list[list[int]] = []
+        for t, par, c in zip(tokens, parents, confs):
+            path = (paths[par] if par >= 0 else []) + [t]
+            paths.append(path)
+            if pos + len(path) > len(out.ids):
+                continue
+            d = len(path) - 1
+            while len(pairs) <= d:
+                pairs.append([])
+            pairs[d].append((float(c), out.ids[pos:pos + len(path)] == path))
     return pairs

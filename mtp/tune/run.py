@@ -6,9 +6,11 @@ The adoption checklist, in order:
 3. predictability: entropy and top-1 probability of the model on its own answers, per category
    (`mtp.tune.predictability`);
 4. calibration: for each proposer with confidences, a `verify:4` run on the probe prompts records
-   (confidence, right) per depth; a map per depth is fitted on the even-numbered prompts and its
-   expected calibration error measured on the odd ones (`mtp.core.calibration`); conf_adapt then
-   reads calibrated confidences;
+   (confidence, right) per depth; for each part of a merged candidate, a `tree:16` run records
+   (node confidence, whether its root path is the model's continuation) per node depth; a map per
+   depth is fitted on the even-numbered prompts and its expected calibration error measured on the
+   odd ones (`mtp.core.calibration`); conf_adapt then reads calibrated confidences, and a merge
+   compares its parts' calibrated node probabilities instead of fixed priors;
 5. probe: every candidate decodes the first `probe` prompts (batched); its steady-state tokens/s is
    priced as tokens / (sum of t(block) over its passes + its proposer's time), the same for `ntp`;
 6. quality: a lossy candidate that could win (priced at least as fast as the best lossless one) and
@@ -31,12 +33,13 @@ from pathlib import Path
 from mtp.core import calibration as calib
 from mtp.core import deploy as D
 from mtp.core.costmodel import measure
+from mtp.core.engine import TREE_SUFFIX
 from mtp.core.strategy import Strategy
 from mtp.eval import quality
 from mtp.eval.bench import BenchConfig, Spec, environment, load_data, run_bench
 from mtp.tune import candidates as C
 from mtp.tune import predictability
-from mtp.tune.offline import chain_pairs, decode_all
+from mtp.tune.offline import chain_pairs, decode_all, tree_pairs
 
 MARKER = "mtp-tune.json"
 UNCERTAIN_BAND = 0.15  # mask-token candidates priced within this of the best are measured too
@@ -131,32 +134,23 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     predict = predictability.report(engine.model, items, prompts, [o.ids for o in ref])
     ntp_tpf, ntp_price = steady_price(cost, ref[:probe], 0.0)
 
-    # 4. calibration, from verify:4 chains of each confidence proposer among the candidates
+    # 4. calibration: chains of each confidence proposer (conf_adapt reads them), trees of each part of a
+    # merged candidate (the merge then compares calibrated node probabilities)
     calibrations, cal_report = {}, {}
-    probe_runs: dict[str, tuple] = {}
-    for name in sorted({c.proposer for c in cands if c.strategy.thresholded}):
-        arm = D.Arm(Strategy.parse("verify:4"), name)
-        stats = decode_all(engine, prompts[:probe], arm.strategy, name, cfg.max_new_tokens, cfg.batch, record=True)
+    probe_runs: dict[str, object] = {}
+    chain_parts = sorted({c.proposer for c in cands if c.strategy.thresholded})
+    tree_parts = sorted({p for c in cands if c.strategy.is_tree and "+" in c.proposer for p in c.proposer.split("+")})
+    for key, arm, pairs_of in ([(p, D.Arm(Strategy.parse("verify:4"), p), chain_pairs) for p in chain_parts]
+                               + [(p + TREE_SUFFIX, D.Arm(Strategy.parse("tree:16"), p), tree_pairs)
+                                  for p in tree_parts]):
+        stats = decode_all(engine, prompts[:probe], arm.strategy, arm.proposer, cfg.max_new_tokens, cfg.batch,
+                           record=True)
         probe_runs[str(arm)] = stats
-        fit_pairs, test_pairs = [], []
-        for j, out in enumerate(stats.outputs):
-            for d, pairs in enumerate(chain_pairs(out)):
-                target = fit_pairs if j % 2 == 0 else test_pairs
-                while len(target) <= d:
-                    target.append([])
-                target[d].extend(pairs)
-        fitted = calib.fit(fit_pairs)
-        before = [p for d in test_pairs for p in d]
-        after = [(fitted.map(d, c), r) for d, pairs in enumerate(test_pairs) for c, r in pairs]
-        cal_report[name] = {"fit_pairs": sum(map(len, fit_pairs)), "test_pairs": len(before),
-                            "ece_before": calib.expected_calibration_error(before),
-                            "ece_after": calib.expected_calibration_error(after),
-                            "reliability_before": calib.reliability(before),
-                            "reliability_after": calib.reliability(after), "maps": fitted.to_json()}
-        calibrations[name] = fitted
-        engine.config.calibration[name] = fitted
-        log(f"tune: calibration of {name}: ECE {_f(cal_report[name]['ece_before'], 3)} -> "
-            f"{_f(cal_report[name]['ece_after'], 3)} on {len(before)} held-out guesses")
+        fitted, cal_report[key] = fit_held_out([pairs_of(o) for o in stats.outputs])
+        calibrations[key] = fitted
+        engine.config.calibration[key] = fitted
+        log(f"tune: calibration of {key}: ECE {_f(cal_report[key]['ece_before'], 3)} -> "
+            f"{_f(cal_report[key]['ece_after'], 3)} on {cal_report[key]['test_pairs']} held-out guesses")
 
     # 5. probe every candidate
     rows: dict[str, Row] = {"ntp": Row("ntp", True, ntp_tpf, ntp_price, 1.0, 0.0, 0.0, n, True)}
@@ -242,7 +236,8 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     env = environment(engine)
     latency = None if chosen.measured_tps is None else 1e3 / chosen.measured_tps
     deploy = D.Deploy(tuned=tuned_arm, fallback=fallback_arm, tolerance=cfg.tolerance, metric=metric, caps=caps,
-                      calibration={p: calibrations[p] for p in used if p in calibrations},
+                      calibration={k: v for k, v in calibrations.items()
+                                   if k.split("/")[0] in used or any(k.split("/")[0] in u.split("+") for u in used)},
                       hashes=D.engine_hashes(engine, [a.proposer for a in (tuned_arm, fallback_arm)
                                                                    if not a.strategy.plain]),
                       extra={"measured": {"tokens_per_s": chosen.measured_tps, "speedup_vs_ntp": chosen.measured_speedup,
@@ -261,6 +256,27 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
         log(f"tune: no configuration meets {cfg.latency_ms:g} ms per token on this machine; the fastest "
             f"within the tolerance, {chosen.name}, takes {latency:.1f} ms")
     return result
+
+
+def fit_held_out(per_prompt: list[list[list[tuple[float, bool]]]]) -> tuple[calib.Calibration, dict]:
+    """A per-depth calibration fitted on the even-numbered prompts' pairs, with its expected
+    calibration error before and after on the odd-numbered ones (held out)."""
+    fit_pairs: list[list] = []
+    test_pairs: list[list] = []
+    for j, depths in enumerate(per_prompt):
+        target = fit_pairs if j % 2 == 0 else test_pairs
+        for d, pairs in enumerate(depths):
+            while len(target) <= d:
+                target.append([])
+            target[d].extend(pairs)
+    fitted = calib.fit(fit_pairs)
+    before = [p for d in test_pairs for p in d]
+    after = [(fitted.map(d, c), r) for d, pairs in enumerate(test_pairs) for c, r in pairs]
+    return fitted, {"fit_pairs": sum(map(len, fit_pairs)), "test_pairs": len(before),
+                    "ece_before": calib.expected_calibration_error(before),
+                    "ece_after": calib.expected_calibration_error(after),
+                    "reliability_before": calib.reliability(before), "reliability_after": calib.reliability(after),
+                    "maps": fitted.to_json()}
 
 
 def _arm(name: str, engine) -> D.Arm:

@@ -6,8 +6,10 @@ root; its score is the best over the parts that proposed it of weight[part] x th
 the node (heads: cumulative probability; suffix: the share of matches through it; lookup: 1), and an
 ancestor scores at least as high as any descendant. The N best nodes are kept, parents first, shared
 prefixes once. Per row and per pass: a prompt that repeats itself gets lookup branches, an answer the
-heads predict well gets head branches. The weights are fixed priors (`WEIGHTS`), not yet calibrated on
-held-out acceptance.
+heads predict well gets head branches. The weights are fixed priors (`WEIGHTS`) unless a part comes
+calibrated for trees (`mtp tune` fits one map per part and node depth on held-out answers,
+`mtp.core.calibration`): its nodes then score by their measured probability of being the model's
+continuation, comparable across parts, and its weight is 1.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ class MergedProposer(Proposer):
         score: dict[tuple, float] = {}
         for part in self.parts:
             g = part.propose_tree(view, n)
-            w = WEIGHTS.get(part.name, 0.5)
+            # a part calibrated for trees (mtp tune) scores a node by its probability of being right: no prior
+            w = 1.0 if getattr(part, "tree_calibration", None) is not None else WEIGHTS.get(part.name, 0.5)
             paths: list[tuple] = []
             for j, (t, p) in enumerate(zip(g.tokens, g.parents or list(range(-1, len(g.tokens) - 1)))):
                 paths.append((paths[p] if p >= 0 else ()) + (t,))
