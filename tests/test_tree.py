@@ -58,7 +58,8 @@ def test_build_merges_shared_prefixes_within_the_budget():
 
 
 @pytest.mark.parametrize("text, ok", [("tree:1", True), ("tree:31", True), ("tree:0", False), ("tree:-1", False),
-                                      ("tree:100000", False), ("tree:４", False), ("tree", False)])
+                                      ("tree:100000", False), ("tree:４", False), ("tree", False),
+                                      ("tree:auto", True), ("tree:Auto", False), ("tree:auto:3", False)])
 def test_tree_strategy_parsing(text, ok):
     if ok:
         s = Strategy.parse(text)
@@ -108,6 +109,49 @@ def test_greedy_tree_equals_plain_greedy_with_an_off_diagonal_path_and_compacts_
         model(torch.tensor([committed]), torch.arange(n).view(1, n), cache=fresh)
     torch.testing.assert_close(cache.k[:, 0, :, :n], fresh.k[:, 0, :, :n], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(cache.v[:, 0, :, :n], fresh.v[:, 0, :, :n], rtol=1e-4, atol=1e-5)
+
+
+def test_prune_keeps_the_prefix_with_the_most_tokens_per_second():
+    line = lambda q: 1 + 0.1 * q  # noqa: E731  (t(q) = 1 + 0.1 q)
+    # a chain 0.9, 0.5, 0.1: 1.9/1.2 < 2.4/1.3 > 2.5/1.4, so two nodes
+    assert tree.prune([1, 2, 3], [-1, 0, 1], [0.9, 0.5, 0.1], line) == ([1, 2], [-1, 0], [0.9, 0.5])
+    # the most confident first (a sibling before a weaker first child), re-indexed, order kept
+    assert tree.prune([1, 2, 3], [-1, -1, 0], [0.2, 0.9, 0.1], line) == ([1, 2], [-1, -1], [0.2, 0.9])
+    # rows that cost more than they promise: no drafts at all
+    assert tree.prune([1, 2], [-1, 0], [0.3, 0.2], lambda q: q) == ([], [], [])
+    assert tree.prune([], [], [], line) == ([], [], [])
+
+
+@pytest.mark.parametrize("cost, fewer_passes", [(lambda q: 1.0, True), (lambda q: 1.0 + q, False)])
+def test_auto_tree_sizes_itself_by_the_pass_time_and_stays_exact(cost, fewer_passes):
+    model = tiny_model(0)
+    want = generate(model, PROMPT, "ntp", params=params(30)).output
+    seq = Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(30), StubTree(want, len(PROMPT)),
+                   pass_time=cost)
+    cache = KVCache.for_model(model, 1, len(PROMPT) + 30 + block_slack(seq.strategy.k))
+    with torch.inference_mode():
+        while not seq.finished:
+            decode_step(model, cache, [seq], None)
+    assert seq.output == want
+    if fewer_passes:  # flat t(q): every node pays, as tree:5
+        assert seq.stats.forward_passes < len(want) / 2
+    else:  # t(q) = 1 + q: five nodes at 0.5 never beat a plain pass
+        assert seq.stats.forward_passes == len(want) and max(seq.stats.blocks[1:]) == 1
+    with pytest.raises(ValueError, match="pass times"):
+        Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(30), StubTree(want, len(PROMPT)))
+
+
+@pytest.mark.parametrize("which", ["lookup", "heads"])
+def test_auto_tree_equals_plain_greedy_for_every_tree_proposer(which):
+    model = tiny_model(0)
+    prop = PromptLookupProposer() if which == "lookup" else N.HeadsProposer(model, random_heads(model), "float32")
+    want = generate(model, PROMPT, "ntp", params=params(40)).output
+    seq = Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(40), prop, pass_time=lambda q: 1 + 0.05 * q)
+    cache = KVCache.for_model(model, 1, len(PROMPT) + 40 + block_slack(seq.strategy.k))
+    with torch.inference_mode():
+        while not seq.finished:
+            decode_step(model, cache, [seq], None)
+    assert seq.output == want
 
 
 def random_heads(model, depths=3):

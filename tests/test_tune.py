@@ -87,7 +87,6 @@ def test_tree_pairs_check_each_nodes_path_against_the_output():
     assert pairs[0] == [(.9, True), (.5, False), (.8, True)]
     assert pairs[1] == [(.6, True)]  # 7 8; the path 4 6 runs past the output's end: unknown, left out
     assert pairs[2] == [(.4, True)]  # 7 8 9
-    assert calib.node_depths([-1, -1, 0, 2, 0]) == [0, 0, 1, 2, 1]
 
 
 def test_merge_compares_calibrated_node_probabilities():

@@ -145,6 +145,8 @@ def run(args) -> int:
         deploy_file.check_engine(deploy, engine)
     config = build_config(args, engine.context_window, deploy)
     pass_time = None
+    if cost_model is not None:
+        engine.cost_model = cost_model  # also what tree:auto sizes its trees by
     if config.scheduler.adaptive:
         if cost_model is not None:
             pass_time = cost_model.pass_time
@@ -152,6 +154,7 @@ def run(args) -> int:
             print("mtp serve: measuring the pass-time cost model (--cost-model PATH skips this)...", file=sys.stderr)
             cost = measured_cost(engine.model, config.scheduler.max_batch)
             pass_time = cost.pass_time
+            engine.cost_model = cost
             print("mtp serve: t(q) ms: " + ", ".join(f"{q}:{1000 * t:.0f}" for q, t in cost.points.items()),
                   file=sys.stderr)
     app = create_app(engine, config, pass_time)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mtp.core.tree import depths as tree_depths
 from mtp.core.proposers.base import Guesses, Proposer
 
 EPS = 1e-6
@@ -152,14 +153,6 @@ def reliability(pairs: list[tuple[float, bool]], bins: int = BINS) -> list[dict]
     return out
 
 
-def node_depths(parents: list[int]) -> list[int]:
-    """Depth of every tree node (0 = a child of the root); parents precede children."""
-    depths: list[int] = []
-    for p in parents:
-        depths.append(0 if p < 0 else depths[p] + 1)
-    return depths
-
-
 class CalibratedProposer(Proposer):
     """`inner` with its confidences mapped: a chain's guesses by `chain` (per depth), a tree's nodes
     by `tree` (per node depth; a node's confidence is then the probability that its whole root path
@@ -185,5 +178,5 @@ class CalibratedProposer(Proposer):
         if self.tree_calibration is None or not g.tokens:
             return g
         parents = g.parents if g.parents is not None else list(range(-1, len(g.tokens) - 1))
-        confs = [self.tree_calibration.map(d, c) for d, c in zip(node_depths(parents), g.confidences)]
+        confs = [self.tree_calibration.map(d - 1, c) for d, c in zip(tree_depths(parents), g.confidences)]
         return Guesses(g.tokens, confs, g.probs, g.parents)

@@ -55,6 +55,7 @@ class Sequence:
     k_override: int | None = None  # a scheduler's cap on K for the next pass (mtp.serving.scheduler); None = strategy.k
     proposer_state: dict = field(default_factory=dict)  # the proposer's own per-sequence state (EAGLE-3: its KV)
     tree: list[int] | None = None  # `tree:N`: each draft's parent (-1 = root; mtp.core.tree); None = a chain
+    pass_time: Callable[[float], float] | None = None  # `tree:auto`: seconds per pass of q tokens (mtp.core.costmodel)
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -67,6 +68,8 @@ class Sequence:
             raise ValueError(f"conf_adapt needs a proposer with confidences, not {self.proposer.name!r}")
         if self.strategy.is_tree and (self.proposer.n_appended(self.strategy.k) or self.proposer.aux_layers):
             raise ValueError(f"tree:N drafts from heads, lookup or suffix, not from {self.proposer.name!r}")
+        if self.strategy.auto and self.pass_time is None:
+            raise ValueError("tree:auto needs this machine's pass times (Engine.new_sequence measures them)")
 
     @property
     def finished(self) -> bool:
@@ -185,6 +188,10 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         # (a proposer with its own state, EAGLE-3, sees every pass: it must follow the committed prefix)
         if s.strategy.is_tree:
             guesses = s.proposer.propose_tree(view, s.k - 1) if s.k > 1 else Guesses.none()
+            if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows on this machine
+                t, p, c = tree.prune(guesses.tokens, guesses.parents or list(range(-1, len(guesses.tokens) - 1)),
+                                     guesses.confidences, s.pass_time)
+                guesses = Guesses(t, c, None, p)
         else:
             guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 or s.proposer.aux_layers \
                 else Guesses.none()

@@ -16,6 +16,7 @@ import html
 from mtp.core import loading
 from mtp.core.adapter import load_adapter
 from mtp.core.calibration import Calibration, CalibratedProposer
+from mtp.core.costmodel import measure
 from mtp.core.decode import Sequence, stream
 from mtp.core.metrics import DecodeStats
 from mtp.core.model import pack_weights
@@ -66,6 +67,7 @@ class Engine:
         self.adapter_dir: Path | None = None
         self.asset_dirs: dict[str, Path] = {}  # asset kind ("heads") -> the directory loaded
         self._loaded_proposers: dict[str, Proposer] = {}  # proposers built from an asset, once
+        self.cost_model = None  # mtp.core.costmodel.CostModel, measured on first need (tree:auto)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -174,7 +176,15 @@ class Engine:
             raise ValueError(f"strategy {strategy} needs an MTP adapter (the model has no <mtp_mask> token); "
                              "pass --adapter DIR or use ntp / --proposer lookup")
         return Sequence(list(prompt_ids), strategy, params, self.proposer(proposer), eos_ids=self.loaded.eos_ids,
-                        decode_text=self.decode_text)
+                        decode_text=self.decode_text, pass_time=self.pass_time() if strategy.auto else None)
+
+    def pass_time(self):
+        """t(q) of this machine (`mtp.core.costmodel`): set by the owner (`mtp serve` measures it at
+        start-up), else measured here once (a few seconds), for `tree:auto`."""
+        if self.cost_model is None:
+            cache_len = max(0, min(256, self.context_window - 33))
+            self.cost_model = measure(self.model, range(1, 33), cache_len, 1, 3)
+        return self.cost_model.pass_time
 
     def stream(self, seq: Sequence, cache=None):
         return stream(self.model, seq, self.mask_id, cache)

@@ -8,9 +8,10 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("ntp", "static", "conf_adapt", "verify", "tree")
-USAGE = "expected one of: ntp, static:K, conf_adapt:TAU[:KMAX], verify:K, tree:N"
+USAGE = "expected one of: ntp, static:K, conf_adapt:TAU[:KMAX], verify:K, tree:N, tree:auto"
 K_LIMIT = 32  # the largest K any front end accepts (sizes KV-cache slack; checked before a model loads)
 SWEEP_LIMIT = 256  # strategies one sweep may expand to
+AUTO_TREE_NODES = 24  # `tree:auto` drafts at most this many nodes, then keeps the prefix that pays (mtp.core.tree.prune)
 
 
 class StrategyError(ValueError):
@@ -40,6 +41,7 @@ class Strategy:
     kind: str = "ntp"
     k: int = 1  # block size: tokens predicted per pass (ntp: 1)
     tau: float = 1.0  # conf_adapt threshold
+    auto: bool = False  # tree:auto: the tree's size chosen per pass from t(q) and the nodes' confidences
 
     @property
     def lossless(self) -> bool:
@@ -105,7 +107,7 @@ class Strategy:
         if self.kind == "conf_adapt":
             return f"conf_adapt:{self.tau:g}" + ("" if self.k == 16 else f":{self.k}")
         if self.kind == "tree":
-            return f"tree:{self.k - 1}"
+            return "tree:auto" if self.auto else f"tree:{self.k - 1}"
         return f"{self.kind}:{self.k}"
 
     @classmethod
@@ -124,6 +126,8 @@ class Strategy:
                 if k > K_LIMIT:
                     raise StrategyError(f"K is at most {K_LIMIT} in {text!r}")
                 return cls(kind, k)
+            if kind == "tree" and args == ["auto"]:
+                return cls("tree", AUTO_TREE_NODES + 1, auto=True)
             if kind == "tree" and len(args) == 1:
                 n = ascii_int(args[0])
                 if not 1 <= n <= K_LIMIT - 1:

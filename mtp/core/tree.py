@@ -22,6 +22,12 @@ model's own choice, so the output equals plain decoding's, token for token (gree
 state (tree proposers pick top-k deterministically), so the tree only decides how many of the model's
 own tokens one pass can confirm.
 
+Size (`tree:auto`, `prune`): a node's confidence estimates the probability that its whole root path is
+the model's continuation (heads: the path's probability; calibrated by `mtp tune`: measured), so a tree
+of nodes with confidences p_1..p_n is expected to confirm 1 + sum(p) tokens per pass; of the drafted
+nodes, the most confident prefix whose expected tokens per second E / t(1 + n) is highest is kept (n = 0:
+a plain pass), per row and per pass (a Sequoia-style budgeted choice, greedy on confidences).
+
 Commit: the accepted path's keys and values sit at slots c+P+path[t]; `compact` moves them to the
 contiguous slots c+P+t (parents precede children, so path[t] >= t and no source is overwritten
 before it is read); everything else beyond the committed length is dropped as usual.
@@ -107,3 +113,31 @@ def build(candidates: list[list[int]], budget: int) -> tuple[list[int], list[int
                 parents.append(node)
             node = index[key]
     return tokens, parents
+
+
+def prune(tokens: list[int], parents: list[int], confidences: list[float], pass_time, pending: int = 1):
+    """The most confident nodes worth their rows: (tokens, parents, confidences) of the prefix, by
+    confidence (ties: shallower first), that maximises (1 + sum of its confidences) / t(pending + n).
+    A confidence never exceeds its parent's in the proposers' trees, so every such prefix is a tree."""
+    if not tokens:
+        return tokens, parents, confidences
+    d = depths(parents)
+    p = [min(max(float(c), 0.0), 1.0) for c in confidences]
+    order = sorted(range(len(tokens)), key=lambda j: (-p[j], d[j], j))
+    kept: set[int] = set()
+    best_n, best_rate, expected, n = 0, 1.0 / pass_time(pending), 1.0, 0
+    chosen: list[int] = []
+    for j in order:
+        if parents[j] >= 0 and parents[j] not in kept:
+            break  # a child ranked above its parent (a proposer breaking the rule): stop the prefix here
+        kept.add(j)
+        chosen.append(j)
+        n += 1
+        expected += p[j]
+        rate = expected / pass_time(pending + n)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    keep = sorted(chosen[:best_n])  # original order: parents still precede children
+    index = {j: i for i, j in enumerate(keep)}
+    return ([tokens[j] for j in keep], [index[parents[j]] if parents[j] >= 0 else -1 for j in keep],
+            [confidences[j] for j in keep])

@@ -129,6 +129,7 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     q_max = 32
     cache_len = max(0, min(300, engine.context_window - q_max))
     cost = measure(engine.model, range(1, q_max + 1), cache_len, 1, cfg.profile_repeats)
+    engine.cost_model = cost  # what tree:auto candidates size their trees by
     log(f"tune: t(1) {1e3 * cost.pass_time(1):.1f} ms, t(8) {1e3 * cost.pass_time(8):.1f} ms, "
         f"t(32) {1e3 * cost.pass_time(32):.1f} ms")
     predict = predictability.report(engine.model, items, prompts, [o.ids for o in ref])
