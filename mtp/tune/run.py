@@ -210,9 +210,9 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     qualifying = sorted((r for r in rows.values() if r.qualifies and r.name != "ntp"),
                         key=lambda r: -r.predicted_tps)
     top = qualifying[0].predicted_tps if qualifying else 0.0
-    finalists = qualifying if cfg.measure_all else [
-        r for i, r in enumerate(qualifying)
-        if i < cfg.measure_rows or ("@mask" in r.name and r.predicted_tps >= (1 - UNCERTAIN_BAND) * top)]
+    by_price = [r for i, r in enumerate(qualifying)  # the finalists by price (what a default run measures)
+                if i < cfg.measure_rows or ("@mask" in r.name and r.predicted_tps >= (1 - UNCERTAIN_BAND) * top)]
+    finalists = qualifying if cfg.measure_all else by_price
     specs = [Spec(ntp)] + [Spec(Strategy.parse(r.name.split("@")[0]), r.name.split("@")[1]) for r in finalists]
     m = min(cfg.measure, n)
     log(f"tune: measuring ntp and {len(finalists)} finalists on {m} prompts, one at a time: "
@@ -225,6 +225,15 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
                 rec["exact_match"]
     measured = [r for r in rows.values() if r.measured_tps is not None and r.qualifies]
     chosen = max(measured, key=lambda r: r.measured_tps)
+    # with --measure-all: what the default rule would have chosen, from the same interleaved run
+    price_pick = max([rows["ntp"]] + by_price, key=lambda r: r.measured_tps or 0.0)
+    for r in sorted(measured, key=lambda r: -r.measured_tps):
+        log(f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
+            f"(priced {_f(r.predicted_speedup)}x)")
+    if cfg.measure_all:
+        log(f"tune: full sweep's best {chosen.name} {chosen.measured_tps:.2f} tokens/s; the default rule "
+            f"(finalists by price) would pick {price_pick.name} {price_pick.measured_tps:.2f} tokens/s "
+            f"({price_pick.measured_tps / chosen.measured_tps:.3f} of the best)")
     lossless_measured = [r for r in measured if r.lossless and r is not chosen]
     fallback = "ntp" if chosen.lossless else max(lossless_measured, key=lambda r: r.measured_tps).name
 
@@ -249,7 +258,9 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
                              "latency_target_met": None if cfg.latency_ms is None or latency is None
                              else latency <= cfg.latency_ms,
                              "hardware": {**env, "t_q_ms": {str(q): round(1e3 * t, 3) for q, t in cost.points.items()}}})
-    result = {"chosen": chosen.name, "fallback": fallback, "metric": metric, "tolerance": cfg.tolerance,
+    result = {"chosen": chosen.name, "fallback": fallback, "measure_all": cfg.measure_all,
+              "price_pick": price_pick.name, "price_pick_vs_best": (price_pick.measured_tps / chosen.measured_tps
+                                                                    if chosen.measured_tps else None), "metric": metric, "tolerance": cfg.tolerance,
               "kind": kind, "prompts": n, "probe": probe, "measure": m, "rows": [r.__dict__ for r in rows.values()],
               "calibration": cal_report, "predictability": predict, "unavailable": unavailable,
               "seconds": time.perf_counter() - t_start, "deploy": deploy}
