@@ -33,7 +33,8 @@ def pareto_png(result: dict, path: Path) -> None:
             continue
         colour = "tab:green" if r["lossless"] else "tab:orange"
         ax.scatter([x], [loss], s=45, color=colour if measured else "none", edgecolors=colour)
-        ax.annotate(r["name"], (x, loss), textcoords="offset points", xytext=(4, 3 - 9 * (i % 3)), fontsize=7)
+        if measured or loss > 0:  # priced lossless points crowd the zero line: the table names them
+            ax.annotate(r["name"], (x, loss), textcoords="offset points", xytext=(4, 3 - 9 * (i % 3)), fontsize=7)
         if r["name"] == result["chosen"]:
             ax.scatter([x], [loss], s=220, facecolors="none", edgecolors="black", linewidths=1.5)
     ax.axhline(result["tolerance"], color="tab:red", ls="--", lw=1, label=f"tolerance {result['tolerance']:g}")
@@ -52,8 +53,12 @@ def pareto_png(result: dict, path: Path) -> None:
 def reliability_png(result: dict, path: Path) -> None:
     plt = _plt()
     cal = result["calibration"]
-    fig, axes = plt.subplots(1, max(1, len(cal)), figsize=(4.5 * max(1, len(cal)), 4.2), squeeze=False)
-    for ax, (name, rep) in zip(axes[0], cal.items()):
+    cols = min(3, max(1, len(cal)))
+    nrows = max(1, -(-len(cal) // cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 4.0 * nrows), squeeze=False)
+    for ax in axes.flat[len(cal):]:
+        ax.axis("off")
+    for ax, (name, rep) in zip(axes.flat, cal.items()):
         for key, label, style in (("reliability_before", "raw", "o--"), ("reliability_after", "calibrated", "s-")):
             bins = rep[key]
             ece = rep["ece_before" if key.endswith("before") else "ece_after"]
@@ -68,6 +73,7 @@ def reliability_png(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if not cal:
+        axes[0][0].axis("on")
         axes[0][0].text(0.5, 0.5, "no candidate with confidences", ha="center", va="center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
