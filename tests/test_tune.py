@@ -171,6 +171,8 @@ def test_tune_end_to_end_chooses_the_fastest_measured_within_tolerance(tiny_dir,
     loaded = Engine.load(EngineConfig(model=str(tiny_dir), adapter="none"))
     D.check_engine(deploy, loaded)  # tuned on these weights
     assert set(res["predictability"]) == {"say", "rep", "all"}
+    acc = rows["verify:4@mask"]["by_category"]
+    assert set(acc) == {"say", "rep"} and all(a["acceptance_by_position"][0] == 1.0 for a in acc.values())
     assert "mask" in res["calibration"] and res["calibration"]["mask"]["test_pairs"] > 0
     html = (out / "report.html").read_text()
     assert "Predictability" in html and "Calibration" in html and (out / "pareto.png").stat().st_size > 0

@@ -107,6 +107,13 @@ def write(result: dict, out: Path) -> None:
     cal_rows = "".join(f"<li>{html.escape(n)}: ECE {_cell(c['ece_before'])} → {_cell(c['ece_after'])} on "
                        f"{c['test_pairs']} held-out guesses (fitted on {c['fit_pairs']})</li>"
                        for n, c in result["calibration"].items())
+    cats = sorted({c for r in result["rows"] for c in r.get("by_category", {})})
+    acc_head = "<tr><th>candidate</th>" + "".join(f"<th>{html.escape(c)}</th>" for c in cats) + "</tr>"
+    acc_rows = "".join(
+        f"<tr><td>{html.escape(r['name'])}</td>" + "".join(
+            "<td>" + (" / ".join(f"{a:.2f}" for a in r["by_category"][c]["acceptance_by_position"][1:6])
+                      if c in r.get("by_category", {}) else "—") + "</td>" for c in cats) + "</tr>"
+        for r in result["rows"] if r.get("by_category"))
     measured = d.extra.get("measured", {})
     pieces = [
         "<h1>mtp tune</h1>", f"<p><code>{html.escape(d.extra.get('command', ''))}</code></p>",
@@ -122,6 +129,8 @@ def write(result: dict, out: Path) -> None:
         "construction.</p>",
         "<h2>Speed vs quality</h2>", _img(out / "pareto.png"),
         "<h2>Predictability</h2>", f"<table>{pred_head}{pred_rows}</table>",
+        "<h3>What each candidate accepts, by depth and category (probe prompts)</h3>",
+        "<p>fraction of passes emitting more than 1, 2, 3, ... tokens</p>", f"<table>{acc_head}{acc_rows}</table>",
         "<h2>Calibration</h2>", f"<ul>{cal_rows or '<li>no candidate with confidences</li>'}</ul>",
         _img(out / "reliability.png")]
     style = ("body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}table{border-collapse:collapse;"

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtp.core import calibration as calib
+from mtp.core import metrics
 from mtp.core import deploy as D
 from mtp.core.costmodel import measure
 from mtp.core.engine import TREE_SUFFIX
@@ -162,7 +163,11 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
         row = Row(str(c), c.lossless, tpf, price, price / ntp_price if ntp_price else None)
         chunks = [x for o in stats.outputs for x in o.chunks[1:]]
         k = c.strategy.k
-        row.acceptance_by_position = [sum(x > i for x in chunks) / len(chunks) for i in range(k)] if chunks else []
+        row.acceptance_by_position = metrics.acceptance_by_position(chunks, k)
+        for cat in sorted({it.get("category", kind) for it in items[:probe]}):  # what it accepts per depth, by category
+            cc = [x for it, o in zip(items, stats.outputs) if it.get("category", kind) == cat for x in o.chunks[1:]]
+            row.by_category[cat] = {"tokens_per_forward": metrics.tokens_per_forward(cc),
+                                    "acceptance_by_position": metrics.acceptance_by_position(cc, k)}
         row.probe_loss = quality.mean_loss(metric, [(o.ids, o.text) for o in stats.outputs], refs[:probe])
         if c.lossless:
             row.loss, row.loss_items, row.qualifies = 0.0, n, True
