@@ -228,3 +228,15 @@ def test_metrics_use_a_registry_per_app(engine):
     assert families["mtp_request_latency_seconds"].type == "histogram"
     assert a.state.mtp.metrics.value("mtp_requests_total", endpoint="completions", status="ok") == 1
     assert b.state.mtp.metrics.value("mtp_requests_total", endpoint="completions", status="ok") == 0
+
+
+@pytest.mark.parametrize("stop", ['"ab\\ud800"', '["ok", "\\udfff"]'])
+def test_stop_strings_with_lone_surrogates_are_400(engine, stop):
+    body = '{"model": "tiny", "prompt": "ab", "max_tokens": 4, "stop": ' + stop + '}'
+    with LiveServer(make_app(engine)) as srv:
+        r = httpx.post(srv.url + "/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
+        err = assert_error(r, 400, "stop")  # refused when the body is read (pydantic): never reaches decoding
+        assert "unicode" in err["message"] and "\\ud" not in err["message"]
+        ok = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 4,
+                                                            "stop": ["zz"]})
+        assert ok.status_code == 200  # the server goes on
