@@ -154,13 +154,15 @@ def test_tune_end_to_end_chooses_the_fastest_measured_within_tolerance(tiny_dir,
     out = tmp_path / "tuned"
     argv = ["tune", "--model", str(tiny_dir), "--adapter", "none", "--data", f"prompts:{data}", "--tolerance", "0",
             "--metric", "exact", "--limit", "4", "--probe", "2", "--measure", "2", "--max-new-tokens", "12",
-            "--candidates", "verify:4@mask,static:4@mask,conf_adapt:0.9:4@mask", "--out", str(out)]
+            "--candidates", "verify:4@mask,static:4@mask,conf_adapt:0.9:4@mask,tree:4@lookup", "--out", str(out)]
     assert main(argv) == 0
     assert "mtp tune:" in capsys.readouterr().out
     deploy = D.read(out / "deploy.json")
     res = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in res["rows"]}
-    assert set(rows) == {"ntp", "verify:4@mask", "static:4@mask", "conf_adapt:0.9:4@mask"}
+    assert set(rows) == {"ntp", "verify:4@mask", "static:4@mask", "conf_adapt:0.9:4@mask", "tree:4@lookup"}
+    assert rows["tree:4@lookup"]["note"] == "replayed on 4 answers" and rows["tree:4@lookup"]["qualifies"]
+    assert rows["verify:4@mask"]["note"] == "decoded on 2 prompts"
     assert rows["verify:4@mask"]["qualifies"] and rows["verify:4@mask"]["loss"] == 0.0
     static = rows["static:4@mask"]
     assert static["qualifies"] is False and static["probe_loss"] > 0  # random guesses change the output

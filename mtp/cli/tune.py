@@ -37,12 +37,12 @@ def add_parser(sub) -> None:
     p.add_argument("--latency-ms", type=float, default=None, help="target milliseconds per token (reported against)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts (default 100)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
-    p.add_argument("--probe", type=int, default=None, help="prompts every candidate decodes, batched (default 16)")
+    p.add_argument("--probe", type=int, default=None, help="prompts a decoded candidate decodes, batched (default 8; replayable lossless ones use every prompt)")
     p.add_argument("--measure", type=int, default=None, help="prompts the finalists decode one at a time (default 8)")
     p.add_argument("--measure-rows", type=int, default=None, help="finalists besides ntp (default 3)")
     p.add_argument("--measure-all", action="store_const", const=True, default=None,
                    help="measure every qualifying candidate (a full sweep, to check the choice)")
-    p.add_argument("--batch", type=int, default=None, help="rows decoded together offline (default 16)")
+    p.add_argument("--batch", type=int, default=None, help="rows decoded together offline (default 32)")
     p.add_argument("--candidates", default=None,
                    help="comma list STRATEGY@PROPOSER replacing the default sweep, e.g. verify:4@heads,conf_adapt:0.95:4@mask")
     p.add_argument("--config", default=None, help="TOML or JSON file with these options")

@@ -18,9 +18,9 @@ from mtp.core.strategy import Strategy, split_list
 LOSSLESS = ("verify:3@heads", "verify:4@heads", "tree:8@heads", "tree:16@heads", "tree:auto@heads",
             "tree:8@heads+suffix+lookup", "tree:16@heads+suffix+lookup", "tree:auto@heads+suffix+lookup",
             "tree:8@suffix", "verify:3@lookup", "verify:4@eagle3", "verify:4@mask")
-LOSSY = ("conf_adapt:0.99:4@heads", "conf_adapt:0.95:4@heads", "conf_adapt:0.9:4@heads", "conf_adapt:0.8:4@heads",
-         "conf_adapt:0.99:4@mask", "conf_adapt:0.95:4@mask", "conf_adapt:0.9:4@mask", "conf_adapt:0.8:4@mask",
-         "static:2@heads", "static:3@heads", "static:2@mask", "static:3@mask")
+LOSSY = ("conf_adapt:0.95:4@heads", "conf_adapt:0.9:4@heads", "conf_adapt:0.8:4@heads",
+         "conf_adapt:0.95:4@mask", "conf_adapt:0.9:4@mask", "conf_adapt:0.8:4@mask",
+         "static:2@heads", "static:2@mask")
 
 
 @dataclass(frozen=True)

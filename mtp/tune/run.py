@@ -5,14 +5,17 @@ The adoption checklist, in order:
 2. hardware: this machine's t(q) (`mtp.core.costmodel.measure`);
 3. predictability: entropy and top-1 probability of the model on its own answers, per category
    (`mtp.tune.predictability`);
-4. calibration: for each proposer with confidences, a `verify:4` run on the probe prompts records
-   (confidence, right) per depth; for each part of a merged candidate, a `tree:16` run records
-   (node confidence, whether its root path is the model's continuation) per node depth; a map per
-   depth is fitted on the even-numbered prompts and its expected calibration error measured on the
-   odd ones (`mtp.core.calibration`); conf_adapt then reads calibrated confidences, and a merge
-   compares its parts' calibrated node probabilities instead of fixed priors;
-5. probe: every candidate decodes the first `probe` prompts (batched); its steady-state tokens/s is
-   priced as tokens / (sum of t(block) over its passes + its proposer's time), the same for `ntp`;
+4. calibration: for each proposer with confidences, a `verify:4` run records (confidence, right) per
+   depth; for each part of a merged candidate, a `tree:16` run records (node confidence, whether its
+   root path is the model's continuation) per node depth; a map per depth is fitted on the
+   even-numbered prompts and its expected calibration error measured on the odd ones
+   (`mtp.core.calibration`); conf_adapt then reads calibrated confidences, and a merge compares its
+   parts' calibrated node probabilities instead of fixed priors;
+5. probe: a lossless candidate whose proposer reads only the context and the hidden state (heads,
+   lookup, suffix, merges) is replayed on every reference answer (`mtp.tune.simulate`: the passes a
+   decode would make, without decoding); the others (mask, EAGLE-3, every lossy one) decode the first
+   `probe` prompts, batched; each is priced in steady state as tokens / (sum of t(block) over its
+   passes + its proposer's time), the same for `ntp`;
 6. quality: a lossy candidate that could win (priced at least as fast as the best lossless one) and
    whose lossier family members did not already fail decodes every prompt, stopping as soon as its
    loss can no longer stay within the tolerance; lossless candidates always qualify;
@@ -41,6 +44,7 @@ from mtp.eval.bench import BenchConfig, Spec, environment, load_data, run_bench
 from mtp.tune import candidates as C
 from mtp.tune import predictability
 from mtp.tune.offline import chain_pairs, decode_all, tree_pairs
+from mtp.tune.simulate import can_replay, replay
 
 MARKER = "mtp-tune.json"
 UNCERTAIN_BAND = 0.15  # mask-token candidates priced within this of the best are measured too
@@ -54,11 +58,11 @@ class TuneConfig:
     latency_ms: float | None = None  # a target ms per token, reported against
     limit: int | None = 100
     max_new_tokens: int = 256
-    probe: int = 16  # prompts every candidate decodes (batched)
+    probe: int = 8  # prompts a decoded candidate decodes (batched)
     measure: int = 8  # prompts the finalists decode one at a time
     measure_rows: int = 3  # finalists besides ntp
     measure_all: bool = False  # measure every qualifying candidate (a full sweep, for checking the choice)
-    batch: int = 16
+    batch: int = 32
     candidates: str | None = None
     profile_repeats: int = 3
 
@@ -142,11 +146,19 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     probe_runs: dict[str, object] = {}
     chain_parts = sorted({c.proposer for c in cands if c.strategy.thresholded})
     tree_parts = sorted({p for c in cands if c.strategy.is_tree and "+" in c.proposer for p in c.proposer.split("+")})
+    hidden: dict = {}  # teacher-forced hidden states per prompt, shared by every replay
+
+    def lossless(strategy: Strategy, proposer: str, record: bool = False):
+        """A lossless candidate's passes: replayed on every reference answer where its proposer allows
+        (mtp.tune.simulate), else decoded on the probe prompts."""
+        if can_replay(proposer):
+            return replay(engine, prompts, ref, strategy, proposer, record, hidden)
+        return decode_all(engine, prompts[:probe], strategy, proposer, cfg.max_new_tokens, cfg.batch, record=record)
+
     for key, arm, pairs_of in ([(p, D.Arm(Strategy.parse("verify:4"), p), chain_pairs) for p in chain_parts]
                                + [(p + TREE_SUFFIX, D.Arm(Strategy.parse("tree:16"), p), tree_pairs)
                                   for p in tree_parts]):
-        stats = decode_all(engine, prompts[:probe], arm.strategy, arm.proposer, cfg.max_new_tokens, cfg.batch,
-                           record=True)
+        stats = lossless(arm.strategy, arm.proposer, record=True)
         probe_runs[str(arm)] = stats
         fitted, cal_report[key] = fit_held_out([pairs_of(o) for o in stats.outputs])
         calibrations[key] = fitted
@@ -157,18 +169,22 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     # 5. probe every candidate
     rows: dict[str, Row] = {"ntp": Row("ntp", True, ntp_tpf, ntp_price, 1.0, 0.0, 0.0, n, True)}
     for c in cands:
-        stats = probe_runs.get(str(c)) or decode_all(engine, prompts[:probe], c.strategy, c.proposer,
-                                                      cfg.max_new_tokens, cfg.batch)
+        stats = probe_runs.get(str(c))
+        if stats is None:
+            stats = lossless(c.strategy, c.proposer) if c.lossless else \
+                decode_all(engine, prompts[:probe], c.strategy, c.proposer, cfg.max_new_tokens, cfg.batch)
         tpf, price = steady_price(cost, stats.outputs, stats.proposing_s)
         row = Row(str(c), c.lossless, tpf, price, price / ntp_price if ntp_price else None)
         chunks = [x for o in stats.outputs for x in o.chunks[1:]]
         k = c.strategy.k
         row.acceptance_by_position = metrics.acceptance_by_position(chunks, k)
-        for cat in sorted({it.get("category", kind) for it in items[:probe]}):  # what it accepts per depth, by category
+        for cat in sorted({it.get("category", kind) for it in items[:len(stats.outputs)]}):  # per depth, by category
             cc = [x for it, o in zip(items, stats.outputs) if it.get("category", kind) == cat for x in o.chunks[1:]]
             row.by_category[cat] = {"tokens_per_forward": metrics.tokens_per_forward(cc),
                                     "acceptance_by_position": metrics.acceptance_by_position(cc, k)}
-        row.probe_loss = quality.mean_loss(metric, [(o.ids, o.text) for o in stats.outputs], refs[:probe])
+        row.probe_loss = quality.mean_loss(metric, [(o.ids, o.text) for o in stats.outputs], refs[:len(stats.outputs)])
+        row.note = f"replayed on {len(stats.outputs)} answers" if c.lossless and can_replay(c.proposer) else \
+            f"decoded on {len(stats.outputs)} prompts"
         if c.lossless:
             row.loss, row.loss_items, row.qualifies = 0.0, n, True
         rows[str(c)] = row

@@ -1,0 +1,110 @@
+"""Lossless candidates priced without decoding them: greedy `verify:K` and `tree:N` replayed on the
+reference answers.
+
+Under greedy decoding a lossless strategy emits exactly the reference (`ntp`) answer, and a proposer
+that reads only the context and the last layer's hidden state (heads, lookup, suffix, and merges of
+them) drafts from the same inputs at every pass: the hidden state that predicted the model's own
+token at answer position e is the teacher-forced pass's hidden state at prompt length + e - 1. So
+one forward pass over prompt + answer per prompt, then the proposer alone, pass by pass, gives every
+pass's drafts, how many of them the model would accept (the longest matching prefix, or the tree path
+of the answer's tokens) and the block it fed: the same chunks and blocks a real decode records (up
+to the floating-point differences between a full pass and incremental passes, which may flip a
+near-tie of a draft). Mask proposers (their guesses come from mask tokens inside the pass) and
+EAGLE-3 (its own KV cache of the trunk's layers) cannot be replayed this way: those are decoded.
+
+The proposer's calls are timed (`TimedProposer`), so pricing includes its cost, as for a decode.
+"""
+from __future__ import annotations
+
+import torch
+
+from mtp.core.cache import KVCache
+from mtp.core.proposers import Guesses, PassView, TimedProposer, check_proposer
+from mtp.core.proposers.base import GREEDY
+from mtp.core.strategy import Strategy
+from mtp.tune.offline import Output, RecordingProposer, RunStats
+
+
+def can_replay(proposer: str) -> bool:
+    """Whether `proposer` drafts from the context and hidden state alone (heads, lookup, suffix, merges)."""
+    spec = check_proposer(proposer)
+    return all(not check_proposer(p).needs_mask_token and p != "eagle3" for p in (spec.parts or (proposer,)))
+
+
+def hidden_states(model, prompt_ids: list[int], answer_ids: list[int]) -> torch.Tensor:
+    """[len(prompt) + len(answer), dim]: the last layer's hidden state at every position, teacher-forced."""
+    ids = list(prompt_ids) + list(answer_ids)
+    n = len(ids)
+    cache = KVCache.for_model(model, 1, n)
+    with torch.inference_mode():
+        _, hidden = model(torch.tensor([ids], device=model.device), torch.arange(n, device=model.device).view(1, n),
+                          cache=cache, return_hidden=True)
+    return hidden[0].cpu()
+
+
+def accepted(guesses: Guesses, truth: list[int], is_tree: bool) -> int:
+    """Drafts the model accepts when its own next tokens are `truth` (greedy)."""
+    if not is_tree:
+        a = 0
+        while a < len(guesses.tokens) and a < len(truth) and guesses.tokens[a] == truth[a]:
+            a += 1
+        return a
+    parents = guesses.parents or list(range(-1, len(guesses.tokens) - 1))
+    node, a = -1, 0
+    while a < len(truth):
+        nxt = next((j for j, (t, p) in enumerate(zip(guesses.tokens, parents)) if p == node and t == truth[a]), None)
+        if nxt is None:
+            break
+        node, a = nxt, a + 1
+    return a
+
+
+def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: Strategy, proposer: str,
+           record: bool = False, hidden_cache: dict | None = None) -> RunStats:
+    """The passes of `strategy` drafting from `proposer` on each prompt, replayed on its reference
+    answer (an `Output` of the `ntp` run: ids, and finish 'stop' when it ended in EOS). Returns
+    outputs with the reference ids and the replayed chunks, blocks (and with `record`, the drafts'
+    confidences and trees, as `offline.decode_all` records them)."""
+    if not strategy.verifies:
+        raise ValueError(f"only lossless strategies can be replayed, not {strategy}")
+    clock: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    eos = list(engine.loaded.eos_ids[:1])
+    outs = []
+    for j, (prompt, ref) in enumerate(zip(prompts, answers)):
+        seq = ref.ids + (eos if ref.finish == "stop" and eos else [])  # what the passes produce, EOS included
+        key = (j, len(ref.ids))
+        if hidden_cache is not None and key in hidden_cache:
+            hidden = hidden_cache[key]
+        else:
+            hidden = hidden_states(engine.model, prompt, seq)
+            if hidden_cache is not None:
+                hidden_cache[key] = hidden
+        base = engine.proposer(proposer)
+        logs, trees = [], []
+        inner = RecordingProposer(base, logs, trees) if record else base
+        timed = TimedProposer(inner, clock, counts)
+        P = len(prompt)
+        chunks, blocks = [1], [P]  # the prompt's pass emits the first token
+        e, state = 1, {}
+        with torch.inference_mode():
+            while e < len(seq):
+                view = PassView(context=list(prompt) + seq[:e], mask_logits=torch.empty(0), hidden=hidden[P + e - 2],
+                                masks_valid=False, start=P + e - 1, state=state)
+                if strategy.is_tree:
+                    g = timed.propose_tree(view, strategy.k - 1)
+                    if strategy.auto and g.tokens:
+                        from mtp.core import tree
+                        t, p, c = tree.prune(g.tokens, g.parents or list(range(-1, len(g.tokens) - 1)),
+                                             g.confidences, engine.pass_time())
+                        g = Guesses(t, c, None, p)
+                else:
+                    g = timed.propose(view, strategy.k, GREEDY, None)
+                    g = Guesses(g.tokens[: strategy.k - 1], g.confidences[: strategy.k - 1], None)
+                a = accepted(g, seq[e:], strategy.is_tree)
+                n = min(a + 1, len(seq) - e)
+                chunks.append(n)
+                blocks.append(1 + len(g.tokens))
+                e += n
+        outs.append(Output(list(ref.ids), ref.text, chunks, blocks, ref.finish, logs, trees))
+    return RunStats(outs, sum(clock.values()), sum(counts.values()))

@@ -1,0 +1,79 @@
+"""`mtp tune` prices lossless candidates by replaying them on the reference answers
+(mtp.tune.simulate): for heads chains and trees, prompt-lookup trees and `tree:auto`, the replayed
+passes (tokens emitted and fed per pass) are those a real decode records, pass for pass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from mtp.core.decode import Sequence, block_slack, decode_step
+from mtp.core.cache import KVCache
+from mtp.core.proposers import PromptLookupProposer
+from mtp.core.proposers import heads as N
+from mtp.core.sampling import SamplingParams
+from mtp.core.strategy import Strategy
+from mtp.tune.offline import Output, chain_pairs
+from mtp.tune.simulate import can_replay, replay
+
+PROMPTS = [[5, 17, 3, 44, 9, 5, 17, 3], [7, 7, 8, 9, 7, 7, 8], [60, 61, 62, 63, 60, 61]]
+COST = lambda q: 1 + 0.05 * q  # noqa: E731
+
+
+@dataclass
+class Loaded:
+    eos_ids: tuple = (2,)
+
+
+class FakeEngine:
+    """What `replay` needs of an Engine: the model, its EOS ids, a proposer by name, t(q)."""
+
+    def __init__(self, model, proposers):
+        self.model, self.loaded, self.proposers = model, Loaded(), proposers
+
+    def proposer(self, name=None):
+        return self.proposers[name]
+
+    def pass_time(self):
+        return COST
+
+
+def decoded(model, prompt, strategy, proposer, n=40):
+    seq = Sequence(list(prompt), Strategy.parse(strategy), SamplingParams(max_new_tokens=n), proposer,
+                   eos_ids=(2,), pass_time=COST if strategy == "tree:auto" else None)
+    cache = KVCache.for_model(model, 1, len(prompt) + n + block_slack(seq.strategy.k))
+    with torch.inference_mode():
+        while not seq.finished:
+            decode_step(model, cache, [seq], None)
+    return seq
+
+
+@pytest.mark.parametrize("strategy, which", [("verify:4", "heads"), ("tree:8", "heads"), ("tree:auto", "heads"),
+                                             ("tree:4", "lookup"), ("verify:3", "lookup")])
+def test_replayed_passes_are_the_decoded_ones(strategy, which):
+    model = tiny_model(0)
+    torch.manual_seed(0)
+    heads = N.MTPHeads(N.HeadsConfig.for_model(model.config, 3)).eval().requires_grad_(False)
+    prop = N.HeadsProposer(model, heads, "float32") if which == "heads" else PromptLookupProposer()
+    engine = FakeEngine(model, {which: prop})
+    refs, real = [], []
+    for p in PROMPTS:
+        ntp = decoded(model, p, "ntp", PromptLookupProposer())
+        refs.append(Output(list(ntp.output), "", [], [], ntp.finish_reason))
+        real.append(decoded(model, p, strategy, prop))
+    stats = replay(engine, PROMPTS, refs, Strategy.parse(strategy), which, record=True)
+    for out, seq in zip(stats.outputs, real):
+        assert seq.output == out.ids  # lossless
+        assert out.chunks == seq.stats.chunks and out.blocks == seq.stats.blocks
+    assert stats.guesses > 0
+    if strategy.startswith("verify"):
+        assert any(chain_pairs(o) for o in stats.outputs)
+
+
+def test_only_context_and_hidden_proposers_replay():
+    assert can_replay("heads") and can_replay("lookup") and can_replay("heads+suffix+lookup")
+    assert not can_replay("mask") and not can_replay("eagle3") and not can_replay("mask-single")
+    with pytest.raises(ValueError, match="only lossless"):
+        replay(FakeEngine(tiny_model(0), {}), [], [], Strategy.parse("static:2"), "lookup")
