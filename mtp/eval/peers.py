@@ -7,7 +7,16 @@
 - vllm:            vLLM (CPU build, its own `.venv-vllm`: `make vllm`), greedy, fp32, on the HF directory;
 - vllm-ngram:      the same with its n-gram proposer (`method: ngram`, 3 tokens);
 - vllm-eagle3:DIR: the same with an EAGLE-3 drafter (`mtp export --format vllm-eagle3` output, or a
-                   `mtp train-eagle3` directory, exported on the fly), 3 speculative tokens.
+                   `mtp train-eagle3` directory, exported on the fly), 3 speculative tokens;
+- llamacpp-server[:TARGET]:       llama-server (`make llamacpp`), greedy, on TARGET: a `.gguf` file or a
+                   `mtp export --format llamacpp` folder (its target); default the engine's own `.gguf` model;
+- llamacpp-server-ngram[:TARGET]: the same with its n-gram drafts (`ngram-simple`, 3-token lookup, 3 drafts);
+- llamacpp-server-eagle3:DIR:     the same on an export folder's target with its EAGLE-3 drafter, as many
+                   drafts per step as the export says (`--draft-tokens`, default 3; a `mtp train-eagle3`
+                   directory is exported on the fly, f32, 3 drafts).
+The llama-server peers' tokens per pass come from the server's own `draft_n_accepted` (n / (n - accepted),
+counting the prompt's pass as ours do); `params()` carries its own timings (generation tokens/s, drafts).
+Asking for one without the build is an error (`parse_baselines`), not a skipped row.
 
 Each peer takes the prompt's token ids (already chat-formatted by the engine) and returns the ids it
 generated, without the EOS. A missing package is reported with its install hint (`missing()`), never
@@ -18,14 +27,18 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from mtp.core import loading
+from mtp.core.artifacts import read_json
 from mtp.core.export import export_vllm_eagle3
-from mtp.eval import vllm_env
+from mtp.core.export_llamacpp import MANIFEST, export_llamacpp, is_llamacpp_export
+from mtp.eval import llamacpp_env, vllm_env
+from mtp.eval.llamacpp_server import LlamaServer
 
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value
 LLAMACPP_LOOKUP_TOKENS = 2  # llama-cpp-python's advice for CPU-only machines (10 on GPU)
@@ -196,22 +209,124 @@ class VllmEagle3Peer(VllmPeer):
                 "num_speculative_tokens": VLLM_SPEC_TOKENS}
 
 
+LLAMACPP_DRAFTS = 3  # --spec-draft-n-max of the llama-server peers (verify:4 in our terms)
+
+
+class LlamaServerPeer(Peer):
+    """llama-server from `make llamacpp`, one configuration per row, started at setup (free local port)."""
+    name = "llamacpp-server"
+    hint = llamacpp_env.HINT
+    tokens_per_forward = 1.0
+    spec: str | None = None
+    arg: str | None = None
+    draft_max = LLAMACPP_DRAFTS  # an export folder's `draft_tokens` overrides it
+
+    def missing(self) -> str | None:
+        gone = llamacpp_env.missing()
+        return f"skipped: {gone}" if gone else None
+
+    def files(self, engine) -> tuple[str, str | None]:
+        """(target GGUF, drafter GGUF or None) this row serves."""
+        if self.arg:
+            path = Path(self.arg)
+            if path.is_dir() and (path / MANIFEST).exists():
+                man = read_json(path / MANIFEST, "llama.cpp export manifest")
+                return str(path / man["target"]), None
+            if path.is_file() and path.suffix == ".gguf":
+                return str(path), None
+            raise ValueError(f"{self.name}: {self.arg} is neither a .gguf file nor an `mtp export --format llamacpp` "
+                             "folder")
+        path = loading.resolve(engine.loaded.name)
+        if not (path.is_file() and path.suffix == ".gguf"):
+            raise ValueError(f"{self.name} needs a .gguf model or an export folder ({self.name}:DIR), not "
+                             f"{path.name!r}")
+        return str(path), None
+
+    def setup(self, engine) -> None:
+        self.eos = set(engine.loaded.eos_ids)
+        target, drafter = self.files(engine)
+        threads = engine.config.threads or torch.get_num_threads()
+        self.server = LlamaServer(target, self.spec, drafter, threads=threads, ctx=engine.context_window,
+                                  draft_max=self.draft_max)
+        self.served = {"target": os.path.basename(target), "drafter": drafter and os.path.basename(drafter)}
+        self.timings: list[dict] = []
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        rec = self.server.complete(prompt_ids, max_new_tokens)
+        self.timings.append(rec["timings"])
+        if self.spec is not None:
+            self.tokens_per_forward = llamacpp_tokens_per_pass(self.timings)
+        return _cut_at_eos(rec["ids"], self.eos)
+
+    def params(self) -> dict:
+        out = {"spec_type": self.spec, **getattr(self, "served", {})}
+        if self.spec is not None:
+            out["spec_draft_n_max"] = self.draft_max
+        if getattr(self, "timings", None):
+            tps = sorted(t.get("predicted_per_second") or 0.0 for t in self.timings)
+            out["server_timings"] = {"runs": len(self.timings), "predicted_per_second_median": tps[len(tps) // 2],
+                                     "predicted_n": sum(t.get("predicted_n", 0) for t in self.timings),
+                                     "draft_n": sum(t.get("draft_n", 0) for t in self.timings),
+                                     "draft_n_accepted": sum(t.get("draft_n_accepted", 0) for t in self.timings)}
+        return out
+
+
+def llamacpp_tokens_per_pass(timings: list[dict]) -> float | None:
+    """Tokens per target pass from llama-server timings: n tokens took n - accepted passes (prompt's included)."""
+    n = sum(t.get("predicted_n", 0) for t in timings)
+    acc = sum(t.get("draft_n_accepted", 0) for t in timings)
+    return n / (n - acc) if n > acc else None
+
+
+class LlamaServerNgramPeer(LlamaServerPeer):
+    name = "llamacpp-server-ngram"
+    tokens_per_forward = None
+    spec = "ngram"
+
+
+class LlamaServerEagle3Peer(LlamaServerPeer):
+    name = "llamacpp-server-eagle3"
+    tokens_per_forward = None
+    spec = "eagle3"
+
+    def files(self, engine) -> tuple[str, str | None]:
+        if not self.arg:
+            raise ValueError("llamacpp-server-eagle3 needs an export folder: llamacpp-server-eagle3:DIR")
+        path = Path(self.arg)
+        if not (path / MANIFEST).exists():  # a drafter directory: exported on the fly (f32)
+            self._tmp = tempfile.TemporaryDirectory()
+            export_llamacpp(engine.loaded, path, Path(self._tmp.name) / "gguf", "f32", llamacpp_env.converter(),
+                            llamacpp_env.converter_python(), llamacpp_env.VERSION)
+            path = Path(self._tmp.name) / "gguf"
+        elif not is_llamacpp_export(path):
+            raise ValueError(f"{path} holds files an `mtp export --format llamacpp` folder does not")
+        man = read_json(path / MANIFEST, "llama.cpp export manifest")
+        self.draft_max = int(man.get("draft_tokens", LLAMACPP_DRAFTS))
+        return str(path / man["target"]), str(path / man["drafter"])
+
+
 PEERS = {p.name: p for p in (HFPeer, HFLookupPeer, LlamaCppPeer, LlamaCppLookupPeer, VllmPeer, VllmNgramPeer,
-                             VllmEagle3Peer)}
-PARAMETRISED = {"vllm-eagle3"}  # peers named NAME:ARG
+                             VllmEagle3Peer, LlamaServerPeer, LlamaServerNgramPeer, LlamaServerEagle3Peer)}
+PARAMETRISED = {"vllm-eagle3", "llamacpp-server-eagle3"}  # peers named NAME:ARG
+OPTIONAL_ARG = {"llamacpp-server", "llamacpp-server-ngram"}  # peers named NAME or NAME:ARG
+LLAMACPP_SERVER = {"llamacpp-server", "llamacpp-server-ngram", "llamacpp-server-eagle3"}
 
 
 def parse_baselines(text: str | None) -> list[str]:
     """'hf,llamacpp' -> ['hf', 'llamacpp']; an unknown name is a ValueError listing the known ones.
-    A parametrised peer is written NAME:ARG (vllm-eagle3:DIR)."""
+    A parametrised peer is written NAME:ARG (vllm-eagle3:DIR), some take it optionally (llamacpp-server:GGUF).
+    A llama-server peer without the `make llamacpp` build is a ValueError with the hint: asked for by name,
+    it is not quietly skipped."""
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
     for n in names:
         base, sep, arg = n.partition(":")
         if base in PARAMETRISED and not (sep and arg):
             raise ValueError(f"baseline {base} needs its drafter folder: {base}:DIR (e.g. from mtp export)")
-        if base not in PEERS or (base not in PARAMETRISED and sep):
+        if base not in PEERS or (base not in PARAMETRISED | OPTIONAL_ARG and sep) or (sep and not arg):
             raise ValueError(f"unknown baseline {n!r}; choose from " + ", ".join(
-                p + (":DIR" if p in PARAMETRISED else "") for p in PEERS))
+                p + (":DIR" if p in PARAMETRISED else "[:GGUF]" if p in OPTIONAL_ARG else "") for p in PEERS))
+        if base in LLAMACPP_SERVER and llamacpp_env.missing():
+            raise ValueError(f"baseline {base}: {llamacpp_env.missing()}")
     return list(dict.fromkeys(names))
 
 
