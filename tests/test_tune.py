@@ -46,6 +46,13 @@ def test_calibration_halves_the_error_on_held_out_pairs():
     # depths beyond the fitted ones use the last map; the identity when there is nothing to learn
     assert fitted.map(5, 0.7) == fitted.map(0, 0.7)
     assert calib.fit_depth([(0.9, True)] * 50) == calib.DepthMap()
+    # confidences all near 1 but right half the time (an over-sure mask group): the map learns the rate,
+    # within bounds, instead of running off to a step function
+    rng = random.Random(2)
+    sure = [(rng.uniform(0.999, 1.0), rng.random() < 0.5) for _ in range(300)]
+    m = calib.fit_depth(sure)
+    rate = sum(r for _, r in sure) / len(sure)
+    assert abs(m(0.9995) - rate) < 0.05 and calib.W_RANGE[0] <= 1 / m.temperature <= calib.W_RANGE[1]
     assert calib.expected_calibration_error([]) is None
     with pytest.raises(ValueError, match="temperatures must be finite"):
         calib.Calibration.from_json([{"temperature": 0, "bias": 0}])

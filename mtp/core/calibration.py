@@ -82,20 +82,36 @@ class Calibration:
             raise ValueError(f"bad calibration entry: {e}") from None
 
 
+W_RANGE = (1e-2, 1e2)  # 1 / temperature: a map stays increasing and never jumps like a step function
+B_RANGE = (-30.0, 30.0)
+
+
 def fit_depth(pairs: list[tuple[float, bool]], iterations: int = 50, l2: float = 1e-3) -> DepthMap:
     """The (temperature, bias) minimising the log loss of sigmoid(w * logit(c) + b) on (c, right)
-    pairs (Newton steps on a two-parameter logistic regression; w = 1 / temperature). Too few
-    pairs, or pairs that are all right or all wrong, leave the identity (nothing to learn from)."""
+    pairs (damped Newton steps on a two-parameter logistic regression, w = 1 / temperature, kept in
+    W_RANGE and B_RANGE, with a weak pull towards the identity). Too few pairs, or pairs that are
+    all right or all wrong, leave the identity; one confidence for every pair learns its rate."""
     if len(pairs) < 20 or all(r for _, r in pairs) or not any(r for _, r in pairs):
         return DepthMap()
     xs = [_logit(c) for c, _ in pairs]
     ys = [1.0 if r else 0.0 for _, r in pairs]
     mean_x = sum(xs) / len(xs)
-    if max(xs) - min(xs) < 1e-6:  # one confidence for every guess (prompt lookup's 1.0): its rate is all to learn
+    if max(xs) - min(xs) < 1e-3:  # one confidence for every guess (prompt lookup's 1.0): its rate is all to learn
         return DepthMap(1.0, _logit(sum(ys) / len(ys)) - mean_x)
+
+    def loss(w, b):
+        total = 0.0
+        for x, y in zip(xs, ys):
+            z = w * x + b
+            total += (math.log1p(math.exp(-abs(z))) + max(z, 0.0)) - y * z  # log(1 + e^z) - y z, stable
+        return total + 0.5 * l2 * ((w - 1) ** 2 + b * b)
+
     w, b = 1.0, 0.0
+    current = loss(w, b)
     for _ in range(iterations):
-        gw = gb = hww = hwb = hbb = 0.0
+        gw, gb = l2 * (w - 1), l2 * b
+        hww = hbb = l2
+        hwb = 0.0
         for x, y in zip(xs, ys):
             p = _sigmoid(w * x + b)
             e, v = p - y, p * (1 - p)
@@ -104,18 +120,30 @@ def fit_depth(pairs: list[tuple[float, bool]], iterations: int = 50, l2: float =
             hww += v * x * x
             hwb += v * x
             hbb += v
-        gw += l2 * (w - 1)  # a weak pull towards the identity keeps separable data finite
-        hww += l2
-        hbb += 1e-9
         det = hww * hbb - hwb * hwb
         if det <= 0:
             break
-        dw = (hbb * gw - hwb * gb) / det
-        db = (hww * gb - hwb * gw) / det
-        w, b = w - dw, b - db
-        if abs(dw) < 1e-7 and abs(db) < 1e-7:
+        # the joint Newton step, else (a bound on w holds it) a step in the bias alone; backtracked
+        found = None
+        for dw, db in (((hbb * gw - hwb * gb) / det, (hww * gb - hwb * gw) / det), (0.0, gb / hbb)):
+            step = 1.0
+            for _ in range(30):
+                nw = min(max(w - step * dw, W_RANGE[0]), W_RANGE[1])
+                nb = min(max(b - step * db, B_RANGE[0]), B_RANGE[1])
+                new = loss(nw, nb)
+                if new < current - 1e-12:
+                    found = (nw, nb, new)
+                    break
+                step /= 2
+            if found:
+                break
+        if found is None:
             break
-    w = max(w, 1e-3)  # a map must stay increasing in c
+        nw, nb, new = found
+        moved = abs(nw - w) + abs(nb - b)
+        w, b, current = nw, nb, new
+        if moved < 1e-7:
+            break
     return DepthMap(1 / w, b)
 
 
