@@ -168,7 +168,15 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
 
     # 5. probe every candidate
     rows: dict[str, Row] = {"ntp": Row("ntp", True, ntp_tpf, ntp_price, 1.0, 0.0, 0.0, n, True)}
-    for c in cands:
+    budget = cfg.tolerance * n  # the most item losses a qualifying candidate may have
+    failed_families: dict[tuple, float] = {}  # family -> the least risky member that exceeded the tolerance
+    order = [c for c in cands if c.lossless] + sorted((c for c in cands if not c.lossless),
+                                                      key=lambda c: (c.family, c.risk))
+    for c in order:
+        if not c.lossless and c.family in failed_families and c.risk > failed_families[c.family]:
+            rows[str(c)] = Row(str(c), False, qualifies=False,
+                               note="not probed: a less lossy member of its family already exceeded the tolerance")
+            continue
         stats = probe_runs.get(str(c))
         if stats is None:
             stats = lossless(c.strategy, c.proposer) if c.lossless else \
@@ -187,24 +195,23 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
             f"decoded on {len(stats.outputs)} prompts"
         if c.lossless:
             row.loss, row.loss_items, row.qualifies = 0.0, n, True
+        elif row.probe_loss * probe > budget:
+            row.qualifies, row.note = False, "exceeds the tolerance on the probe prompts alone"
+            row.loss, row.loss_items = row.probe_loss, probe
+            failed_families[c.family] = min(failed_families.get(c.family, 9.0), c.risk)
         rows[str(c)] = row
         log(f"tune: probe {c}: {tpf:.2f} tokens/pass, priced {row.predicted_speedup:.2f}x ntp"
             + ("" if c.lossless else f", loss {row.probe_loss:.3f} on {probe} prompts"))
 
     # 6. quality of the lossy candidates that could win
     best_lossless = max(r.predicted_tps for r in rows.values() if r.lossless)
-    failed_families: dict[tuple, float] = {}
     lossy = sorted((c for c in cands if not c.lossless), key=lambda c: (c.family, c.risk))
-    budget = cfg.tolerance * n  # the most item losses a qualifying candidate may have
     for c in lossy:
         row = rows[str(c)]
+        if row.qualifies is False:
+            continue  # decided by its probe
         if c.family in failed_families and c.risk > failed_families[c.family]:
             row.qualifies, row.note = False, "a less lossy member of its family already exceeded the tolerance"
-            continue
-        if row.probe_loss * probe > budget:
-            row.qualifies, row.note = False, "exceeds the tolerance on the probe prompts alone"
-            row.loss, row.loss_items = row.probe_loss, probe
-            failed_families[c.family] = min(failed_families.get(c.family, 9.0), c.risk)
             continue
         if row.predicted_tps < best_lossless:
             row.qualifies, row.note = None, "not run on every prompt: priced slower than the best lossless candidate"
