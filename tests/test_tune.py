@@ -161,18 +161,21 @@ def test_tune_end_to_end_chooses_the_fastest_measured_within_tolerance(tiny_dir,
     out = tmp_path / "tuned"
     argv = ["tune", "--model", str(tiny_dir), "--adapter", "none", "--data", f"prompts:{data}", "--tolerance", "0",
             "--metric", "exact", "--limit", "4", "--probe", "2", "--measure", "2", "--max-new-tokens", "12",
-            "--candidates", "verify:4@mask,static:4@mask,conf_adapt:0.9:4@mask,tree:4@lookup", "--out", str(out)]
+            "--candidates", "verify:4@mask,static:4@mask,static:2@mask,conf_adapt:0.9:4@mask,tree:4@lookup", "--out", str(out)]
     assert main(argv) == 0
     assert "mtp tune:" in capsys.readouterr().out
     deploy = D.read(out / "deploy.json")
     res = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in res["rows"]}
-    assert set(rows) == {"ntp", "verify:4@mask", "static:4@mask", "conf_adapt:0.9:4@mask", "tree:4@lookup"}
+    assert set(rows) == {"ntp", "verify:4@mask", "static:4@mask", "static:2@mask", "conf_adapt:0.9:4@mask",
+                         "tree:4@lookup"}
     assert rows["tree:4@lookup"]["note"] == "replayed on 4 answers" and rows["tree:4@lookup"]["qualifies"]
     assert rows["verify:4@mask"]["note"] == "decoded on 2 prompts"
     assert rows["verify:4@mask"]["qualifies"] and rows["verify:4@mask"]["loss"] == 0.0
-    static = rows["static:4@mask"]
+    static = rows["static:2@mask"]
     assert static["qualifies"] is False and static["probe_loss"] > 0  # random guesses change the output
+    # its lossier family member is not even probed
+    assert rows["static:4@mask"]["qualifies"] is False and rows["static:4@mask"]["note"].startswith("not probed")
     measured = [r for r in rows.values() if r["qualifies"] and r["measured_tps"] is not None]
     best = max(measured, key=lambda r: r["measured_tps"])
     assert str(deploy.tuned) in (best["name"], "ntp") and res["chosen"] == best["name"]
