@@ -232,3 +232,16 @@ def test_toy_check_prints_blocks(engine, capsys):
     assert strategies == {"ntp", "verify:4@mask", "conf_adapt:0.9:4@mask"}
     assert all(r["tokens_per_forward"] == 1.0 for r in rows if r["strategy"] == "ntp")
     assert sum(1 for line in lines if "tokens/pass" in line) == len(rows) == 3 * len(toy.PROMPTS)
+
+
+def test_a_map_that_makes_held_out_answers_worse_is_not_used():
+    from mtp.tune.run import fit_held_out
+    rng = random.Random(3)
+    # even-numbered prompts: confident guesses mostly wrong; odd ones: confident guesses right
+    even = [[(rng.uniform(0.8, 1.0), rng.random() < 0.1) for _ in range(200)]]
+    odd = [[(rng.uniform(0.8, 1.0), rng.random() < 0.95) for _ in range(200)]]
+    fitted, rep = fit_held_out([even, odd, even, odd])
+    assert rep["ece_after"] > rep["ece_before"] and rep["used"] is False
+    assert fitted.map(0, 0.9) == pytest.approx(0.9)  # the raw confidences stay
+    _, rep = fit_held_out([[overconfident(400, seed)] for seed in range(4)])
+    assert rep["used"] is True and rep["ece_after"] < rep["ece_before"]

@@ -164,7 +164,8 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
         calibrations[key] = fitted
         engine.config.calibration[key] = fitted
         log(f"tune: calibration of {key}: ECE {_f(cal_report[key]['ece_before'], 3)} -> "
-            f"{_f(cal_report[key]['ece_after'], 3)} on {cal_report[key]['test_pairs']} held-out guesses")
+            f"{_f(cal_report[key]['ece_after'], 3)} on {cal_report[key]['test_pairs']} held-out guesses"
+            + ("" if cal_report[key]["used"] else " (worse: not used, raw confidences kept)"))
 
     # 5. probe every candidate
     rows: dict[str, Row] = {"ntp": Row("ntp", True, ntp_tpf, ntp_price, 1.0, 0.0, 0.0, n, True)}
@@ -312,11 +313,14 @@ def fit_held_out(per_prompt: list[list[list[tuple[float, bool]]]]) -> tuple[cali
     fitted = calib.fit(fit_pairs)
     before = [p for d in test_pairs for p in d]
     after = [(fitted.map(d, c), r) for d, pairs in enumerate(test_pairs) for c, r in pairs]
-    return fitted, {"fit_pairs": sum(map(len, fit_pairs)), "test_pairs": len(before),
-                    "ece_before": calib.expected_calibration_error(before),
-                    "ece_after": calib.expected_calibration_error(after),
-                    "reliability_before": calib.reliability(before), "reliability_after": calib.reliability(after),
-                    "maps": fitted.to_json()}
+    ece_before, ece_after = calib.expected_calibration_error(before), calib.expected_calibration_error(after)
+    kept = ece_before is None or ece_after is None or ece_after <= ece_before
+    report = {"fit_pairs": sum(map(len, fit_pairs)), "test_pairs": len(before), "ece_before": ece_before,
+              "ece_after": ece_after, "used": kept, "reliability_before": calib.reliability(before),
+              "reliability_after": calib.reliability(after), "maps": fitted.to_json()}
+    if not kept:  # a map that makes the held-out answers worse is not used: the raw confidences stay
+        fitted = calib.Calibration((calib.DepthMap(),))
+    return fitted, report
 
 
 def _arm(name: str, engine) -> D.Arm:
