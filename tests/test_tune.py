@@ -245,3 +245,15 @@ def test_a_map_that_makes_held_out_answers_worse_is_not_used():
     assert fitted.map(0, 0.9) == pytest.approx(0.9)  # the raw confidences stay
     _, rep = fit_held_out([[overconfident(400, seed)] for seed in range(4)])
     assert rep["used"] is True and rep["ece_after"] < rep["ece_before"]
+
+
+def test_quality_losses():
+    from mtp.eval import quality
+    assert quality.item_loss("exact", [1, 2], "a", [1, 2], "a") == 0.0
+    assert quality.item_loss("exact", [1, 2], "a", [1, 3], "a") == 1.0
+    assert quality.item_loss("answer", [1], "so 12", [2], "it is 12") == 0.0
+    assert quality.item_loss("answer", [1], "so 12", [2], "it is 13") == 1.0
+    assert quality.item_loss("rougeL", [1], "你好", [1], "你好") == 0.0  # identical, though ROUGE sees no tokens
+    assert 0 < quality.item_loss("rougeL", [1], "the cat sat", [2], "the dog sat") < 1
+    with pytest.raises(ValueError, match="unknown metric"):
+        quality.item_loss("bleu", [], "", [], "")
