@@ -198,6 +198,19 @@ JOBS = [("Hello", "ntp", 40), ("What is 2+2?", "verify:3", 53), ("abc def", "sta
         ("Once upon", "conf_adapt:0.9:4", 45)]
 
 
+def ask_all(srv, jobs):
+    """Every (prompt, strategy, max_tokens) job as a chat request at once; the responses in job order."""
+    c = client_for(srv)
+
+    def ask(job):
+        p, s, n = job
+        return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=n,
+                                         temperature=0, extra_body={"mtp": {"strategy": s}})
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(ask, jobs))
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_concurrent_mixed_strategies_equal_generate(engine, adaptive):
     """7 clients at once, 3 batch rows: joins, leaves (rows moved), queueing; every output equals
@@ -206,15 +219,7 @@ def test_concurrent_mixed_strategies_equal_generate(engine, adaptive):
     refs = [reference(engine, p, s, n, chat=True) for p, s, n in JOBS]
     app = make_app(engine, pass_time=(lambda q: 1.0) if adaptive else None, max_batch=3, max_model_len=200)
     with LiveServer(app) as srv:
-        c = client_for(srv)
-
-        def ask(job):
-            p, s, n = job
-            return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=n,
-                                             temperature=0, extra_body={"mtp": {"strategy": s}})
-
-        with ThreadPoolExecutor(len(JOBS)) as pool:
-            outs = list(pool.map(ask, JOBS))
+        outs = ask_all(srv, JOBS)
         sched = app.state.mtp.scheduler
         assert adaptive or sched.capped_passes == 0
         assert sched.passes < sum(o.model_extra["mtp"]["forward_passes"] for o in outs)  # rows shared passes
@@ -239,15 +244,7 @@ def test_concurrent_trees_equal_ntp(tiny_dir, adaptive):
     app = make_app(lookup, pass_time=(lambda q: 0.01 * (1 + q / 8)) if adaptive else None, max_batch=3,
                    max_model_len=200)
     with LiveServer(app) as srv:
-        c = client_for(srv)
-
-        def ask(job):
-            p, s, n = job
-            return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=n,
-                                             temperature=0, extra_body={"mtp": {"strategy": s}})
-
-        with ThreadPoolExecutor(len(TREE_JOBS)) as pool:
-            outs = list(pool.map(ask, TREE_JOBS))
+        outs = ask_all(srv, TREE_JOBS)
     for out, ref, (_, s, _) in zip(outs, refs, TREE_JOBS):
         assert out.choices[0].message.content == ref.text, s
         assert out.usage.completion_tokens == len(ref.token_ids)
