@@ -137,7 +137,9 @@ def test_offline_batches_give_the_single_stream_outputs(engine):
 def test_predictability_reads_the_models_own_confidences(engine):
     ids = engine.encode("hello there", chat=True)
     res = engine.generate(ids, "ntp", SamplingParams(max_new_tokens=10))
-    entropy, top1 = predictability.token_stats(engine.model, ids, res.token_ids)
+    logits, hidden = predictability.teacher_forced(engine.model, ids, res.token_ids)
+    assert hidden.shape[0] == len(ids) + len(res.token_ids)
+    entropy, top1 = predictability.token_stats(logits)
     assert len(top1) == len(res.token_ids)
     assert top1 == pytest.approx(res.confidences[: len(top1)], abs=1e-4)  # teacher-forced = decoded
     assert all(e >= 0 for e in entropy)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from mtp.core.tree import depths as tree_depths
-from mtp.core.proposers.base import Guesses, Proposer
+from mtp.core.proposers.base import Guesses, Proposer, WrappedProposer
 
 EPS = 1e-6
 BINS = 10
@@ -181,19 +181,15 @@ def reliability(pairs: list[tuple[float, bool]], bins: int = BINS) -> list[dict]
     return out
 
 
-class CalibratedProposer(Proposer):
+class CalibratedProposer(WrappedProposer):
     """`inner` with its confidences mapped: a chain's guesses by `chain` (per depth), a tree's nodes
     by `tree` (per node depth; a node's confidence is then the probability that its whole root path
     is the model's continuation, what a merged proposer compares across parts). Tokens and tree
     shapes are unchanged; either map may be None (left as is)."""
 
     def __init__(self, inner: Proposer, chain: Calibration | None = None, tree: Calibration | None = None):
-        self.inner, self.chain, self.tree_calibration = inner, chain, tree
-        self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
-        self.aux_layers = getattr(inner, "aux_layers", ())
-
-    def n_appended(self, k: int, drafts: int = 0) -> int:
-        return self.inner.n_appended(k, drafts)
+        super().__init__(inner)
+        self.chain, self.tree_calibration = chain, tree
 
     def propose(self, view, k, params, gen) -> Guesses:
         g = self.inner.propose(view, k, params, gen)

@@ -19,6 +19,9 @@ COLUMNS = [("strategy", "strategy"), ("n_prompts", "n"), ("tokens_per_forward", 
            ("answer_agreement", "answer agreement"), ("accuracy", "accuracy"), ("rougeL", "ROUGE-L"),
            ("oracle_tokens_per_forward", "oracle tokens/pass"), ("mean_block_tokens", "block tokens"),
            ("error", "error")]
+PAGE_CSS = ("body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}table{border-collapse:collapse;"
+            "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}td:first-child{text-align:left}"
+            "img{max-width:100%}")  # the pages of mtp bench and mtp tune
 CHUNK_CSS = ("".join(f".c{i}{{background:{c}}}" for i, c in enumerate(
     ["#cfe2ff", "#d1e7dd", "#f8d7da", "#fff3cd", "#e2d9f3", "#d2f4ea"])))
 
@@ -168,9 +171,7 @@ def write_html(res, path: Path, engine=None, command: str = "", chunk_examples: 
                    "<ul>" + "".join(f"<li>{html.escape(a)}</li>" for a in res.advice) + "</ul>"]
     pieces += ["<h2 id=chunks>Chunk view</h2><p>Tokens emitted by one forward pass share a background colour.</p>",
                chunk_view_html(res, engine, chunk_examples)]
-    style = ("body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}table{border-collapse:collapse;"
-             "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}td:first-child{text-align:left}"
-             "img{max-width:100%}.chunks{white-space:pre-wrap;font-family:monospace;line-height:1.6}"
-             "pre.prompt{white-space:pre-wrap;background:#f6f6f6;padding:6px}" + CHUNK_CSS)
+    style = PAGE_CSS + (".chunks{white-space:pre-wrap;font-family:monospace;line-height:1.6}"
+                        "pre.prompt{white-space:pre-wrap;background:#f6f6f6;padding:6px}" + CHUNK_CSS)
     Path(path).write_text(f"<!doctype html><html><head><meta charset=utf-8><title>mtp bench</title>"
                           f"<style>{style}</style></head><body>{''.join(pieces)}</body></html>", encoding="utf-8")

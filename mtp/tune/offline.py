@@ -17,6 +17,7 @@ import torch
 from mtp.core.batching import Batch
 from mtp.core.decode import block_slack
 from mtp.core.proposers import Proposer, TimedProposer
+from mtp.core.proposers.base import WrappedProposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 
@@ -43,17 +44,13 @@ class RunStats:
         return self.proposing_s / self.guesses if self.guesses else 0.0
 
 
-class RecordingProposer(Proposer):
+class RecordingProposer(WrappedProposer):
     """`inner` with the confidences of each chain of guesses it returns appended to `log`, and each
     tree it drafts to `trees`."""
 
     def __init__(self, inner: Proposer, log: list[list[float]], trees: list[tuple] | None = None):
-        self.inner, self.log, self.trees = inner, log, trees if trees is not None else []
-        self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
-        self.aux_layers = getattr(inner, "aux_layers", ())
-
-    def n_appended(self, k: int, drafts: int = 0) -> int:
-        return self.inner.n_appended(k, drafts)
+        super().__init__(inner)
+        self.log, self.trees = log, trees if trees is not None else []
 
     def propose(self, view, k, params, gen):
         g = self.inner.propose(view, k, params, gen)

@@ -17,31 +17,44 @@ from mtp.core.cache import KVCache
 TAUS = (0.5, 0.8, 0.9, 0.95, 0.99)
 
 
-def token_stats(model, prompt_ids: list[int], answer_ids: list[int]) -> tuple[list[float], list[float]]:
-    """(entropy in nats, top-1 probability) of the model's distribution for each answer token."""
-    if not answer_ids:
-        return [], []
+def teacher_forced(model, prompt_ids: list[int], answer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass over prompt + answer: (logits [A, V] of the distributions that predicted the A
+    answer tokens, the mask token excluded as in decoding; the last layer's hidden states [P + A, dim])."""
     ids = list(prompt_ids) + list(answer_ids)
     n = len(ids)
     cache = KVCache.for_model(model, 1, n)
-    tokens = torch.tensor([ids], device=model.device)
-    positions = torch.arange(n, device=model.device).view(1, n)
     with torch.inference_mode():
-        logits = model(tokens, positions, cache=cache).float()[0, len(prompt_ids) - 1: n - 1]  # [A, V]
+        logits, hidden = model(torch.tensor([ids], device=model.device),
+                               torch.arange(n, device=model.device).view(1, n), cache=cache, return_hidden=True)
+        logits = logits.float()[0, len(prompt_ids) - 1: n - 1]
         mask_id = model.config.mask_token_id
         if mask_id is not None and mask_id < logits.shape[-1]:
             logits[:, mask_id] = float("-inf")  # never a prediction, as in decoding
+        return logits.cpu(), hidden[0].cpu()
+
+
+def token_stats(logits: torch.Tensor) -> tuple[list[float], list[float]]:
+    """(entropy in nats, top-1 probability) of each row of answer logits [A, V]."""
+    with torch.inference_mode():
         logp = torch.log_softmax(logits, -1)
         entropy = -(logp.exp() * logp).nan_to_num().sum(-1)
         return entropy.tolist(), logp.max(-1).values.exp().tolist()
 
 
-def report(model, items: list[dict], prompts: list[list[int]], answers: list[list[int]]) -> dict:
+def report(model, items: list[dict], prompts: list[list[int]], answers: list[list[int]],
+           hidden: dict | None = None) -> dict:
     """Per category (and `all`): items, answer tokens, mean entropy, mean top-1 probability and the
-    share of tokens with top-1 probability >= each τ of TAUS."""
+    share of tokens with top-1 probability >= each τ of TAUS. `hidden`, if given, keeps each prompt's
+    hidden states by index (what `mtp.tune.simulate.replay` reads: one teacher-forced pass serves both)."""
     groups: dict[str, list[tuple[list[float], list[float]]]] = {}
-    for it, p, a in zip(items, prompts, answers):
-        stats = token_stats(model, p, a)
+    for j, (it, p, a) in enumerate(zip(items, prompts, answers)):
+        if not a:
+            stats = ([], [])
+        else:
+            logits, h = teacher_forced(model, p, a)
+            stats = token_stats(logits)
+            if hidden is not None:
+                hidden[j] = h
         groups.setdefault(it.get("category", "all"), []).append(stats)
     if len(groups) > 1:
         groups["all"] = [s for g in list(groups.values()) for s in g]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from mtp.eval.report import _img, _plt
+from mtp.eval.report import PAGE_CSS, _img, _plt
 
 COLUMNS = [("name", "candidate"), ("tokens_per_forward", "tokens/pass"), ("predicted_speedup", "priced speedup"),
            ("measured_tps", "measured tok/s"), ("measured_speedup", "measured speedup"), ("probe_loss", "probe loss"),
@@ -133,9 +133,6 @@ def write(result: dict, out: Path) -> None:
         "<p>fraction of passes emitting more than 1, 2, 3, ... tokens</p>", f"<table>{acc_head}{acc_rows}</table>",
         "<h2>Calibration</h2>", f"<ul>{cal_rows or '<li>no candidate with confidences</li>'}</ul>",
         _img(out / "reliability.png")]
-    style = ("body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}table{border-collapse:collapse;"
-             "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}td:first-child{text-align:left}"
-             "img{max-width:100%}")
     (out / "report.html").write_text(f"<!doctype html><html><head><meta charset=utf-8><title>mtp tune</title>"
-                                     f"<style>{style}</style></head><body>{''.join(pieces)}</body></html>",
+                                     f"<style>{PAGE_CSS}</style></head><body>{''.join(pieces)}</body></html>",
                                      encoding="utf-8")

@@ -137,7 +137,8 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     engine.cost_model = cost  # what tree:auto candidates size their trees by
     log(f"tune: t(1) {1e3 * cost.pass_time(1):.1f} ms, t(8) {1e3 * cost.pass_time(8):.1f} ms, "
         f"t(32) {1e3 * cost.pass_time(32):.1f} ms")
-    predict = predictability.report(engine.model, items, prompts, [o.ids for o in ref])
+    hidden: dict = {}  # teacher-forced hidden states per prompt: predictability fills it, every replay reads it
+    predict = predictability.report(engine.model, items, prompts, [o.ids for o in ref], hidden)
     ntp_tpf, ntp_price = steady_price(cost, ref[:probe], 0.0)
 
     # 4. calibration: chains of each confidence proposer (conf_adapt reads them), trees of each part of a
@@ -146,8 +147,6 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     probe_runs: dict[str, object] = {}
     chain_parts = sorted({c.proposer for c in cands if c.strategy.thresholded})
     tree_parts = sorted({p for c in cands if c.strategy.is_tree and "+" in c.proposer for p in c.proposer.split("+")})
-    hidden: dict = {}  # teacher-forced hidden states per prompt, shared by every replay
-
     def lossless(strategy: Strategy, proposer: str, record: bool = False):
         """A lossless candidate's passes: replayed on every reference answer where its proposer allows
         (mtp.tune.simulate), else decoded on the probe prompts."""

@@ -18,28 +18,18 @@ from __future__ import annotations
 
 import torch
 
-from mtp.core.cache import KVCache
+from mtp.core import tree
 from mtp.core.proposers import Guesses, PassView, TimedProposer, check_proposer
 from mtp.core.proposers.base import GREEDY
 from mtp.core.strategy import Strategy
 from mtp.tune.offline import Output, RecordingProposer, RunStats
+from mtp.tune.predictability import teacher_forced
 
 
 def can_replay(proposer: str) -> bool:
     """Whether `proposer` drafts from the context and hidden state alone (heads, lookup, suffix, merges)."""
     spec = check_proposer(proposer)
     return all(not check_proposer(p).needs_mask_token and p != "eagle3" for p in (spec.parts or (proposer,)))
-
-
-def hidden_states(model, prompt_ids: list[int], answer_ids: list[int]) -> torch.Tensor:
-    """[len(prompt) + len(answer), dim]: the last layer's hidden state at every position, teacher-forced."""
-    ids = list(prompt_ids) + list(answer_ids)
-    n = len(ids)
-    cache = KVCache.for_model(model, 1, n)
-    with torch.inference_mode():
-        _, hidden = model(torch.tensor([ids], device=model.device), torch.arange(n, device=model.device).view(1, n),
-                          cache=cache, return_hidden=True)
-    return hidden[0].cpu()
 
 
 def accepted(guesses: Guesses, truth: list[int], is_tree: bool) -> int:
@@ -64,7 +54,8 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
     """The passes of `strategy` drafting from `proposer` on each prompt, replayed on its reference
     answer (an `Output` of the `ntp` run: ids, and finish 'stop' when it ended in EOS). Returns
     outputs with the reference ids and the replayed chunks, blocks (and with `record`, the drafts'
-    confidences and trees, as `offline.decode_all` records them)."""
+    confidences and trees, as `offline.decode_all` records them). `hidden_cache` (prompt index ->
+    hidden states) spares repeated teacher-forced passes."""
     if not strategy.verifies:
         raise ValueError(f"only lossless strategies can be replayed, not {strategy}")
     clock: dict[str, float] = {}
@@ -73,13 +64,13 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
     outs = []
     for j, (prompt, ref) in enumerate(zip(prompts, answers)):
         seq = ref.ids + (eos if ref.finish == "stop" and eos else [])  # what the passes produce, EOS included
-        key = (j, len(ref.ids))
-        if hidden_cache is not None and key in hidden_cache:
-            hidden = hidden_cache[key]
+        # pass e reads the hidden state at P + e - 2 < P + len(ref.ids): the answer without its EOS is enough
+        if hidden_cache is not None and j in hidden_cache:
+            hidden = hidden_cache[j]
         else:
-            hidden = hidden_states(engine.model, prompt, seq)
+            hidden = teacher_forced(engine.model, prompt, ref.ids)[1] if ref.ids else torch.empty(0)
             if hidden_cache is not None:
-                hidden_cache[key] = hidden
+                hidden_cache[j] = hidden
         base = engine.proposer(proposer)
         logs, trees = [], []
         inner = RecordingProposer(base, logs, trees) if record else base
@@ -94,7 +85,6 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
                 if strategy.is_tree:
                     g = timed.propose_tree(view, strategy.k - 1)
                     if strategy.auto and g.tokens:
-                        from mtp.core import tree
                         t, p, c = tree.prune(g.tokens, g.parents or list(range(-1, len(g.tokens) - 1)),
                                              g.confidences, engine.pass_time())
                         g = Guesses(t, c, None, p)

@@ -73,18 +73,33 @@ class Proposer:
         return Guesses(g.tokens, g.confidences, None, list(range(-1, len(g.tokens) - 1)))
 
 
-class TimedProposer(Proposer):
-    """A row's proposer with its `propose` calls timed into a shared clock (proposer name -> seconds)
-    and, given `guesses`, its guesses counted there (name -> count), so a policy can price proposing
-    apart from the forward pass (the server's adaptive K; `mtp bench`'s best K: seconds per guess)."""
+class WrappedProposer(Proposer):
+    """A proposer around another one: same name, needs and appended tokens; subclasses change what
+    `propose` / `propose_tree` return or record (timing, calibration, recording)."""
 
-    def __init__(self, inner: Proposer, clock: dict[str, float], guesses: dict[str, int] | None = None):
-        self.inner, self.clock, self.guesses = inner, clock, guesses
+    def __init__(self, inner: Proposer):
+        self.inner = inner
         self.name, self.needs_hidden, self.has_confidence = inner.name, inner.needs_hidden, inner.has_confidence
         self.aux_layers = getattr(inner, "aux_layers", ())  # trunk layers the inner proposer reads
 
     def n_appended(self, k: int, drafts: int = 0) -> int:
         return self.inner.n_appended(k, drafts)
+
+    def propose(self, view, k, params, gen):
+        return self.inner.propose(view, k, params, gen)
+
+    def propose_tree(self, view, n):
+        return self.inner.propose_tree(view, n)
+
+
+class TimedProposer(WrappedProposer):
+    """A row's proposer with its `propose` calls timed into a shared clock (proposer name -> seconds)
+    and, given `guesses`, its guesses counted there (name -> count), so a policy can price proposing
+    apart from the forward pass (the server's adaptive K; `mtp bench`'s best K: seconds per guess)."""
+
+    def __init__(self, inner: Proposer, clock: dict[str, float], guesses: dict[str, int] | None = None):
+        super().__init__(inner)
+        self.clock, self.guesses = clock, guesses
 
     def propose_tree(self, view, n):
         t0 = time.perf_counter()
