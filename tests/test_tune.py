@@ -259,3 +259,30 @@ def test_quality_losses():
     assert 0 < quality.item_loss("rougeL", [1], "the cat sat", [2], "the dog sat") < 1
     with pytest.raises(ValueError, match="unknown metric"):
         quality.item_loss("bleu", [], "", [], "")
+
+
+def test_lossy_bound_prices_the_recorded_passes():
+    from mtp.core.costmodel import CostModel
+    from mtp.tune.bound import lossy_bound
+    from mtp.tune.offline import RunStats
+
+    cost = CostModel({1: 0.1, 2: 0.15, 4: 0.2})
+    # two prompts; the first pass (the prompt's) is left out of the pricing
+    outs = [Output([], "", [1, 1, 1], [5, 1, 1], "length", proposals=[[0.1, 0.1, 0.1], [0.99, 0.97, 0.5], [0.2, 0.9, 0.9]]),
+            Output([], "", [1, 1], [5, 1], "length", proposals=[[0.0] * 3, [0.96, 0.1, 0.99]])]
+    records = RunStats(outs, proposing_s=0.09, guesses=9)  # 0.01 s per guess
+    # conf_adapt:0.95:4: passes emit 1 + leading guesses >= 0.95 -> 3, 1, 2 (own token taken as sure)
+    tpf, tps = lossy_bound(Strategy.parse("conf_adapt:0.95:4"), 0, cost, records)
+    fed = [1, 3, 1]  # each pass feeds what the previous one emitted
+    seconds = sum(cost.pass_time(q) for q in fed) + 3 * 0.03
+    assert tpf == pytest.approx(2.0) and tps == pytest.approx(6 / seconds)
+    # masks appended to every pass are paid for; a calibration lowers what passes the threshold
+    _, tps_masks = lossy_bound(Strategy.parse("conf_adapt:0.95:4"), 3, cost, records)
+    assert tps_masks == pytest.approx(6 / (sum(cost.pass_time(q + 3) for q in fed) + 3 * 0.03))
+    halved = calib.Calibration((calib.DepthMap(temperature=1.0, bias=-3.0),))
+    assert lossy_bound(Strategy.parse("conf_adapt:0.95:4"), 0, cost, records, halved)[0] == pytest.approx(1.0)
+    # static:K emits K every pass and pays K-1 guesses of proposing
+    tpf, tps = lossy_bound(Strategy.parse("static:2"), 0, cost, records)
+    assert tpf == 2 and tps == pytest.approx(6 / (cost.pass_time(1) + 2 * cost.pass_time(2) + 3 * 0.01))
+    # more guesses than were recorded: no bound
+    assert lossy_bound(Strategy.parse("conf_adapt:0.9:8"), 0, cost, records) is None

@@ -22,7 +22,7 @@ except ModuleNotFoundError:  # Python 3.10: JSON config files only
     tomllib = None
 
 FIELDS = {"data": str, "tolerance": float, "metric": str, "latency_ms": float, "limit": int, "max_new_tokens": int,
-          "probe": int, "measure": int, "measure_rows": int, "measure_all": bool, "batch": int, "candidates": str,
+          "probe": int, "calibrate": int, "measure": int, "measure_rows": int, "measure_all": bool, "batch": int, "candidates": str,
           "out": str}
 
 
@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts (default 100)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
     p.add_argument("--probe", type=int, default=None, help="prompts a decoded candidate decodes, batched (default 8; replayable lossless ones use every prompt)")
+    p.add_argument("--calibrate", type=int, default=None,
+                   help="prompts a decoded proposer (mask adapter) decodes for its calibration (default 16)")
     p.add_argument("--measure", type=int, default=None, help="prompts the finalists decode one at a time (default 8)")
     p.add_argument("--measure-rows", type=int, default=None, help="finalists besides ntp (default 3)")
     p.add_argument("--measure-all", action="store_const", const=True, default=None,

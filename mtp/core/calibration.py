@@ -169,6 +169,19 @@ def expected_calibration_error(pairs: list[tuple[float, bool]], bins: int = BINS
     return sum(abs(right[j] / total[j] - conf[j] / total[j]) * total[j] / n for j in range(bins) if total[j])
 
 
+def ece_floor(confidences: list[float], draws: int = 20, seed: int = 0) -> float | None:
+    """The error a perfectly calibrated proposer would still show on this many guesses: the mean
+    `expected_calibration_error` of outcomes drawn right with probability equal to each confidence
+    (fixed seed). A measured error near it cannot be told from calibrated."""
+    if not confidences:
+        return None
+    import random
+
+    rng = random.Random(seed)
+    return sum(expected_calibration_error([(c, rng.random() < c) for c in confidences])
+               for _ in range(draws)) / draws
+
+
 def reliability(pairs: list[tuple[float, bool]], bins: int = BINS) -> list[dict]:
     """Per non-empty bin: its range, count, mean confidence and accuracy (the reliability diagram)."""
     out = []

@@ -15,7 +15,9 @@ The adoption checklist, in order:
    lookup, suffix, merges) is replayed on every reference answer (`mtp.tune.simulate`: the passes a
    decode would make, without decoding); the others (mask, EAGLE-3, every lossy one) decode the first
    `probe` prompts, batched; each is priced in steady state as tokens / (sum of t(block) over its
-   passes + its proposer's time), the same for `ntp`;
+   passes + its proposer's time), the same for `ntp`. A lossy candidate is first priced optimistically
+   from its proposer's recorded calibration passes (`mtp.tune.bound`) and not decoded at all when even
+   that price is below the best lossless candidate's (unless `measure_all`);
 6. quality: a lossy candidate that could win (priced at least as fast as the best lossless one) and
    whose lossier family members did not already fail decodes every prompt, stopping as soon as its
    loss can no longer stay within the tolerance; lossless candidates always qualify;
@@ -43,11 +45,14 @@ from mtp.eval import quality
 from mtp.eval.bench import BenchConfig, Spec, environment, load_data, run_bench
 from mtp.tune import candidates as C
 from mtp.tune import predictability
+from mtp.tune.bound import lossy_bound
 from mtp.tune.offline import chain_pairs, decode_all, tree_pairs
 from mtp.tune.simulate import can_replay, replay
 
 MARKER = "mtp-tune.json"
 UNCERTAIN_BAND = 0.15  # mask-token candidates priced within this of the best are measured too
+Q_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32)  # block sizes t(q) is measured at
+BOUND_MARGIN = 0.05  # a lossy candidate is not decoded when its optimistic price is this far below the best lossless
 
 
 @dataclass
@@ -59,6 +64,7 @@ class TuneConfig:
     limit: int | None = 100
     max_new_tokens: int = 256
     probe: int = 8  # prompts a decoded candidate decodes (batched)
+    calibrate: int = 16  # prompts a decoded calibration run decodes (half fit, half held out)
     measure: int = 8  # prompts the finalists decode one at a time
     measure_rows: int = 3  # finalists besides ntp
     measure_all: bool = False  # measure every qualifying candidate (a full sweep, for checking the choice)
@@ -70,7 +76,7 @@ class TuneConfig:
         D.check_tolerance(self.tolerance)
         if self.metric is not None:
             D.check_metric(self.metric)
-        for name in ("limit", "max_new_tokens", "probe", "measure", "measure_rows", "batch", "profile_repeats"):
+        for name in ("limit", "max_new_tokens", "probe", "calibrate", "measure", "measure_rows", "batch", "profile_repeats"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
@@ -93,6 +99,7 @@ class Row:
     measured_tps: float | None = None
     measured_speedup: float | None = None
     measured_exact: float | None = None
+    bound_speedup: float | None = None  # lossy: the optimistic price from the recorded passes (mtp.tune.bound)
     note: str = ""
     acceptance_by_position: list = field(default_factory=list)
     by_category: dict = field(default_factory=dict)
@@ -109,6 +116,11 @@ def steady_price(cost, outs, proposing_s: float) -> tuple[float, float]:
 
 def run(engine, cfg: TuneConfig, log=print) -> dict:
     t_start = time.perf_counter()
+    say = log
+
+    def log(line: str) -> None:  # every line says how long the run has taken so far
+        say(f"{line} [{time.perf_counter() - t_start:.0f}s]")
+
     kind, items = load_data(cfg.data, cfg.limit)
     metric = cfg.metric or ("answer" if kind == "gsm8k" else "rougeL")
     cands = C.parse(cfg.candidates) if cfg.candidates else C.defaults()
@@ -129,11 +141,10 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     ntp = Strategy()
     ref = decode_all(engine, prompts, ntp, None, cfg.max_new_tokens, cfg.batch).outputs
     refs = [(o.ids, o.text) for o in ref]
-    log(f"tune: reference ntp answers: {sum(len(o.ids) for o in ref):,} tokens "
-        f"[{time.perf_counter() - t_start:.0f}s]")
-    q_max = 32
+    log(f"tune: reference ntp answers: {sum(len(o.ids) for o in ref):,} tokens")
+    q_max = Q_POINTS[-1]
     cache_len = max(0, min(300, engine.context_window - q_max))
-    cost = measure(engine.model, range(1, q_max + 1), cache_len, 1, cfg.profile_repeats)
+    cost = measure(engine.model, Q_POINTS, cache_len, 1, cfg.profile_repeats)  # interpolated between
     engine.cost_model = cost  # what tree:auto candidates size their trees by
     log(f"tune: t(1) {1e3 * cost.pass_time(1):.1f} ms, t(8) {1e3 * cost.pass_time(8):.1f} ms, "
         f"t(32) {1e3 * cost.pass_time(32):.1f} ms")
@@ -152,7 +163,8 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
         (mtp.tune.simulate), else decoded on the probe prompts."""
         if can_replay(proposer):
             return replay(engine, prompts, ref, strategy, proposer, record, hidden)
-        return decode_all(engine, prompts[:probe], strategy, proposer, cfg.max_new_tokens, cfg.batch, record=record)
+        m = max(probe, min(cfg.calibrate, n)) if record else probe
+        return decode_all(engine, prompts[:m], strategy, proposer, cfg.max_new_tokens, cfg.batch, record=record)
 
     for key, arm, pairs_of in ([(p, D.Arm(Strategy.parse("verify:4"), p), chain_pairs) for p in chain_parts]
                                + [(p + TREE_SUFFIX, D.Arm(Strategy.parse("tree:16"), p), tree_pairs)
@@ -163,10 +175,18 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
         calibrations[key] = fitted
         engine.config.calibration[key] = fitted
         log(f"tune: calibration of {key}: ECE {_f(cal_report[key]['ece_before'], 3)} -> "
-            f"{_f(cal_report[key]['ece_after'], 3)} on {cal_report[key]['test_pairs']} held-out guesses"
+            f"{_f(cal_report[key]['ece_after'], 3)} on {cal_report[key]['test_pairs']} held-out guesses "
+            f"(noise floor {_f(cal_report[key]['ece_floor'], 3)})"
             + ("" if cal_report[key]["used"] else " (worse: not used, raw confidences kept)"))
 
     # 5. probe every candidate
+    def _bound(c):
+        records = probe_runs.get(str(D.Arm(Strategy.parse("verify:4"), c.proposer)))
+        if records is None:
+            return None
+        return lossy_bound(c.strategy, engine.proposer(c.proposer).n_appended(c.strategy.k, 0), cost, records,
+                           calibrations.get(c.proposer))
+
     rows: dict[str, Row] = {"ntp": Row("ntp", True, ntp_tpf, ntp_price, 1.0, 0.0, 0.0, n, True)}
     budget = cfg.tolerance * n  # the most item losses a qualifying candidate may have
     failed_families: dict[tuple, float] = {}  # family -> the least risky member that exceeded the tolerance
@@ -177,6 +197,16 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
             rows[str(c)] = Row(str(c), False, qualifies=False,
                                note="not probed: a less lossy member of its family already exceeded the tolerance")
             continue
+        if not c.lossless:
+            bound = _bound(c)
+            best = max(r.predicted_tps for r in rows.values() if r.lossless)
+            if bound is not None and not cfg.measure_all and bound[1] < (1 - BOUND_MARGIN) * best:
+                rows[str(c)] = Row(str(c), False, bound[0], bound[1], bound[1] / ntp_price, bound_speedup=bound[1] / ntp_price,
+                                   note="not decoded: even its optimistic price from the recorded passes is below "
+                                        "the best lossless candidate's")
+                log(f"tune: skip {c}: at most {bound[0]:.2f} tokens/pass, {bound[1] / ntp_price:.2f}x ntp "
+                    f"(the best lossless: {best / ntp_price:.2f}x)")
+                continue
         stats = probe_runs.get(str(c))
         if stats is None:
             stats = lossless(c.strategy, c.proposer) if c.lossless else \
@@ -199,9 +229,12 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
             row.qualifies, row.note = False, "exceeds the tolerance on the probe prompts alone"
             row.loss, row.loss_items = row.probe_loss, probe
             failed_families[c.family] = min(failed_families.get(c.family, 9.0), c.risk)
+        if not c.lossless and bound is not None:
+            row.bound_speedup = bound[1] / ntp_price
         rows[str(c)] = row
         log(f"tune: probe {c}: {tpf:.2f} tokens/pass, priced {row.predicted_speedup:.2f}x ntp"
-            + ("" if c.lossless else f", loss {row.probe_loss:.3f} on {probe} prompts"))
+            + ("" if c.lossless else f", loss {row.probe_loss:.3f} on {probe} prompts"
+               + ("" if bound is None else f" (optimistic price {row.bound_speedup:.2f}x)")))
 
     # 6. quality of the lossy candidates that could win
     best_lossless = max(r.predicted_tps for r in rows.values() if r.lossless)
@@ -213,7 +246,7 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
         if c.family in failed_families and c.risk > failed_families[c.family]:
             row.qualifies, row.note = False, "a less lossy member of its family already exceeded the tolerance"
             continue
-        if row.predicted_tps < best_lossless:
+        if row.predicted_tps < best_lossless and not cfg.measure_all:
             row.qualifies, row.note = None, "not run on every prompt: priced slower than the best lossless candidate"
             continue
         spent = {"loss": 0.0, "items": 0}
@@ -313,9 +346,10 @@ def fit_held_out(per_prompt: list[list[list[tuple[float, bool]]]]) -> tuple[cali
     before = [p for d in test_pairs for p in d]
     after = [(fitted.map(d, c), r) for d, pairs in enumerate(test_pairs) for c, r in pairs]
     ece_before, ece_after = calib.expected_calibration_error(before), calib.expected_calibration_error(after)
+    floor = calib.ece_floor([c for c, _ in after])  # what sampling noise alone leaves on this many guesses
     kept = ece_before is None or ece_after is None or ece_after <= ece_before
     report = {"fit_pairs": sum(map(len, fit_pairs)), "test_pairs": len(before), "ece_before": ece_before,
-              "ece_after": ece_after, "used": kept, "reliability_before": calib.reliability(before),
+              "ece_after": ece_after, "ece_floor": floor, "used": kept, "reliability_before": calib.reliability(before),
               "reliability_after": calib.reliability(after), "maps": fitted.to_json()}
     if not kept:  # a map that makes the held-out answers worse is not used: the raw confidences stay
         fitted = calib.Calibration((calib.DepthMap(),))
