@@ -162,7 +162,7 @@ def test_tune_end_to_end_chooses_the_fastest_measured_within_tolerance(tiny_dir,
     data = prompts_file(tmp_path / "p.jsonl")
     out = tmp_path / "tuned"
     argv = ["tune", "--model", str(tiny_dir), "--adapter", "none", "--data", f"prompts:{data}", "--tolerance", "0",
-            "--metric", "exact", "--limit", "4", "--probe", "2", "--measure", "2", "--max-new-tokens", "12",
+            "--metric", "exact", "--limit", "4", "--probe", "2", "--calibrate", "3", "--measure", "2", "--max-new-tokens", "12",
             "--candidates", "verify:4@mask,static:4@mask,static:2@mask,conf_adapt:0.9:4@mask,tree:4@lookup", "--out", str(out)]
     assert main(argv) == 0
     assert "mtp tune:" in capsys.readouterr().out
@@ -172,7 +172,7 @@ def test_tune_end_to_end_chooses_the_fastest_measured_within_tolerance(tiny_dir,
     assert set(rows) == {"ntp", "verify:4@mask", "static:4@mask", "static:2@mask", "conf_adapt:0.9:4@mask",
                          "tree:4@lookup"}
     assert rows["tree:4@lookup"]["note"] == "replayed on 4 answers" and rows["tree:4@lookup"]["qualifies"]
-    assert rows["verify:4@mask"]["note"] == "decoded on 2 prompts"
+    assert rows["verify:4@mask"]["note"] == "decoded on 3 prompts"  # its calibration run: --calibrate 3
     assert rows["verify:4@mask"]["qualifies"] and rows["verify:4@mask"]["loss"] == 0.0
     static = rows["static:2@mask"]
     assert static["qualifies"] is False and static["probe_loss"] > 0  # random guesses change the output
