@@ -240,20 +240,27 @@ class FlakyPeer(Peer):
         return [5, 6, 7]
 
 
+class AbsentPeer(Peer):
+    """A peer whose package is not installed: its row is skipped with the install hint."""
+    name = "absent"
+    package = "absent_peer_package_for_this_test"
+    hint = "pip install absent-peer"
+
+
 def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
     from mtp.eval import peers
     monkeypatch.setitem(peers.PEERS, "flaky", FlakyPeer)
-    monkeypatch.setattr(peers.LlamaCppPeer, "package", "llama_cpp_absent_for_this_test")
+    monkeypatch.setitem(peers.PEERS, "absent", AbsentPeer)
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
     cfg = BenchConfig(bench.parse_strategies("static:2,conf_adapt:0.5:4,verify:3,verify:3@mask-single"),
-                      ["hf", "llamacpp", "flaky"],
+                      ["hf", "absent", "flaky"],
                       repeats=2, max_new_tokens=12, profile=True, profile_qs=(1, 2, 4), profile_repeats=1,
                       profile_cache_len=50)
     steps = []
     res = bench.run_bench(tiny_engine, kind, items, cfg, on_step=steps.append)
     recs = {r["strategy"]: r for r in res.records}
     assert list(recs) == ["ntp", "static:2", "conf_adapt:0.5:4", "verify:3", "verify:3@mask-single", "hf",
-                          "llamacpp", "flaky"]
+                          "absent", "flaky"]
     assert recs["ntp"]["speedup_vs_ntp"] == 1.0 and recs["ntp"]["exact_match"] == 1.0
     assert recs["ntp"]["predicted_speedup"] == pytest.approx(1.0)
     assert recs["verify:3"]["exact_match"] == 1.0  # verification is lossless under greedy decoding
@@ -264,8 +271,8 @@ def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
     assert recs["static:2"]["tokens_per_forward"] > 1.0
     assert recs["static:2"]["acceptance_by_position"][1] > 0
     assert recs["conf_adapt:0.5:4"]["oracle_tokens_per_forward"] >= 1.0
-    assert "skipped" in recs["llamacpp"]["error"] and "pip install llama-cpp-python" in recs["llamacpp"]["error"]
-    assert recs["llamacpp"]["n_prompts"] == 0
+    assert "skipped" in recs["absent"]["error"] and "pip install absent-peer" in recs["absent"]["error"]
+    assert recs["absent"]["n_prompts"] == 0
     assert "peer crashed" in recs["flaky"]["error"] and recs["flaky"]["n_prompts"] == 1
     for name in ("ntp", "static:2", "conf_adapt:0.5:4", "verify:3", "hf"):
         assert recs[name]["n_prompts"] == 3 and recs[name]["tokens_per_s"] > 0
@@ -313,6 +320,7 @@ def test_load_data_formats(tmp_path):
     (["--strategies", "verify:4@oracle"], "unknown proposer"),
     (["--baselines", "sglang"], "unknown baseline"),
     (["--baselines", "vllm-eagle3"], "vllm-eagle3:DIR"),
+    (["--baselines", "llamacpp-lookup"], "replaced by llamacpp-server-ngram"),
     (["--strategies", "@heads"], "needs a strategy before '@'"),
     (["--strategies", "verify:4@"], "needs a strategy before '@'"),
     (["--strategies", ""], "names no strategy"),

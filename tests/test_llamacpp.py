@@ -311,3 +311,43 @@ def test_no_server_outlives_the_process_that_started_it(tmp_path):
         else:
             os.kill(pid, 9)
             pytest.fail(f"server {pid} outlived its parent ({how})")
+
+
+# ---- the draft count and p-min llama.cpp's t(q) favours -------------------------------------------------------
+def synthetic_timings(t, a: float, drafts: int, draft_s: float, steps: int = 10_000) -> list[dict]:
+    """llama-server timings of a geometric drafter: per-draft acceptance a, `drafts` per step."""
+    from mtp.eval.llamacpp_profile import pass_time
+    accepted = round(steps * sum(a ** d for d in range(1, drafts + 1)))
+    ms = 1e3 * steps * (pass_time(t, 1 + drafts) + drafts * draft_s)
+    half = {"predicted_n": (steps + accepted) // 2, "predicted_ms": ms / 2, "draft_n": steps * drafts // 2,
+            "draft_n_accepted": accepted // 2}
+    return [half, dict(half)]  # two requests
+
+
+def test_draft_advice_recovers_the_drafter_and_picks_the_best_count():
+    from mtp.eval.llamacpp_profile import advice_line, advise, pass_time
+    t = {1: 0.060, 2: 0.070, 4: 0.080, 8: 0.120}
+    assert pass_time(t, 3) == pytest.approx(0.075) and pass_time(t, 0.5) == 0.060
+    assert pass_time(t, 10) == pytest.approx(0.140)  # the last segment's slope
+    adv = advise(t, synthetic_timings(t, 0.7, 3, 0.004))
+    assert adv["acceptance"] == pytest.approx(0.7, abs=1e-3) and adv["draft_s"] == pytest.approx(0.004, rel=1e-3)
+    # the advised count is the argmax of (1 + a + ... + a^n) / (t(n+1) + n t_draft), computed here by hand
+    by_hand = {n: sum(0.7 ** d for d in range(n + 1)) / (pass_time(t, n + 1) + n * 0.004) for n in range(8)}
+    best = max(by_hand, key=by_hand.get)
+    assert adv["n_max"] == best and best not in (0, 7)
+    assert adv["speedup"] == pytest.approx(by_hand[best] * 0.060, rel=1e-3)
+    extra = 0.004 + pass_time(t, best + 2) - pass_time(t, best + 1)
+    assert adv["p_min"] == pytest.approx(by_hand[best] * extra, rel=1e-3) and 0 < adv["p_min"] < 1
+    assert f"--spec-draft-n-max {best}" in advice_line("row", adv)
+    # a drafter that costs more than its accepted tokens save: serve plain
+    slow = advise(t, synthetic_timings(t, 0.5, 3, 0.050))
+    assert slow["n_max"] == 0 and "serve it plain" in advice_line("row", slow)
+    with pytest.raises(ValueError, match="no speculative steps"):
+        advise(t, [{"predicted_n": 10, "predicted_ms": 100.0, "draft_n": 0, "draft_n_accepted": 0}])
+
+
+def test_llama_bench_needs_the_build(monkeypatch):
+    from mtp.eval import llamacpp_profile
+    monkeypatch.setattr(llamacpp_env, "missing", lambda: "llama.cpp is not built here (make llamacpp)")
+    with pytest.raises(ValueError, match="make llamacpp"):
+        llamacpp_profile.measure("target.gguf")

@@ -82,3 +82,9 @@ def test_llama_server_with_the_exported_drafter_keeps_greedy_output(smollm2, exp
     assert all(len(w["ids"]) > 0 for w in want)
     assert sum(g["timings"].get("draft_n", 0) for g in got) > 0
     assert sum(g["timings"].get("draft_n_accepted", 0) for g in got) > 0
+
+
+def test_llama_bench_gives_t_of_q(export_f32):
+    from mtp.eval import llamacpp_profile
+    t = llamacpp_profile.measure(export_f32 / "target-f32.gguf", qs=(1, 4), depth=16, repeats=1)
+    assert set(t) == {1, 4} and all(0 < v < 10 for v in t.values())

@@ -182,11 +182,10 @@ def environment(engine=None) -> dict:
         pass
     env = {"cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
-    for pkg in ("transformers", "llama_cpp"):
-        try:
-            env[pkg] = __import__(pkg).__version__
-        except Exception:
-            pass
+    try:
+        env["transformers"] = __import__("transformers").__version__
+    except Exception:
+        pass
     # the `make llamacpp` build (version or None) and whether AMX is usable here (the kernel's grant, not
     # just the CPU flag), with the flags llama-server runs need because of it (`--no-repack`)
     env["llamacpp"] = llamacpp_env.environment()
@@ -289,6 +288,8 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
     for rec in records:
         rec["env"] = env
     advice = cost_advice(cost, rows, records, engine.proposer) if cost is not None else []
+    if cfg.profile:
+        advice += llamacpp_draft_advice(rows, tick)
     return BenchResult(kind, items, rows, records, env, cost, advice)
 
 
@@ -409,6 +410,28 @@ def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) ->
                          f"({rate:.1f} expected tokens/s); use conf_adapt:{row.strategy.tau:g}:{kb}")
     if not lines:
         lines.append("run a verify:K or conf_adapt strategy to get the best K for this machine")
+    return lines
+
+
+def llamacpp_draft_advice(rows: list[Row], tick=lambda _: None) -> list[str]:
+    """For each llama-server row with an EAGLE-3 drafter that ran: llama.cpp's t(q) on its target
+    (`llama-bench`) and the draft count / p-min it favours (mtp.eval.llamacpp_profile)."""
+    from mtp.eval import llamacpp_profile
+
+    lines, measured = [], {}
+    for row in rows:
+        peer = row.peer
+        if peer is None or getattr(peer, "spec", None) != "eagle3" or not getattr(peer, "timings", None):
+            continue
+        try:
+            if peer.target not in measured:
+                tick(f"llama-bench t(q) · {os.path.basename(peer.target)}")
+                measured[peer.target] = llamacpp_profile.measure(peer.target, threads=peer.threads)
+            adv = llamacpp_profile.advise(measured[peer.target], peer.timings)
+        except (ValueError, RuntimeError, OSError) as e:
+            lines.append(f"{row.name}: no llama.cpp draft advice ({str(e).splitlines()[0]})")
+            continue
+        lines.append(llamacpp_profile.advice_line(row.name, adv))
     return lines
 
 

@@ -2,8 +2,6 @@
 
 - hf:              transformers `generate`, greedy, on the converted HF directory of the same weights;
 - hf-lookup:       the same with prompt-lookup decoding (`prompt_lookup_num_tokens`);
-- llamacpp:        llama-cpp-python on the same GGUF file, greedy;
-- llamacpp-lookup: the same with its prompt-lookup draft (`LlamaPromptLookupDecoding`);
 - vllm:            vLLM (CPU build, its own `.venv-vllm`: `make vllm`), greedy, fp32, on the HF directory;
 - vllm-ngram:      the same with its n-gram proposer (`method: ngram`, 3 tokens);
 - vllm-eagle3:DIR: the same with an EAGLE-3 drafter (`mtp export --format vllm-eagle3` output, or a
@@ -41,7 +39,7 @@ from mtp.eval import llamacpp_env, vllm_env
 from mtp.eval.llamacpp_server import LlamaServer
 
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value
-LLAMACPP_LOOKUP_TOKENS = 2  # llama-cpp-python's advice for CPU-only machines (10 on GPU)
+REPLACED = {"llamacpp": "llamacpp-server", "llamacpp-lookup": "llamacpp-server-ngram"}  # the llama-cpp-python peers
 
 
 class Peer:
@@ -105,49 +103,6 @@ class HFLookupPeer(HFPeer):
     name = "hf-lookup"
     tokens_per_forward = None
     lookup = HF_LOOKUP_TOKENS
-
-
-class LlamaCppPeer(Peer):
-    name = "llamacpp"
-    package = "llama_cpp"
-    hint = "pip install llama-cpp-python (compiles llama.cpp, ~10 min on 2 cores)"
-    tokens_per_forward = 1.0
-    lookup = 0
-
-    def setup(self, engine) -> None:
-        from llama_cpp import Llama  # optional peer (pip install llama-cpp-python): imported when used
-        path = loading.resolve(engine.loaded.name)
-        if not (path.is_file() and path.suffix == ".gguf"):
-            raise ValueError(f"{self.name} needs a .gguf model (the default smollm2-135m is one), not {path.name!r}")
-        kw = {}
-        if self.lookup:
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-            kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=self.lookup)
-        threads = engine.config.threads or torch.get_num_threads()
-        self.llm = Llama(model_path=str(path), n_ctx=engine.context_window, n_threads=threads,
-                         n_threads_batch=threads, verbose=False, **kw)
-        self.eos = set(engine.loaded.eos_ids) | {self.llm.token_eos()}
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        self.llm.reset()  # no prefix reuse between prompts or repeats: every run pays its prefill
-        out: list[int] = []
-        for tok in self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                     reset=True):
-            if tok in self.eos:
-                break
-            out.append(int(tok))
-            if len(out) >= max_new_tokens:
-                break
-        return out
-
-    def params(self) -> dict:
-        return {"num_pred_tokens": self.lookup} if self.lookup else {}
-
-
-class LlamaCppLookupPeer(LlamaCppPeer):
-    name = "llamacpp-lookup"
-    tokens_per_forward = None
-    lookup = LLAMACPP_LOOKUP_TOKENS
 
 
 VLLM_SPEC_TOKENS = 3  # speculative tokens of the vLLM peers (verify:4 in our terms)
@@ -245,7 +200,8 @@ class LlamaServerPeer(Peer):
     def setup(self, engine) -> None:
         self.eos = set(engine.loaded.eos_ids)
         target, drafter = self.files(engine)
-        threads = engine.config.threads or torch.get_num_threads()
+        self.target, self.threads = target, engine.config.threads or torch.get_num_threads()
+        threads = self.threads
         self.server = LlamaServer(target, self.spec, drafter, threads=threads, ctx=engine.context_window,
                                   draft_max=self.draft_max)
         self.served = {"target": os.path.basename(target), "drafter": drafter and os.path.basename(drafter)}
@@ -305,7 +261,7 @@ class LlamaServerEagle3Peer(LlamaServerPeer):
         return str(path / man["target"]), str(path / man["drafter"])
 
 
-PEERS = {p.name: p for p in (HFPeer, HFLookupPeer, LlamaCppPeer, LlamaCppLookupPeer, VllmPeer, VllmNgramPeer,
+PEERS = {p.name: p for p in (HFPeer, HFLookupPeer, VllmPeer, VllmNgramPeer,
                              VllmEagle3Peer, LlamaServerPeer, LlamaServerNgramPeer, LlamaServerEagle3Peer)}
 PARAMETRISED = {"vllm-eagle3", "llamacpp-server-eagle3"}  # peers named NAME:ARG
 OPTIONAL_ARG = {"llamacpp-server", "llamacpp-server-ngram"}  # peers named NAME or NAME:ARG
@@ -313,13 +269,16 @@ LLAMACPP_SERVER = {"llamacpp-server", "llamacpp-server-ngram", "llamacpp-server-
 
 
 def parse_baselines(text: str | None) -> list[str]:
-    """'hf,llamacpp' -> ['hf', 'llamacpp']; an unknown name is a ValueError listing the known ones.
+    """'hf,vllm' -> ['hf', 'vllm']; an unknown name is a ValueError listing the known ones.
     A parametrised peer is written NAME:ARG (vllm-eagle3:DIR), some take it optionally (llamacpp-server:GGUF).
     A llama-server peer without the `make llamacpp` build is a ValueError with the hint: asked for by name,
     it is not quietly skipped."""
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
     for n in names:
         base, sep, arg = n.partition(":")
+        if base in REPLACED:
+            raise ValueError(f"baseline {base} (llama-cpp-python) is replaced by {REPLACED[base]}: the same llama.cpp "
+                             f"build as the other llama.cpp peers (make llamacpp)")
         if base in PARAMETRISED and not (sep and arg):
             raise ValueError(f"baseline {base} needs its drafter folder: {base}:DIR (e.g. from mtp export)")
         if base not in PEERS or (base not in PARAMETRISED | OPTIONAL_ARG and sep) or (sep and not arg):
