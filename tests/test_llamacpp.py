@@ -142,6 +142,9 @@ def test_cli_refusals_are_one_line(tiny_hf_dir, tmp_path, capsys, monkeypatch):
     one_line_error(capsys, "--outtype 'q4_1'")
     assert main(base + ["--drafter", str(tmp_path / "mine"), "--draft-tokens", "0"]) == 2
     one_line_error(capsys, "--draft-tokens must be 1..16")
+    for bad in ("1.5", "nan", "-0.1"):
+        assert main(base + ["--drafter", str(tmp_path / "mine"), "--draft-p-min", bad]) == 2
+        one_line_error(capsys, "--draft-p-min must be in [0, 1]")
     assert main(base + ["--drafter", str(tmp_path / "other")]) == 2
     one_line_error(capsys, "trained for another model")
     assert main(base + ["--drafter", str(tmp_path / "mine")]) == 2
@@ -268,7 +271,8 @@ def test_eagle3_peer_serves_an_export_folder_with_its_draft_count(tmp_path, monk
     for name in ("target-f16.gguf", "drafter-f16.gguf"):
         (exp / name).write_bytes(b"")
     (exp / "export.json").write_text(json.dumps({"format": "mtp-llamacpp-export", "target": "target-f16.gguf",
-                                                 "drafter": "drafter-f16.gguf", "draft_tokens": 1}))
+                                                 "drafter": "drafter-f16.gguf", "draft_tokens": 1,
+                                                 "draft_p_min": 0.25}))
     peer = peers.make_peer(f"llamacpp-server-eagle3:{exp}")
     peer.setup(tiny_engine)
     try:
@@ -279,6 +283,7 @@ def test_eagle3_peer_serves_an_export_folder_with_its_draft_count(tmp_path, monk
     assert argv[argv.index("-m") + 1] == str(exp / "target-f16.gguf")
     assert argv[argv.index("-md") + 1] == str(exp / "drafter-f16.gguf")
     assert argv[argv.index("--spec-draft-n-max") + 1] == "1" and peer.params()["spec_draft_n_max"] == 1
+    assert argv[argv.index("--spec-draft-p-min") + 1] == "0.25" and peer.params()["spec_draft_p_min"] == 0.25
     (exp / "notes.txt").write_text("not an export")
     with pytest.raises(ValueError, match="does not"):
         peers.make_peer(f"llamacpp-server-eagle3:{exp}").setup(tiny_engine)
@@ -351,3 +356,11 @@ def test_llama_bench_needs_the_build(monkeypatch):
     monkeypatch.setattr(llamacpp_env, "missing", lambda: "llama.cpp is not built here (make llamacpp)")
     with pytest.raises(ValueError, match="make llamacpp"):
         llamacpp_profile.measure("target.gguf")
+
+
+def test_server_command_carries_the_advised_draft_settings():
+    from mtp.core.export_llamacpp import server_command
+    cmd = server_command("t.gguf", "d.gguf", draft_tokens=2, draft_p_min=0.3)
+    assert cmd[cmd.index("--spec-draft-n-max") + 1] == "2" and cmd[cmd.index("--spec-draft-p-min") + 1] == "0.3"
+    assert "--spec-draft-p-min" not in server_command("t.gguf", "d.gguf")
+    assert "--spec-draft-n-max" not in server_command("t.gguf", None, draft_p_min=0.3)

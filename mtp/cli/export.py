@@ -7,7 +7,7 @@ import shlex
 from mtp.core import loading
 from mtp.core.engine import SHIPPED
 from mtp.core.export import FORMATS, export_vllm_eagle3
-from mtp.core.export_llamacpp import DRAFT_TOKENS, OUTTYPES, check_drafter_for, check_outtype, export_llamacpp
+from mtp.core.export_llamacpp import DRAFT_TOKENS, OUTTYPES, check_drafter_for, check_outtype, check_p_min, export_llamacpp
 from mtp.eval import llamacpp_env
 
 LLAMACPP = "llamacpp"
@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-tokens", type=int, default=DRAFT_TOKENS,
                    help="llamacpp: drafts per step in the llama-server command (--spec-draft-n-max, default "
                         "%(default)s; 1 pays best where a pass over more tokens costs much more, as on 2 cores)")
+    p.add_argument("--draft-p-min", type=float, default=None,
+                   help="llamacpp: --spec-draft-p-min in the llama-server command (drafting stops below this draft "
+                        "probability; default llama.cpp's; `mtp bench --profile` advises one)")
     p.set_defaults(func=run_export)
 
 
@@ -49,6 +52,7 @@ def run_llamacpp(args, drafter) -> int:
     check_outtype(args.outtype)
     if not 1 <= args.draft_tokens <= 16:
         raise ValueError(f"--draft-tokens must be 1..16, got {args.draft_tokens}")
+    check_p_min(args.draft_p_min)
     loaded = loading.load(args.model)
     check_drafter_for(loaded, drafter)
     if llamacpp_env.converter() is None or llamacpp_env.converter_python() is None:
@@ -56,7 +60,7 @@ def run_llamacpp(args, drafter) -> int:
                          f"({llamacpp_env.HINT})")
     man = export_llamacpp(loaded, drafter, args.out, args.outtype, llamacpp_env.converter(),
                           llamacpp_env.converter_python(), llamacpp_env.VERSION, tuple(llamacpp_env.run_flags()),
-                          args.draft_tokens)
+                          args.draft_tokens, args.draft_p_min)
     print(f"llama.cpp GGUF files written to {args.out}: {man['target']}, {man['drafter']} "
           f"(layers {man['aux_layers']}, draft vocabulary {man['draft_vocab']})")
     print(f"  cd {shlex.quote(str(args.out))} && {shlex.join(man['server'])}")

@@ -105,12 +105,20 @@ def _convert(python, converter, args: list[str], what: str) -> None:
                             f"{lines[-1] if lines else '(no output)'}")
 
 
+def check_p_min(p: float | None) -> None:
+    if p is not None and not 0 <= p <= 1:  # NaN fails too
+        raise ArtifactError(f"--draft-p-min must be in [0, 1], got {p}")
+
+
 def server_command(target: str, drafter: str | None, threads: int = 1, port: int = 8080,
-                   extra: tuple[str, ...] = (), draft_tokens: int = DRAFT_TOKENS) -> list[str]:
+                   extra: tuple[str, ...] = (), draft_tokens: int = DRAFT_TOKENS,
+                   draft_p_min: float | None = None) -> list[str]:
     """The llama-server command serving `target` (with the EAGLE-3 `drafter`, when given), greedy-ready."""
     cmd = ["llama-server", "-m", target]
     if drafter:
         cmd += ["-md", drafter, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_tokens)]
+        if draft_p_min is not None:
+            cmd += ["--spec-draft-p-min", f"{draft_p_min:g}"]
     cmd += ["-t", str(threads), "-tb", str(threads)]
     if drafter:
         cmd += ["-td", str(threads), "-tbd", str(threads)]
@@ -119,7 +127,8 @@ def server_command(target: str, drafter: str | None, threads: int = 1, port: int
 
 def _readme(manifest: dict, extra: tuple[str, ...]) -> str:
     t, d = manifest["target"], manifest["drafter"]
-    spec = shlex.join(server_command(t, d, extra=extra, draft_tokens=manifest["draft_tokens"]))
+    spec = shlex.join(server_command(t, d, extra=extra, draft_tokens=manifest["draft_tokens"],
+                                     draft_p_min=manifest.get("draft_p_min")))
     plain = shlex.join(server_command(t, None, extra=extra))
     return f"""# {manifest['model']} for llama.cpp, with its EAGLE-3 drafter
 
@@ -151,13 +160,16 @@ draft_n_accepted)`).
 
 
 def export_llamacpp(loaded, drafter, out, outtype: str, converter, python, llamacpp_version: str = "",
-                    run_flags: tuple[str, ...] = (), draft_tokens: int = DRAFT_TOKENS) -> dict:
+                    run_flags: tuple[str, ...] = (), draft_tokens: int = DRAFT_TOKENS,
+                    draft_p_min: float | None = None) -> dict:
     """Write the llama.cpp export of `loaded` (mtp.core.loading.Loaded) and `drafter` to `out`; return
-    its manifest. `draft_tokens`: the `--spec-draft-n-max` its command (and mtp bench's peer) uses.
+    its manifest. `draft_tokens`: the `--spec-draft-n-max` its command (and mtp bench's peer) uses;
+    `draft_p_min`: its `--spec-draft-p-min` (None: llama.cpp's default), as `mtp bench --profile` advises.
     See the module docstring for the contract."""
     check_outtype(outtype)
     if not 1 <= draft_tokens <= 16:
         raise ArtifactError(f"--draft-tokens must be 1..16, got {draft_tokens}")
+    check_p_min(draft_p_min)
     drafter, out = Path(drafter), Path(out)
     dcfg = check_drafter_for(loaded, drafter)
     src = Path(loaded.source)
@@ -177,8 +189,9 @@ def export_llamacpp(loaded, drafter, out, outtype: str, converter, python, llama
                         "outtype": outtype, "llamacpp": llamacpp_version, "target": target, "drafter": draft,
                         "aux_layers": ecfg["eagle_aux_hidden_state_layer_ids"],
                         "draft_vocab": ecfg["draft_vocab_size"], "vocab": ecfg["vocab_size"],
-                        "draft_tokens": draft_tokens,
-                        "server": server_command(target, draft, extra=tuple(run_flags), draft_tokens=draft_tokens)}
+                        "draft_tokens": draft_tokens, "draft_p_min": draft_p_min,
+                        "server": server_command(target, draft, extra=tuple(run_flags), draft_tokens=draft_tokens,
+                                                 draft_p_min=draft_p_min)}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
             (tmp / "README.md").write_text(_readme(manifest, tuple(run_flags)))
     return manifest

@@ -175,6 +175,7 @@ class LlamaServerPeer(Peer):
     spec: str | None = None
     arg: str | None = None
     draft_max = LLAMACPP_DRAFTS  # an export folder's `draft_tokens` overrides it
+    spec_extra: tuple[str, ...] = ()  # and its `draft_p_min` adds --spec-draft-p-min
 
     def missing(self) -> str | None:
         gone = llamacpp_env.missing()
@@ -203,7 +204,7 @@ class LlamaServerPeer(Peer):
         self.target, self.threads = target, engine.config.threads or torch.get_num_threads()
         threads = self.threads
         self.server = LlamaServer(target, self.spec, drafter, threads=threads, ctx=engine.context_window,
-                                  draft_max=self.draft_max)
+                                  draft_max=self.draft_max, extra=self.spec_extra)
         self.served = {"target": os.path.basename(target), "drafter": drafter and os.path.basename(drafter)}
         self.timings: list[dict] = []
 
@@ -218,6 +219,8 @@ class LlamaServerPeer(Peer):
         out = {"spec_type": self.spec, **getattr(self, "served", {})}
         if self.spec is not None:
             out["spec_draft_n_max"] = self.draft_max
+            if self.spec_extra:
+                out["spec_draft_p_min"] = float(self.spec_extra[1])
         if getattr(self, "timings", None):
             tps = sorted(t.get("predicted_per_second") or 0.0 for t in self.timings)
             out["server_timings"] = {"runs": len(self.timings), "predicted_per_second_median": tps[len(tps) // 2],
@@ -258,6 +261,8 @@ class LlamaServerEagle3Peer(LlamaServerPeer):
             raise ValueError(f"{path} holds files an `mtp export --format llamacpp` folder does not")
         man = read_json(path / MANIFEST, "llama.cpp export manifest")
         self.draft_max = int(man.get("draft_tokens", LLAMACPP_DRAFTS))
+        if man.get("draft_p_min") is not None:
+            self.spec_extra = ("--spec-draft-p-min", f"{float(man['draft_p_min']):g}")
         return str(path / man["target"]), str(path / man["drafter"])
 
 
