@@ -191,6 +191,20 @@ def test_tune_end_to_end_chooses_the_fastest_measured_within_tolerance(tiny_dir,
     html = (out / "report.html").read_text()
     assert "Predictability" in html and "Calibration" in html and (out / "pareto.png").stat().st_size > 0
     assert main(argv) == 0  # a folder tune wrote may be replaced
+    # --measure-all: every candidate that is lossless or passed its probe is measured; the default rule's
+    # pick is read from the same interleaved run and is never faster than the sweep's best
+    full = tmp_path / "full"
+    wide = argv[: argv.index("--out")] + ["--tolerance", "1", "--measure-all", "--out", str(full)]
+    assert main(wide) == 0
+    res = json.loads((full / "results.json").read_text())
+    rows = {r["name"]: r for r in res["rows"]}
+    assert res["measure_all"] and res["price_pick"] in rows
+    assert all(r["measured_tps"] is not None for r in rows.values() if r["lossless"])
+    lossy = [r for r in rows.values() if not r["lossless"] and r["qualifies"] is not False]
+    assert lossy and all(r["measured_tps"] is not None for r in lossy)
+    best = max((r for r in rows.values() if r["qualifies"] and r["measured_tps"] is not None),
+               key=lambda r: r["measured_tps"])
+    assert res["chosen"] == best["name"] and res["price_pick_vs_best"] <= 1.0
 
 
 def test_tune_refuses_bad_input_in_one_line(tiny_dir, tmp_path, capsys):

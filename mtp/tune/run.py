@@ -20,7 +20,10 @@ The adoption checklist, in order:
    that price is below the best lossless candidate's (unless `measure_all`);
 6. quality: a lossy candidate that could win (priced at least as fast as the best lossless one) and
    whose lossier family members did not already fail decodes every prompt, stopping as soon as its
-   loss can no longer stay within the tolerance; lossless candidates always qualify;
+   loss can no longer stay within the tolerance; lossless candidates always qualify. With
+   `measure_all` (a full sweep) every lossy candidate that passed its probe is measured first, and
+   only one measured faster than every lossless candidate decodes every prompt for its quality (the
+   others cannot be the best point that meets the tolerance, whatever their quality);
 7. measurement: the best qualifying candidates by price (`measure_rows`, plus mask-token ones near
    the top, whose adapter cost t(q) does not include) are decoded one prompt at a time,
    interleaved with `ntp`, on the first `measure` prompts (`mtp.eval.bench.run_bench`); the fastest
@@ -237,27 +240,17 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
                + ("" if bound is None else f" (optimistic price {row.bound_speedup:.2f}x)")))
 
     # 6. quality of the lossy candidates that could win
-    best_lossless = max(r.predicted_tps for r in rows.values() if r.lossless)
-    lossy = sorted((c for c in cands if not c.lossless), key=lambda c: (c.family, c.risk))
-    for c in lossy:
-        row = rows[str(c)]
-        if row.qualifies is False:
-            continue  # decided by its probe
-        if c.family in failed_families and c.risk > failed_families[c.family]:
-            row.qualifies, row.note = False, "a less lossy member of its family already exceeded the tolerance"
-            continue
-        if row.predicted_tps < best_lossless and not cfg.measure_all:
-            row.qualifies, row.note = None, "not run on every prompt: priced slower than the best lossless candidate"
-            continue
+    def check_quality(c: C.Candidate, row: Row) -> None:
+        """Decode every prompt with lossy `c`, stopping once its loss can no longer stay within the tolerance."""
         spent = {"loss": 0.0, "items": 0}
 
-        def over(j, out, spent=spent):
+        def over(j, out):
             spent["loss"] += quality.item_loss(metric, out.ids, out.text, *refs[j])
             spent["items"] += 1
             return spent["loss"] > budget
 
-        stats = decode_all(engine, prompts, c.strategy, c.proposer, cfg.max_new_tokens, cfg.batch, stop_after=over)
-        outs = stats.outputs
+        outs = decode_all(engine, prompts, c.strategy, c.proposer, cfg.max_new_tokens, cfg.batch,
+                          stop_after=over).outputs
         row.loss_items = len(outs)
         row.loss = quality.mean_loss(metric, [(o.ids, o.text) for o in outs], refs[: len(outs)])
         row.qualifies = spent["loss"] <= budget and len(outs) == n
@@ -267,13 +260,33 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
         log(f"tune: quality {c}: loss {row.loss:.3f} over {row.loss_items} prompts -> "
             f"{'within' if row.qualifies else 'outside'} the tolerance")
 
+    best_lossless = max(r.predicted_tps for r in rows.values() if r.lossless)
+    lossy = sorted((c for c in cands if not c.lossless), key=lambda c: (c.family, c.risk))
+    deferred: dict[str, C.Candidate] = {}  # --measure-all: lossy candidates whose speed is measured first
+    for c in lossy:
+        row = rows[str(c)]
+        if row.qualifies is False:
+            continue  # decided by its probe
+        if c.family in failed_families and c.risk > failed_families[c.family]:
+            row.qualifies, row.note = False, "a less lossy member of its family already exceeded the tolerance"
+            continue
+        if cfg.measure_all:  # only one measured faster than every lossless candidate needs its quality
+            deferred[row.name] = c
+            continue
+        if row.predicted_tps < best_lossless:
+            row.qualifies, row.note = None, "not run on every prompt: priced slower than the best lossless candidate"
+            continue
+        check_quality(c, row)
+
     # 7. measure the finalists one prompt at a time, interleaved with ntp
     qualifying = sorted((r for r in rows.values() if r.qualifies and r.name != "ntp"),
                         key=lambda r: -r.predicted_tps)
-    top = qualifying[0].predicted_tps if qualifying else 0.0
-    by_price = [r for i, r in enumerate(qualifying)  # the finalists by price (what a default run measures)
+    could_win = sorted(qualifying + [rows[k] for k in deferred if rows[k].predicted_tps >= best_lossless],
+                       key=lambda r: -r.predicted_tps)  # what a default run would have checked and ranked
+    top = could_win[0].predicted_tps if could_win else 0.0
+    by_price = [r for i, r in enumerate(could_win)  # the finalists by price (what a default run measures)
                 if i < cfg.measure_rows or ("@mask" in r.name and r.predicted_tps >= (1 - UNCERTAIN_BAND) * top)]
-    finalists = qualifying if cfg.measure_all else by_price
+    finalists = qualifying + [rows[k] for k in deferred] if cfg.measure_all else by_price
     specs = [Spec(ntp)] + [Spec(Strategy.parse(r.name.split("@")[0]), r.name.split("@")[1]) for r in finalists]
     m = min(cfg.measure, n)
     log(f"tune: measuring ntp and {len(finalists)} finalists on {m} prompts, one at a time: "
@@ -284,13 +297,24 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
         if r is not None:
             r.measured_tps, r.measured_speedup, r.measured_exact = rec["tokens_per_s"], rec["speedup_vs_ntp"], \
                 rec["exact_match"]
+    fastest_lossless = max(r.measured_tps for r in rows.values() if r.lossless and r.measured_tps is not None)
+    for name, c in deferred.items():
+        row = rows[name]
+        if row.measured_tps is not None and row.measured_tps > fastest_lossless:
+            check_quality(c, row)
+        else:
+            row.note = "measured slower than the fastest lossless candidate: its quality cannot change the choice"
     measured = [r for r in rows.values() if r.measured_tps is not None and r.qualifies]
     chosen = max(measured, key=lambda r: r.measured_tps)
     # with --measure-all: what the default rule would have chosen, from the same interleaved run
-    price_pick = max([rows["ntp"]] + by_price, key=lambda r: r.measured_tps or 0.0)
+    price_pick = max([rows["ntp"]] + [r for r in by_price if r.qualifies], key=lambda r: r.measured_tps or 0.0)
     for r in sorted(measured, key=lambda r: -r.measured_tps):
         log(f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
             f"(priced {_f(r.predicted_speedup)}x)")
+    for r in sorted((r for r in rows.values() if r.measured_tps is not None and not r.qualifies),
+                    key=lambda r: -r.measured_tps):
+        log(f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
+            f"(priced {_f(r.predicted_speedup)}x; not qualifying: {r.note})")
     if cfg.measure_all:
         log(f"tune: full sweep's best {chosen.name} {chosen.measured_tps:.2f} tokens/s; the default rule "
             f"(finalists by price) would pick {price_pick.name} {price_pick.measured_tps:.2f} tokens/s "
