@@ -33,8 +33,9 @@ class FakeEngine:
     def __init__(self, model, proposers):
         self.model, self.loaded, self.proposers = model, Loaded(), proposers
 
-    def proposer(self, name=None):
-        return self.proposers[name]
+    def proposer(self, name=None, wrap=None):
+        p = self.proposers[name]
+        return wrap(name, p) if wrap is not None else p
 
     def pass_time(self):
         return COST
@@ -70,6 +71,15 @@ def test_replayed_passes_are_the_decoded_ones(strategy, which):
     assert stats.guesses > 0
     if strategy.startswith("verify"):
         assert any(chain_pairs(o) for o in stats.outputs)
+    # the heads' answers kept across replays: the same passes, and the kept answers still charged
+    memo: dict = {}
+    first = replay(engine, PROMPTS, refs, Strategy.parse(strategy), which, memo=memo)
+    again = replay(engine, PROMPTS, refs, Strategy.parse(strategy), which, memo=memo)
+    for a, b, seq in zip(first.outputs, again.outputs, real):
+        assert a.chunks == b.chunks == seq.stats.chunks and a.blocks == b.blocks
+    assert any(memo.values()) == (which == "heads") and again.guesses == first.guesses
+    if which == "heads":
+        assert again.proposing_s >= 0.9 * first.proposing_s > 0
 
 
 def test_only_context_and_hidden_proposers_replay():

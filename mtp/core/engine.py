@@ -129,19 +129,23 @@ class Engine:
         self.asset_dirs[spec.asset] = path
         return self._loaded_proposers[name]
 
-    def proposer(self, name: str | None = None) -> Proposer:
+    def proposer(self, name: str | None = None, wrap=None) -> Proposer:
         """A proposer: `name`, default the engine's `--proposer`; one built from an asset (heads,
-        eagle3) is loaded on first use and then shared by every sequence of the engine."""
+        eagle3) is loaded on first use and then shared by every sequence of the engine.
+        `wrap(name, proposer) -> Proposer`, if given, wraps every single (not merged) proposer before
+        its calibration is applied (`mtp tune`'s replays keep the heads' answers that way)."""
         name = name or self.config.proposer
         spec = check_proposer(name)
         if spec.parts:
-            proposer = MergedProposer([self.proposer(p) for p in spec.parts])
+            proposer = MergedProposer([self.proposer(p, wrap) for p in spec.parts])
         elif spec.asset is None:
             proposer = spec.make()
         elif name not in self._loaded_proposers:
             proposer = self._load_asset_proposer(name)
         else:
             proposer = self._loaded_proposers[name]
+        if wrap is not None and not spec.parts:
+            proposer = wrap(name, proposer)
         chain, tree = (self._calibration(key) for key in (name, name + TREE_SUFFIX))
         if chain is not None or tree is not None:  # `mtp tune`'s fits: conf_adapt and merges read them
             proposer = CalibratedProposer(proposer, chain, tree)

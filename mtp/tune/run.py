@@ -152,6 +152,7 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     log(f"tune: t(1) {1e3 * cost.pass_time(1):.1f} ms, t(8) {1e3 * cost.pass_time(8):.1f} ms, "
         f"t(32) {1e3 * cost.pass_time(32):.1f} ms")
     hidden: dict = {}  # teacher-forced hidden states per prompt: predictability fills it, every replay reads it
+    kept: dict = {}  # the heads' answers per prompt and position, shared by every replay (simulate.MemoProposer)
     predict = predictability.report(engine.model, items, prompts, [o.ids for o in ref], hidden)
     ntp_tpf, ntp_price = steady_price(cost, ref[:probe], 0.0)
 
@@ -165,7 +166,7 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
         """A lossless candidate's passes: replayed on every reference answer where its proposer allows
         (mtp.tune.simulate), else decoded on the probe prompts."""
         if can_replay(proposer):
-            return replay(engine, prompts, ref, strategy, proposer, record, hidden)
+            return replay(engine, prompts, ref, strategy, proposer, record, hidden, kept)
         m = max(probe, min(cfg.calibrate, n)) if record else probe
         return decode_all(engine, prompts[:m], strategy, proposer, cfg.max_new_tokens, cfg.batch, record=record)
 

@@ -13,17 +13,49 @@ near-tie of a draft). Mask proposers (their guesses come from mask tokens inside
 EAGLE-3 (its own KV cache of the trunk's layers) cannot be replayed this way: those are decoded.
 
 The proposer's calls are timed (`TimedProposer`), so pricing includes its cost, as for a decode.
+A proposer that reads the hidden state (the heads) answers the same question at the same position
+of the same answer whichever candidate asks, so its answers are kept across replays (`memo`,
+`MemoProposer`), and a kept answer is charged the seconds it took when it was computed.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
 from mtp.core import tree
 from mtp.core.proposers import Guesses, PassView, TimedProposer, check_proposer
-from mtp.core.proposers.base import GREEDY
+from mtp.core.proposers.base import GREEDY, WrappedProposer
 from mtp.core.strategy import Strategy
 from mtp.tune.offline import Output, RecordingProposer, RunStats
 from mtp.tune.predictability import teacher_forced
+
+
+class MemoProposer(WrappedProposer):
+    """`inner`'s greedy answers kept in `memo` by (name, position, call, size); `saved` sums the
+    seconds each answer first took, for every time it is handed out again."""
+
+    def __init__(self, inner, name: str, memo: dict):
+        super().__init__(inner)
+        self.key, self.memo, self.saved = name, memo, 0.0
+
+    def _kept(self, key, compute):
+        hit = self.memo.get(key)
+        if hit is None:
+            t0 = time.perf_counter()
+            guesses = compute()
+            hit = self.memo[key] = (guesses, time.perf_counter() - t0)
+        else:
+            self.saved += hit[1]
+        return hit[0]
+
+    def propose_tree(self, view, n):
+        return self._kept((self.key, view.start, "tree", n), lambda: self.inner.propose_tree(view, n))
+
+    def propose(self, view, k, params, gen):
+        if params is not GREEDY:
+            return self.inner.propose(view, k, params, gen)
+        return self._kept((self.key, view.start, "chain", k), lambda: self.inner.propose(view, k, params, gen))
 
 
 def can_replay(proposer: str) -> bool:
@@ -50,18 +82,19 @@ def accepted(guesses: Guesses, truth: list[int], is_tree: bool) -> int:
 
 
 def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: Strategy, proposer: str,
-           record: bool = False, hidden_cache: dict | None = None) -> RunStats:
+           record: bool = False, hidden_cache: dict | None = None, memo: dict | None = None) -> RunStats:
     """The passes of `strategy` drafting from `proposer` on each prompt, replayed on its reference
     answer (an `Output` of the `ntp` run: ids, and finish 'stop' when it ended in EOS). Returns
     outputs with the reference ids and the replayed chunks, blocks (and with `record`, the drafts'
     confidences and trees, as `offline.decode_all` records them). `hidden_cache` (prompt index ->
-    hidden states) spares repeated teacher-forced passes."""
+    hidden states) spares repeated teacher-forced passes; `memo` (prompt index -> kept answers) the
+    heads' repeated answers across replays."""
     if not strategy.verifies:
         raise ValueError(f"only lossless strategies can be replayed, not {strategy}")
     clock: dict[str, float] = {}
     counts: dict[str, int] = {}
     eos = list(engine.loaded.eos_ids[:1])
-    outs = []
+    outs, saved = [], 0.0
     for j, (prompt, ref) in enumerate(zip(prompts, answers)):
         seq = ref.ids + (eos if ref.finish == "stop" and eos else [])  # what the passes produce, EOS included
         # pass e reads the hidden state at P + e - 2 < P + len(ref.ids): the answer without its EOS is enough
@@ -71,7 +104,16 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
             hidden = teacher_forced(engine.model, prompt, ref.ids)[1] if ref.ids else torch.empty(0)
             if hidden_cache is not None:
                 hidden_cache[j] = hidden
-        base = engine.proposer(proposer)
+        kept = memo.setdefault(j, {}) if memo is not None else None
+        memos: list[MemoProposer] = []
+
+        def keep(name, p, kept=kept, memos=memos):
+            if kept is None or not p.needs_hidden:
+                return p
+            memos.append(MemoProposer(p, name, kept))
+            return memos[-1]
+
+        base = engine.proposer(proposer, wrap=keep)
         logs, trees = [], []
         inner = RecordingProposer(base, logs, trees) if record else base
         timed = TimedProposer(inner, clock, counts)
@@ -97,4 +139,5 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
                 blocks.append(1 + len(g.tokens))
                 e += n
         outs.append(Output(list(ref.ids), ref.text, chunks, blocks, ref.finish, logs, trees))
-    return RunStats(outs, sum(clock.values()), sum(counts.values()))
+        saved += sum(m.saved for m in memos)
+    return RunStats(outs, sum(clock.values()) + saved, sum(counts.values()))
