@@ -184,6 +184,7 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
             + ("" if cal_report[key]["used"] else " (worse: not used, raw confidences kept)"))
 
     # 5. probe every candidate
+    unprobed: set[str] = set()  # lossy candidates not decoded: their optimistic price loses already
     def _bound(c):
         records = probe_runs.get(str(D.Arm(Strategy.parse("verify:4"), c.proposer)))
         if records is None:
@@ -208,6 +209,7 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
                 rows[str(c)] = Row(str(c), False, bound[0], bound[1], bound[1] / ntp_price, bound_speedup=bound[1] / ntp_price,
                                    note="not decoded: even its optimistic price from the recorded passes is below "
                                         "the best lossless candidate's")
+                unprobed.add(str(c))
                 log(f"tune: skip {c}: at most {bound[0]:.2f} tokens/pass, {bound[1] / ntp_price:.2f}x ntp "
                     f"(the best lossless: {best / ntp_price:.2f}x)")
                 continue
@@ -266,8 +268,8 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
     deferred: dict[str, C.Candidate] = {}  # --measure-all: lossy candidates whose speed is measured first
     for c in lossy:
         row = rows[str(c)]
-        if row.qualifies is False:
-            continue  # decided by its probe
+        if row.qualifies is False or row.name in unprobed:
+            continue  # decided by its probe, or by its optimistic price
         if c.family in failed_families and c.risk > failed_families[c.family]:
             row.qualifies, row.note = False, "a less lossy member of its family already exceeded the tolerance"
             continue
