@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 
 import html
-import sys
 
-from mtp.core import loading, precision
+from mtp.core import loading
 from mtp.core.adapter import load_adapter
 from mtp.core.calibration import Calibration, CalibratedProposer
 from mtp.core.costmodel import measure
@@ -41,7 +40,6 @@ class EngineConfig:
     threads: int = 0
     device: str = "cpu"
     pack: bool = True  # oneDNN-packed weights for CPU float32 inference (model.pack_weights)
-    dtype: str = "float32"  # float32 | bfloat16 | auto (mtp.core.dtype: measured where the CPU has native bf16)
     calibration: dict = field(default_factory=dict)  # proposer name (chains) or name + '/tree' -> per-depth maps
 
 
@@ -70,19 +68,13 @@ class Engine:
         self.asset_dirs: dict[str, Path] = {}  # asset kind ("heads") -> the directory loaded
         self._loaded_proposers: dict[str, Proposer] = {}  # proposers built from an asset, once
         self.cost_model = None  # mtp.core.costmodel.CostModel, measured on first need (tree:auto)
-        self.dtype_choice = precision.DtypeChoice(str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch."),
-                                                  "float32", "as loaded")
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
         if config.threads:
             torch.set_num_threads(config.threads)
         spec = check_proposer(config.proposer)
-        choice = precision.resolve(config.dtype, config.model, config.device)
-        engine = cls(loading.load(config.model, dtype=choice.dtype, device=config.device), config)
-        engine.dtype_choice = choice
-        if choice.asked == "auto":
-            print(f"mtp: --dtype auto -> {choice.name} ({choice.reason})", file=sys.stderr, flush=True)
+        engine = cls(loading.load(config.model, device=config.device), config)
         adapter = engine._resolve_asset(config.adapter, "adapter")
         if adapter is not None:
             load_adapter(engine.model, adapter, n_tokenizer=len(engine.tokenizer))

@@ -244,13 +244,8 @@ class Attention(nn.Module):
             k, v = torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0)
         if kv is not None:  # write this block into the cache, then attend over the cache prefix
             k, v = kv(k, v)
-        dtype = q.dtype
-        if dtype != torch.float32:  # bf16 attention kernels round differently for a block of T queries than for
-            # one (up to 0.05 in the logits), which flips greedy tokens between a verify pass and ntp; in float32
-            # a query's result does not depend on the block it came in, so verification stays exact
-            q, k, v = q.float(), k.float(), v.float()
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads).to(dtype)
+                                           enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1), gate)
 
 

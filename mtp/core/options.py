@@ -10,7 +10,6 @@ import sys
 
 import torch
 
-from mtp.core import precision
 from mtp.core.engine import EngineConfig
 from mtp.core.proposers import check_proposer
 from mtp.core.sampling import SamplingParams
@@ -47,9 +46,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="suffix datastore directory (for --proposer suffix; `mtp datastore build`)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="float32",
-                   help="float32 (default: the reference the assets were measured against) | bfloat16 | auto "
-                   "(bfloat16 where this CPU has native bf16 and measures faster; it changes the greedy text)")
     p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU float32: oneDNN-packed weights, faster small-block passes (default on)")
 
@@ -102,7 +98,7 @@ def engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, adapter=args.adapter, proposer=args.proposer, heads=args.heads,
                         eagle3=getattr(args, "eagle3", "auto"), datastore=getattr(args, "datastore", "auto"),
                         threads=check_threads(args.threads), device=check_device(args.device),
-                        pack=getattr(args, "pack", True), dtype=precision.check(getattr(args, "dtype", "float32")))
+                        pack=getattr(args, "pack", True))
 
 
 def sampling_params(args) -> SamplingParams:

@@ -28,7 +28,6 @@ from rich.table import Table
 from mtp.core import metrics
 from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedup
 from mtp.core.proposers import Proposer, TimedProposer
-from mtp.core import precision
 from mtp.eval import gsm8k, llamacpp_env, report
 from mtp.eval.peers import make_peer
 from mtp.core.options import check_tree_proposer
@@ -190,11 +189,7 @@ def environment(engine=None) -> dict:
     # the `make llamacpp` build (version or None) and whether AMX is usable here (the kernel's grant, not
     # just the CPU flag), with the flags llama-server runs need because of it (`--no-repack`)
     env["llamacpp"] = llamacpp_env.environment()
-    flags = precision.cpu_flags()  # the instruction sets the number format depends on
-    env["cpu_flags"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    env["native_bf16"] = precision.native_bf16(flags)
     if engine is not None:
-        env["dtype"] = engine.dtype_choice.to_json()
         env.update(model=engine.loaded.name, adapter=_asset_name(engine.adapter_dir),
                    heads=_asset_name(engine.asset_dirs.get("heads")),
                    proposer=engine.config.proposer, device=str(engine.model.device), packed=_packed(engine.model))
