@@ -16,6 +16,7 @@ import torch
 from conftest import tiny_model
 from mtp.cli import main
 from mtp.core.artifacts import ArtifactError, write_dir_atomic
+from mtp.core.costmodel import CostModel
 from mtp.core.export_llamacpp import check_outtype, drafter_folder, is_llamacpp_export, target_folder
 from mtp.core.proposers.eagle3 import Eagle3Config, drafter_files
 from mtp.eval import llamacpp_env, peers
@@ -321,27 +322,28 @@ def test_no_server_outlives_the_process_that_started_it(tmp_path):
 # ---- the draft count and p-min llama.cpp's t(q) favours -------------------------------------------------------
 def synthetic_timings(t, a: float, drafts: int, draft_s: float, steps: int = 10_000) -> list[dict]:
     """llama-server timings of a geometric drafter: per-draft acceptance a, `drafts` per step."""
-    from mtp.eval.llamacpp_profile import pass_time
+    pass_time = CostModel(t).pass_time
     accepted = round(steps * sum(a ** d for d in range(1, drafts + 1)))
-    ms = 1e3 * steps * (pass_time(t, 1 + drafts) + drafts * draft_s)
+    ms = 1e3 * steps * (pass_time(1 + drafts) + drafts * draft_s)
     half = {"predicted_n": (steps + accepted) // 2, "predicted_ms": ms / 2, "draft_n": steps * drafts // 2,
             "draft_n_accepted": accepted // 2}
     return [half, dict(half)]  # two requests
 
 
 def test_draft_advice_recovers_the_drafter_and_picks_the_best_count():
-    from mtp.eval.llamacpp_profile import advice_line, advise, pass_time
+    from mtp.eval.llamacpp_profile import advice_line, advise
     t = {1: 0.060, 2: 0.070, 4: 0.080, 8: 0.120}
-    assert pass_time(t, 3) == pytest.approx(0.075) and pass_time(t, 0.5) == 0.060
-    assert pass_time(t, 10) == pytest.approx(0.140)  # the last segment's slope
+    pass_time = CostModel(t).pass_time  # the one t(q) reading: interpolated, extrapolated by the linear fit
+    assert pass_time(3) == pytest.approx(0.075) and pass_time(0.5) == 0.060
+    assert pass_time(10) == pytest.approx(0.120 + 2 * 0.2425 / 28.75)  # least-squares slope of the four points
     adv = advise(t, synthetic_timings(t, 0.7, 3, 0.004))
     assert adv["acceptance"] == pytest.approx(0.7, abs=1e-3) and adv["draft_s"] == pytest.approx(0.004, rel=1e-3)
     # the advised count is the argmax of (1 + a + ... + a^n) / (t(n+1) + n t_draft), computed here by hand
-    by_hand = {n: sum(0.7 ** d for d in range(n + 1)) / (pass_time(t, n + 1) + n * 0.004) for n in range(8)}
+    by_hand = {n: sum(0.7 ** d for d in range(n + 1)) / (pass_time(n + 1) + n * 0.004) for n in range(8)}
     best = max(by_hand, key=by_hand.get)
     assert adv["n_max"] == best and best not in (0, 7)
     assert adv["speedup"] == pytest.approx(by_hand[best] * 0.060, rel=1e-3)
-    extra = 0.004 + pass_time(t, best + 2) - pass_time(t, best + 1)
+    extra = 0.004 + pass_time(best + 2) - pass_time(best + 1)
     assert adv["p_min"] == pytest.approx(by_hand[best] * extra, rel=1e-3) and 0 < adv["p_min"] < 1
     assert f"--spec-draft-n-max {best}" in advice_line("row", adv)
     # a drafter that costs more than its accepted tokens save: serve plain

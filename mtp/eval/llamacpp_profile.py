@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+from mtp.core.costmodel import CostModel
 from mtp.eval import llamacpp_env
 
 QS = (1, 2, 3, 4, 5, 6, 8)  # blocks llama-bench measures (drafts per step up to 7)
@@ -43,18 +44,6 @@ def measure(target, qs=QS, depth: int = 128, threads: int = 1, repeats: int = 3)
     return {int(r["n_prompt"]): r["avg_ns"] / 1e9 for r in json.loads(proc.stdout) if r.get("n_gen") == 0}
 
 
-def pass_time(t: dict[int, float], q: float) -> float:
-    """t(q) interpolated linearly between the measured blocks (extrapolated by the last segment)."""
-    qs = sorted(t)
-    if q <= qs[0]:
-        return t[qs[0]]
-    for lo, hi in zip(qs, qs[1:]):
-        if q <= hi:
-            return t[lo] + (t[hi] - t[lo]) * (q - lo) / (hi - lo)
-    lo, hi = qs[-2], qs[-1]
-    return t[hi] + (t[hi] - t[lo]) * (q - hi) / (hi - lo)
-
-
 def chain_acceptance(accepted_per_step: float, drafts: float) -> float:
     """a in [0, 1] with a + a^2 + ... + a^drafts = accepted_per_step (bisection; drafts may be fractional)."""
     whole = max(1, round(drafts))
@@ -69,7 +58,9 @@ def chain_acceptance(accepted_per_step: float, drafts: float) -> float:
 
 
 def advise(t: dict[int, float], timings: list[dict], n_max: int = 7) -> dict:
-    """The draft count and p-min llama.cpp's t(q) favours for the drafter these timings came from."""
+    """The draft count and p-min llama.cpp's t(q) favours for the drafter these timings came from
+    (t(q) between and beyond the measured blocks as `CostModel.pass_time` reads it)."""
+    pass_time = CostModel(t).pass_time
     n = sum(x.get("predicted_n", 0) for x in timings)
     ms = sum(x.get("predicted_ms", 0.0) for x in timings)
     drafted = sum(x.get("draft_n", 0) for x in timings)
@@ -78,11 +69,11 @@ def advise(t: dict[int, float], timings: list[dict], n_max: int = 7) -> dict:
     if steps <= 0 or drafted <= 0 or ms <= 0:
         raise ValueError("the timings hold no speculative steps (draft_n is 0)")
     drafts = drafted / steps
-    t_draft = max(0.0, (ms / 1e3 / steps - pass_time(t, 1 + drafts)) / drafts)
+    t_draft = max(0.0, (ms / 1e3 / steps - pass_time(1 + drafts)) / drafts)
     a = chain_acceptance(acc / steps, drafts)
-    rates = {k: sum(a ** d for d in range(k + 1)) / (pass_time(t, k + 1) + k * t_draft) for k in range(n_max + 1)}
+    rates = {k: sum(a ** d for d in range(k + 1)) / (pass_time(k + 1) + k * t_draft) for k in range(n_max + 1)}
     best = max(rates, key=lambda k: rates[k])
-    extra = t_draft + pass_time(t, best + 2) - pass_time(t, best + 1)
+    extra = t_draft + pass_time(best + 2) - pass_time(best + 1)
     return {"n_max": best, "p_min": min(1.0, rates[best] * extra), "acceptance": a, "draft_s": t_draft,
             "drafts_per_step": drafts, "rates": rates, "speedup": rates[best] / rates[0]}
 
