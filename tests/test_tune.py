@@ -263,6 +263,23 @@ def test_a_map_that_makes_held_out_answers_worse_is_not_used():
     assert rep["used"] is True and rep["ece_after"] < rep["ece_before"]
 
 
+def test_held_out_error_is_the_mean_of_two_cross_fitted_folds():
+    from mtp.core import calibration as calib
+    from mtp.tune.run import fit_held_out
+    prompts = [[overconfident(150, seed), overconfident(100, seed + 50)] for seed in range(6)]  # 2 depths each
+    fitted, rep = fit_held_out(prompts)
+    by_hand = []
+    for fit_on in (0, 1):  # a map fitted on one parity of prompts, scored on the other, by hand
+        pick = lambda parity: [[p for j, pr in enumerate(prompts) if j % 2 == parity for p in pr[d]] for d in (0, 1)]
+        m, scored = calib.fit(pick(fit_on)), pick(1 - fit_on)
+        by_hand.append((calib.expected_calibration_error([p for d in scored for p in d]),
+                        calib.expected_calibration_error([(m.map(d, c), r) for d in (0, 1) for c, r in scored[d]])))
+    assert rep["folds"] == 2 and rep["test_pairs"] == rep["fit_pairs"] == 6 * 250  # every prompt held out once
+    assert rep["ece_before"] == pytest.approx((by_hand[0][0] + by_hand[1][0]) / 2)
+    assert rep["ece_after"] == pytest.approx((by_hand[0][1] + by_hand[1][1]) / 2) and rep["ece_after"] < rep["ece_before"]
+    assert fitted.to_json() == calib.fit([[p for pr in prompts for p in pr[d]] for d in (0, 1)]).to_json()  # all prompts
+
+
 def test_quality_losses():
     from mtp.eval import quality
     assert quality.item_loss("exact", [1, 2], "a", [1, 2], "a") == 0.0

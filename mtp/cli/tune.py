@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
     p.add_argument("--probe", type=int, default=None, help="prompts a decoded candidate decodes, batched (default 8; replayable lossless ones use every prompt)")
     p.add_argument("--calibrate", type=int, default=None,
-                   help="prompts a decoded proposer (mask adapter) decodes for its calibration (default 16)")
+                   help="prompts a decoded proposer (mask adapter) decodes for its calibration (default 48)")
     p.add_argument("--measure", type=int, default=None, help="prompts the finalists decode one at a time (default 8)")
     p.add_argument("--measure-rows", type=int, default=None, help="finalists besides ntp (default 3)")
     p.add_argument("--measure-all", action="store_const", const=True, default=None,

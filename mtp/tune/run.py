@@ -7,10 +7,11 @@ The adoption checklist, in order:
    (`mtp.tune.predictability`);
 4. calibration: for each proposer with confidences, a `verify:4` run records (confidence, right) per
    depth; for each part of a merged candidate, a `tree:16` run records (node confidence, whether its
-   root path is the model's continuation) per node depth; a map per depth is fitted on the
-   even-numbered prompts and its expected calibration error measured on the odd ones
-   (`mtp.core.calibration`); conf_adapt then reads calibrated confidences, and a merge compares its
-   parts' calibrated node probabilities instead of fixed priors;
+   root path is the model's continuation) per node depth; a map per depth is fitted on every prompt
+   and its expected calibration error measured by two-fold cross-fitting (even-numbered prompts fit,
+   odd ones scored, and the reverse; `fit_held_out`, `mtp.core.calibration`); conf_adapt then reads
+   calibrated confidences, and a merge compares its parts' calibrated node probabilities instead of
+   fixed priors;
 5. probe: a lossless candidate whose proposer reads only the context and the hidden state (heads,
    lookup, suffix, merges) is replayed on every reference answer (`mtp.tune.simulate`: the passes a
    decode would make, without decoding); the others (mask, EAGLE-3, every lossy one) decode the first
@@ -67,7 +68,7 @@ class TuneConfig:
     limit: int | None = 100
     max_new_tokens: int = 256
     probe: int = 8  # prompts a decoded candidate decodes (batched)
-    calibrate: int = 16  # prompts a decoded calibration run decodes (half fit, half held out)
+    calibrate: int = 48  # prompts a decoded calibration run decodes (each held out once, two folds)
     measure: int = 8  # prompts the finalists decode one at a time
     measure_rows: int = 3  # finalists besides ntp
     measure_all: bool = False  # measure every qualifying candidate (a full sweep, for checking the choice)
@@ -359,25 +360,38 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
 
 
 def fit_held_out(per_prompt: list[list[list[tuple[float, bool]]]]) -> tuple[calib.Calibration, dict]:
-    """A per-depth calibration fitted on the even-numbered prompts' pairs, with its expected
-    calibration error before and after on the odd-numbered ones (held out)."""
-    fit_pairs: list[list] = []
-    test_pairs: list[list] = []
+    """A per-depth calibration fitted on every prompt's pairs, and its expected calibration error
+    before and after measured by two-fold cross-fitting over prompts: a map fitted on the
+    even-numbered prompts is scored on the odd ones and one fitted on the odd ones on the even ones;
+    each error (and the noise floor) is the mean of the two folds' errors. Every prompt is held out
+    once, so all of them measure the fit; the folds are scored apart, since pooling them would let
+    one fold's over-confidence cancel the other's under-confidence in a shared bin."""
+    folds: tuple[list[list], list[list]] = ([], [])
+    everything: list[list] = []
     for j, depths in enumerate(per_prompt):
-        target = fit_pairs if j % 2 == 0 else test_pairs
-        for d, pairs in enumerate(depths):
-            while len(target) <= d:
-                target.append([])
-            target[d].extend(pairs)
-    fitted = calib.fit(fit_pairs)
-    before = [p for d in test_pairs for p in d]
-    after = [(fitted.map(d, c), r) for d, pairs in enumerate(test_pairs) for c, r in pairs]
-    ece_before, ece_after = calib.expected_calibration_error(before), calib.expected_calibration_error(after)
-    floor = calib.ece_floor([c for c, _ in after])  # what sampling noise alone leaves on this many guesses
+        for target in (folds[j % 2], everything):
+            for d, pairs in enumerate(depths):
+                while len(target) <= d:
+                    target.append([])
+                target[d].extend(pairs)
+    scores, before_all, after_all = [], [], []
+    for fit_on, score_on in ((0, 1), (1, 0)):
+        fold_map = calib.fit(folds[fit_on]) if any(folds[fit_on]) else calib.Calibration((calib.DepthMap(),))
+        before = [p for d in folds[score_on] for p in d]
+        after = [(fold_map.map(d, c), r) for d, pairs in enumerate(folds[score_on]) for c, r in pairs]
+        if before:
+            scores.append((calib.expected_calibration_error(before), calib.expected_calibration_error(after),
+                           calib.ece_floor([c for c, _ in after])))  # what sampling noise alone leaves on this many guesses
+        before_all += before
+        after_all += after
+    mean = (lambda i: sum(s[i] for s in scores) / len(scores)) if scores else (lambda i: None)
+    ece_before, ece_after, floor = mean(0), mean(1), mean(2)
+    fitted = calib.fit(everything)
     kept = ece_before is None or ece_after is None or ece_after <= ece_before
-    report = {"fit_pairs": sum(map(len, fit_pairs)), "test_pairs": len(before), "ece_before": ece_before,
-              "ece_after": ece_after, "ece_floor": floor, "used": kept, "reliability_before": calib.reliability(before),
-              "reliability_after": calib.reliability(after), "maps": fitted.to_json()}
+    report = {"fit_pairs": sum(map(len, everything)), "test_pairs": len(before_all), "folds": len(scores),
+              "ece_before": ece_before, "ece_after": ece_after, "ece_floor": floor, "used": kept,
+              "reliability_before": calib.reliability(before_all), "reliability_after": calib.reliability(after_all),
+              "maps": fitted.to_json()}
     if not kept:  # a map that makes the held-out answers worse is not used: the raw confidences stay
         fitted = calib.Calibration((calib.DepthMap(),))
     return fitted, report
