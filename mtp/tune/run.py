@@ -376,13 +376,15 @@ def fit_held_out(per_prompt: list[list[list[tuple[float, bool]]]]) -> tuple[cali
                 target[d].extend(pairs)
     scores, before_all, after_all = [], [], []
     for fit_on, score_on in ((0, 1), (1, 0)):
-        fold_map = calib.fit(folds[fit_on]) if any(folds[fit_on]) else calib.Calibration((calib.DepthMap(),))
+        if not any(folds[fit_on]):  # one prompt only: nothing to fit this fold on, so nothing to score
+            continue
+        fold_map = calib.fit(folds[fit_on])
         before = [p for d in folds[score_on] for p in d]
         after = [(fold_map.map(d, c), r) for d, pairs in enumerate(folds[score_on]) for c, r in pairs]
         if before:
             scores.append((calib.expected_calibration_error(before), calib.expected_calibration_error(after),
                            calib.ece_floor([c for c, _ in after])))  # what sampling noise alone leaves on this many guesses
-        before_all += before
+        before_all += before  # the reliability diagrams show both folds' held-out guesses together
         after_all += after
     mean = (lambda i: sum(s[i] for s in scores) / len(scores)) if scores else (lambda i: None)
     ece_before, ece_after, floor = mean(0), mean(1), mean(2)
