@@ -385,3 +385,45 @@ def test_a_folder_bench_wrote_may_be_replaced(tmp_path):
     (out / bench.MARKER).write_text("{}")
     (out / "report.html").write_text("old report")
     bench.check_out(out)  # its own earlier output: fine
+
+
+def test_calibration_flag_applies_a_deploy_files_maps_and_checks_its_hashes(tmp_path, monkeypatch, capsys):
+    """`mtp bench --calibration DEPLOY.json`: the engine gets the deploy file's calibration (every tree row
+    then drafts from a CalibratedProposer, as under `mtp serve --deploy`); one tuned on other weights is
+    refused in one line, a truncated one before the model loads."""
+    from mtp.cli import main
+    from mtp.core import deploy as D
+    from mtp.core import loading
+    from mtp.core.calibration import CalibratedProposer, Calibration
+    from mtp.core.engine import Engine, EngineConfig
+    model, tok = tiny_model(), char_tokenizer()
+    built = []
+
+    def load(cfg):
+        built.append(Engine(loading.Loaded(model, tok, "tiny", "tiny"), cfg))
+        return built[-1]
+
+    own = D.engine_hashes(load(EngineConfig(adapter="none")))
+    cal = {"lookup/tree": Calibration.from_json([{"temperature": 2.0, "bias": -1.0}])}
+    arms = dict(tuned=D.Arm(Strategy.parse("tree:4"), "lookup"), fallback=D.Arm(Strategy.parse("ntp"), "lookup"))
+    good, other, cut = tmp_path / "good.json", tmp_path / "other.json", tmp_path / "cut.json"
+    D.write(D.Deploy(**arms, tolerance=0.0, metric="exact", calibration=cal, hashes=own), good)
+    D.write(D.Deploy(**arms, tolerance=0.0, metric="exact", calibration=cal,
+                     hashes={**own, "model": "0123456789abcdef"}), other)
+    cut.write_text(good.read_text()[:40])
+    monkeypatch.setattr(Engine, "load", staticmethod(load))
+    args = ["bench", "--adapter", "none", "--data", f"gsm8k:{_gsm8k_file(tmp_path, 1)}", "--strategies",
+            "tree:4@lookup", "--max-new-tokens", "6", "--no-warmup"]
+    built.clear()
+    assert main(args + ["--calibration", str(good), "--out", str(tmp_path / "a")]) == 0
+    proposer = built[-1].proposer("lookup")
+    assert isinstance(proposer, CalibratedProposer) and proposer.tree_calibration == cal["lookup/tree"]
+    assert main(args + ["--out", str(tmp_path / "b")]) == 0  # without the flag: raw confidences
+    assert not isinstance(built[-1].proposer("lookup"), CalibratedProposer)
+    capsys.readouterr()
+    assert main(args + ["--calibration", str(other), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "another model" in err
+    n = len(built)
+    assert main(args + ["--calibration", str(cut), "--out", str(tmp_path / "d")]) == 2
+    assert "truncated" in capsys.readouterr().err and len(built) == n  # refused before the model loaded

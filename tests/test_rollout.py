@@ -180,5 +180,5 @@ def test_deploy_for_another_model_is_refused(engine, tmp_path):
     D.check_engine(make_deploy("verify:4", hashes=have), engine)  # its own hashes pass
     with pytest.raises(ValueError, match="another model"):
         D.check_engine(make_deploy("verify:4", hashes={**have, "model": "0123456789abcdef"}), engine)
-    with pytest.raises(ValueError, match="did not load"):
+    with pytest.raises(ValueError, match="was not loaded here"):
         D.check_engine(make_deploy("verify:4", hashes={**have, "heads": "0123456789abcdef"}), engine)

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mtp.cli.options import add_model_args, engine_config
+from mtp.core import deploy as deploy_file
 from mtp.core.engine import Engine
 from mtp.core.options import check_tree_proposer
 from mtp.eval.bench import (BenchConfig, check_out, load_data, parse_strategies, print_summary, run_bench,
@@ -37,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", action="store_true", help="measure t(q), predict speedups, advise K")
     p.add_argument("--profile-cache-len", type=int, default=300)
     p.add_argument("--profile-repeats", type=int, default=5)
+    p.add_argument("--calibration", metavar="DEPLOY.json", default=None,
+                   help="an `mtp tune` deploy file: every proposer reads its calibrated confidences, as under "
+                        "`mtp serve --deploy` (merged trees rank their parts' nodes by them)")
     p.add_argument("--chunk-examples", type=int, default=2, help="prompts shown in the report's chunk view")
     p.add_argument("--out", default="bench-out", help="output directory")
     p.set_defaults(func=run)
@@ -55,10 +59,19 @@ def run(args) -> int:
     baselines = parse_baselines(args.baselines)
     kind, items = load_data(args.data, args.limit)
     check_out(Path(args.out))
+    deploy = deploy_file.read(args.calibration) if args.calibration else None
     cfg = BenchConfig(strategies, baselines, args.repeats, args.max_new_tokens, args.warmup, args.chat,
                       args.profile, args.profile_cache_len, args.profile_repeats)
     console = Console(stderr=True)
-    engine = Engine.load(engine_config(args))
+    ecfg = engine_config(args)
+    if deploy is not None:
+        ecfg.calibration = dict(deploy.calibration)
+    engine = Engine.load(ecfg)
+    if deploy is not None:
+        for spec in strategies:
+            if not spec.strategy.plain:
+                engine.proposer(spec.proposer)  # loads its assets, so the deploy file's hashes can be checked
+        deploy_file.check_engine(deploy, engine)
     n_rows = len(strategies) + len(baselines)
     total = len(items) * args.repeats * n_rows + (n_rows if args.warmup else 0) + (1 if args.profile else 0)
     if console.is_terminal:

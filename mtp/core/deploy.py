@@ -164,7 +164,7 @@ def check_engine(deploy: Deploy, engine) -> None:
     have = engine_hashes(engine)
     for kind, want in deploy.hashes.items():
         if kind not in have:
-            raise ValueError(f"the deploy file was tuned with a {kind} ({want}) that this server did not load; "
+            raise ValueError(f"the deploy file was tuned with a {kind} ({want}) that was not loaded here; "
                              f"pass --{kind} DIR")
         if have[kind] != want:
             raise ValueError(f"the deploy file was tuned on another {kind} (hash {want}, loaded {have[kind]}); "
