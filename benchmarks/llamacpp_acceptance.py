@@ -32,52 +32,41 @@ a = p.parse_args()
 from mtp.core.engine import Engine, EngineConfig  # noqa: E402
 from mtp.eval.bench import load_data  # noqa: E402
 from mtp.eval.llamacpp_env import environment  # noqa: E402
-from mtp.eval.llamacpp_server import LlamaServer  # noqa: E402
-from mtp.eval.peers import LLAMACPP_DRAFTS, llamacpp_tokens_per_pass  # noqa: E402
+from mtp.eval.peers import llamacpp_tokens_per_pass, make_peer, parse_baselines  # noqa: E402
 
-export = Path(a.export)
-man = json.loads((export / "export.json").read_text())
 engine = Engine.load(EngineConfig(threads=a.threads))
-eos = set(engine.loaded.eos_ids)
 _, items = load_data(a.data, a.limit)
 prompts = [engine.encode(it["prompt"], chat=True) for it in items]
-
-
-def cut(ids):
-    for i, t in enumerate(ids):
-        if t in eos:
-            return ids[:i]
-    return ids
-
-
-draft_max = int(man.get("draft_tokens", LLAMACPP_DRAFTS))
-plain = LlamaServer(str(export / man["target"]), None, threads=a.threads, ctx=engine.context_window)
-spec = LlamaServer(str(export / man["target"]), "eagle3", str(export / man["drafter"]), threads=a.threads,
-                   ctx=engine.context_window, draft_max=draft_max)
+# the `mtp bench` peers: they read the export folder, start llama-server, cut at EOS and keep the timings
+names = parse_baselines(f"llamacpp-server:{a.export},llamacpp-server-eagle3:{a.export}")
+plain, spec = (make_peer(n) for n in names)
+for peer in (plain, spec):
+    peer.setup(engine)
 records, started = [], time.perf_counter()
-with plain, spec:
+try:
     for n, ids in enumerate(prompts):
-        order = [("plain", plain), ("eagle3", spec)][:: 1 if n % 2 == 0 else -1]
         rec = {"prompt": n}
-        for name, server in order:
+        for name, peer in [("plain", plain), ("eagle3", spec)][:: 1 if n % 2 == 0 else -1]:
             t0 = time.perf_counter()
-            out = server.complete(ids, a.max_new_tokens)
-            rec[name] = {"ids": cut(out["ids"]), "timings": out["timings"], "wall_s": time.perf_counter() - t0}
+            rec[name] = {"ids": peer.generate(ids, a.max_new_tokens), "timings": peer.timings[-1],
+                         "wall_s": time.perf_counter() - t0}
         rec["identical"] = rec["plain"]["ids"] == rec["eagle3"]["ids"]
         records.append(rec)
-        print(f"{n + 1}/{len(prompts)}: {len(rec['plain']['ids'])} tokens, identical {rec['identical']}, "
-              f"accepted {rec['eagle3']['timings'].get('draft_n_accepted')}/{rec['eagle3']['timings'].get('draft_n')}"
-              f" [{time.perf_counter() - started:.0f}s]", flush=True)
+        t = rec["eagle3"]["timings"]
+        print(f"{n + 1}/{len(prompts)}: {len(rec['plain']['ids'])} tokens, identical {rec['identical']}, accepted "
+              f"{t.get('draft_n_accepted')}/{t.get('draft_n')} [{time.perf_counter() - started:.0f}s]", flush=True)
+finally:
+    for peer in (plain, spec):
+        peer.server.close()
 
 timings = [r["eagle3"]["timings"] for r in records]
-tpp = llamacpp_tokens_per_pass(timings)
-drafts = sum(t.get("draft_n", 0) for t in timings)
-accepted = sum(t.get("draft_n_accepted", 0) for t in timings)
 wall = {k: sum(r[k]["wall_s"] for r in records) for k in ("plain", "eagle3")}
 toks = {k: sum(len(r[k]["ids"]) for r in records) for k in ("plain", "eagle3")}
 summary = {"data": a.data, "prompts": len(records), "max_new_tokens": a.max_new_tokens, "threads": a.threads,
-           "draft_max": draft_max, "identical": sum(r["identical"] for r in records),
-           "tokens_per_pass": tpp, "drafts": drafts, "accepted": accepted,
+           "draft_max": spec.draft_max, "identical": sum(r["identical"] for r in records),
+           "tokens_per_pass": llamacpp_tokens_per_pass(timings),
+           "drafts": sum(t.get("draft_n", 0) for t in timings),
+           "accepted": sum(t.get("draft_n_accepted", 0) for t in timings),
            "tokens_per_s": {k: toks[k] / wall[k] for k in wall}, "environment": environment()}
 if a.ours:
     mine = [r for r in json.loads(Path(a.ours).read_text())["rows"] if r["name"] == "verify:4@eagle3"]
