@@ -81,7 +81,7 @@ def _bench_stage(rank: int, world: int, args) -> int:
     adapter = "none" if args.adapter == "untrained" else args.adapter
     wants = {parse_spec(s)[1] or args.proposer for s in args.strategies}
     engine = Engine.load(EngineConfig(model=args.model, adapter=adapter,
-                                      proposer="heads" if "heads" in wants else "mask"))
+                                      proposer="heads" if any("heads" in w.split("+") for w in wants) else "mask"))
     if args.adapter == "untrained":  # no trained adapter yet: the mask token and zero LoRA, same on every stage
         from mtp.core.adapter import add_adapters
         torch.manual_seed(0)

@@ -18,7 +18,7 @@ from mtp.cli import main as cli_main
 from mtp.core.decode import Sequence, decode_step, generate, stream
 from mtp.core.model import Transformer
 from mtp.pipeline.launch import launch_local
-from mtp.pipeline.stages import keep_slice, layer_ranges, run_stage
+from mtp.pipeline.stages import PipelineModel, keep_slice, layer_ranges, run_stage
 from mtp.pipeline.transport import PipelineConfig
 from mtp.core.proposers import make_proposer
 from mtp.core.sampling import SamplingParams
@@ -32,6 +32,10 @@ JOBS = [  # (strategy, proposer, temperature, seed)
     ("static:3", "mask", 0.0, None),
     ("conf_adapt:0.6:4", "mask", 0.0, None),
     ("verify:3", "mask", 0.9, 7),  # rejection sampling with a seed
+    ("tree:6", "lookup", 0.0, None),  # token trees: accepted paths move on every stage
+    ("tree:4", "heads", 0.0, None),
+    ("tree:5", "stub", 0.0, None),  # every accepted path off the diagonal
+    ("tree:6", "lookup", 0.9, 3),  # multi-draft rejection sampling
 ]
 
 
@@ -65,10 +69,27 @@ def _run_batch(model, mask_id) -> list[list[int]]:
 
 def _job(model, strategy, proposer, temperature, seed, max_new=12):
     params = SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed)
-    return Sequence(list(PROMPT), Strategy.parse(strategy), params, make_proposer(proposer))
+    return Sequence(list(PROMPT), Strategy.parse(strategy), params, _proposer(model, proposer))
 
 
-def _run_jobs(pipe, jobs, outdir, kill=None):
+def _proposer(model, name):
+    """`heads`: random MTP heads (seeded) on stage 0's slice, which keeps the norm and lm_head;
+    `stub`: a tree from an oracle of the greedy answer whose accepted path is off the diagonal."""
+    if name == "stub":
+        from test_tree import StubTree
+        truth = generate(model, PROMPT, "ntp", SamplingParams(max_new_tokens=40), make_proposer("mask"),
+                         model.config.mask_token_id).output
+        return StubTree(truth, len(PROMPT))
+    if name != "heads":
+        return make_proposer(name)
+    from mtp.core.proposers import heads as H
+    base = model.model if isinstance(model, PipelineModel) else model
+    torch.manual_seed(0)
+    heads = H.MTPHeads(H.HeadsConfig.for_model(base.config, 3)).eval().requires_grad_(False)
+    return H.HeadsProposer(base, heads, "float32")
+
+
+def _run_jobs(pipe, jobs, outdir, check=("verify:3", "mask")):
     """Stage 0's work in the tests: decode every job through the pipeline, write the outcome."""
     results = []
     for strategy, proposer, temperature, seed in jobs:
@@ -78,7 +99,7 @@ def _run_jobs(pipe, jobs, outdir, kill=None):
         results.append({"output": seq.output, "chunks": seq.stats.chunks, "wall_s": seq.stats.wall_s})
     results.append({"batch": _run_batch(pipe, pipe.config.mask_token_id)})
     # the last sequence's cache, for the rollback check (mask drafts: branched groups write beyond the block)
-    seq = _job(pipe, "verify:3", "mask", 0.0, None, max_new=20)
+    seq = _job(pipe, *check, 0.0, None, max_new=20)
     cache = KVCache.for_model(pipe, 1, 64)
     for _ in stream(pipe, seq, pipe.config.mask_token_id, cache):
         pass
@@ -93,13 +114,13 @@ def _save_cache(cache, outdir, rank):
     save_file({"k": cache.k.contiguous(), "v": cache.v.contiguous()}, os.path.join(outdir, f"cache{rank}.safetensors"))
 
 
-def _stage(rank, world, model, jobs, outdir, delay_ms=0.0, timeout_s=20.0):
+def _stage(rank, world, model, jobs, outdir, delay_ms=0.0, timeout_s=20.0, check=("verify:3", "mask")):
     torch.set_num_threads(1)  # tiny matrices: extra threads only wait for the (shared) cores
     cfg = PipelineConfig(link_delay_ms=delay_ms, timeout_s=timeout_s, heartbeat_s=0.1)
     if jobs == "delay":
         fn = lambda pipe: _run_delay(pipe, outdir)  # noqa: E731
     else:
-        fn = lambda pipe: _run_jobs(pipe, jobs, outdir)  # noqa: E731
+        fn = lambda pipe: _run_jobs(pipe, jobs, outdir, check)  # noqa: E731
     state = run_stage(rank, world, model, cfg, fn)
     if rank > 0:
         _save_cache(state["cache"], outdir, rank)
@@ -168,7 +189,7 @@ def test_pipeline_matches_single_process(tmp_path, one_thread):
     mask_id = model.config.mask_token_id
     for (strategy, proposer, temperature, seed), res in zip(JOBS, got):
         ref = generate(model, PROMPT, strategy, SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed),
-                       make_proposer(proposer), mask_id)
+                       _proposer(model, proposer), mask_id)
         assert res["output"] == ref.output, strategy
         assert res["chunks"] == ref.stats.chunks, strategy
     assert any(c > 1 for r in got[:len(JOBS)] for c in r["chunks"])  # proposals were really used
@@ -189,14 +210,32 @@ def _rejections(model, strategy, proposer, max_new):
     return n
 
 
-def test_rollback_consistency_across_stages(tmp_path, one_thread):
-    """3 stages, verify with rejected drafts: after decoding, every stage's cache holds exactly what a
-    fresh prefill of the committed tokens writes (rejected entries were overwritten everywhere)."""
+def _moves(model, strategy, proposer, max_new, monkeypatch):
+    """How many passes of the single-process run moved a tree's accepted path off the diagonal."""
+    moved = []
+    real = KVCache.compact
+    monkeypatch.setattr(KVCache, "compact", lambda self, row, start, src: (
+        moved.append(src != list(range(len(src)))), real(self, row, start, src))[1])
+    seq = _job(model, strategy, proposer, 0.0, None, max_new=max_new)
+    with torch.inference_mode():
+        for _ in stream(model, seq, model.config.mask_token_id):
+            pass
+    monkeypatch.undo()
+    return sum(moved)
+
+
+@pytest.mark.parametrize("check", [("verify:3", "mask"), ("tree:5", "stub")])
+def test_rollback_consistency_across_stages(tmp_path, one_thread, check, monkeypatch):
+    """3 stages, verify with rejected drafts, or trees whose accepted paths move: after decoding,
+    every stage's cache holds exactly what a fresh prefill of the committed tokens writes (rejected
+    entries were overwritten everywhere, accepted tree paths moved on every stage)."""
     from safetensors.torch import load_file
     model = mtp_tiny(1, n_layers=3)
     ref_model = mtp_tiny(1, n_layers=3)
-    assert _rejections(ref_model, "verify:3", "mask", 20) > 0  # the run does roll back
-    assert launch_local(3, _stage, (model, [], str(tmp_path))) == 0
+    assert _rejections(ref_model, *check, 20) > 0  # the run does roll back
+    if check[0].startswith("tree"):
+        assert _moves(ref_model, *check, 20, monkeypatch) > 0  # and moves paths off the diagonal
+    assert launch_local(3, _stage, (model, [], str(tmp_path), 0.0, 20.0, check)) == 0
     committed = json.loads((tmp_path / "stage0.json").read_text())[-1]["committed"]
     L = len(committed)
     ref_cache = KVCache.for_model(ref_model, 1, 64)

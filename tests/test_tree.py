@@ -247,27 +247,11 @@ def test_sampling_distribution_is_exact_where_a_naive_sibling_rule_is_not():
     assert ours < 0.03 and naive > 0.15, (ours, naive)
 
 
-def test_a_pipeline_model_refuses_trees_instead_of_moving_one_stage_only():
-    model = tiny_model(0)
-
-    class Stage0:  # what mtp.pipeline.stages.PipelineModel looks like to the loop: its own partial cache
-        config, device = model.config, model.device
-        new_cache = staticmethod(lambda rows, cap: KVCache.for_model(model, rows, cap))
-
-        def __call__(self, *a, **k):
-            return model(*a, **k)
-
-    seq = Sequence(list(PROMPT), Strategy.parse("tree:4"), params(8), PromptLookupProposer())
-    cache = KVCache.for_model(model, 1, 64)
-    with pytest.raises(ValueError, match="tree:N does not run in mtp pipeline"):
-        decode_step(Stage0(), cache, [seq], None)
-
-
 @pytest.mark.parametrize("argv", [["generate", "x", "--strategy", "tree:8"],
                                   ["generate", "x", "--strategy", "tree:8", "--proposer", "eagle3"],
                                   ["bench", "--data", "prompts:P", "--strategies", "tree:8", "--out", "O"],
                                   ["bench", "--data", "prompts:P", "--strategies", "tree:8@mask", "--out", "O"],
-                                  ["pipeline", "x", "--strategy", "tree:4", "--proposer", "heads"]])
+                                  ["pipeline", "x", "--strategy", "tree:4", "--proposer", "eagle3"]])
 def test_tree_with_a_proposer_that_cannot_draft_trees_is_refused_before_loading(argv, tmp_path, capsys, monkeypatch):
     from mtp.cli import main
     from mtp.core import engine, loading
@@ -279,4 +263,4 @@ def test_tree_with_a_proposer_that_cannot_draft_trees_is_refused_before_loading(
     monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and ("tree:N drafts from heads" in err or "does not run in mtp pipeline" in err), err
+    assert err.count("\n") == 1 and "tree:N drafts from heads" in err, err

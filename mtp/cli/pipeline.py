@@ -28,9 +28,7 @@ def run(args) -> int:
     if args.predict:
         print_prediction(args.predict)
         return 0
-    if check_decoding_args(args).is_tree:
-        raise ValueError("tree:N does not run in mtp pipeline yet (every stage would have to move its KV "
-                         "entries); use verify:K there")
+    check_decoding_args(args)
     config_from_args(args)
     if args.stages < 1:
         raise ValueError("--stages must be >= 1")

@@ -100,10 +100,6 @@ def block_slack(k: int) -> int:
 
 def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None) -> list[list[int]]:
     """Advance every sequence by one forward pass; return the tokens each one emitted."""
-    if hasattr(model, "new_cache") and any(s.strategy.is_tree for s in seqs):
-        # a pipeline stage holds only its own layers' KV: the accepted path would move on stage 0 alone
-        raise ValueError("tree:N does not run in mtp pipeline yet (every stage would have to move its KV "
-                         "entries); use verify:K there")
     # 1. blocks: pending + drafts + masks, right-padded to a common length T
     blocks, starts, branched = [], [], []
     for s in seqs:
@@ -204,8 +200,6 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         confs_emitted = [1.0] * a + confs[:n]
         # 6. commit: pending tokens and accepted drafts now hold valid KV; the rest is dropped
         if path:  # a tree's accepted path moves into contiguous slots first
-            if not hasattr(cache, "compact"):
-                raise ValueError("tree:N needs a KV cache that can compact its accepted path (not a pipeline stage)")
             cache.compact(s.slot, starts[i] + len(s.pending), path)
         cache.commit(s.slot, len(s.pending) + a)
         s.pending = new

@@ -15,8 +15,11 @@ stage 0 only. The other stages need no rollback message: every block carries its
 query at position p reads cache slots 0..p only, so the KV entries of rejected drafts and of masks
 are overwritten by the next block that reaches those positions, on every stage, before anything
 reads them (tests/test_pipeline.py checks every stage's cache against a fresh prefill). A `verify`
-block with branched mask groups (mtp.core.decode) also carries its layout: the cache slot of each row and
-the [B, T, S] attention mask (a few KB), since its masks' RoPE positions are not their slots.
+block with branched mask groups or a token tree (mtp.core.decode) also carries its layout: the cache slot
+of each row and the [B, T, S] attention mask (a few KB), since its RoPE positions are not its slots.
+A tree's accepted path is moved into contiguous slots on stage 0 at once (`StageZeroCache.compact`)
+and on every other stage just before its next pass: the moves ride along with that pass's message
+(or the shutdown), [row, start, n, src_0..src_n-1] per move, so a tree costs no extra round trip.
 
 Faults: every wait is bounded (`timeout_s`); a watchdog thread per stage beats a heartbeat into the
 rendezvous store and watches the others'; the first stage to notice a failure posts one line naming
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from mtp.core.cache import KVCache
 from mtp.core.model import Transformer
-from mtp.pipeline.transport import (F_CACHE, F_GATE, F_HIDDEN, F_LAYOUT, F_OUT, F_SLOTS, HEADER,
+from mtp.pipeline.transport import (F_CACHE, F_GATE, F_HIDDEN, F_LAYOUT, F_MOVES, F_OUT, F_SLOTS, HEADER,
                                     OP_FORWARD, OP_RESULT, OP_SHUTDOWN, Link, PipelineConfig, PipelineError,
                                     _header, _store_address, init_group)
 from mtp.pipeline.watchdog import Watchdog
@@ -65,6 +68,29 @@ def keep_slice(model: Transformer, stage: int, stages: int) -> Transformer:
     return model
 
 
+class StageZeroCache(KVCache):
+    """Stage 0's cache (its own layers' KV): a tree's compaction happens here and is queued in
+    `moves` for the other stages, which apply it before their next pass."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.moves: list[int] = []  # [row, start, n, src...] per move not yet sent
+
+    def compact(self, row: int, start: int, src: list[int]) -> None:
+        super().compact(row, start, src)
+        if src and src != list(range(len(src))):
+            self.moves += [row, start, len(src), *src]
+
+
+def apply_moves(cache: KVCache, moves: list[int]) -> None:
+    """Replay stage 0's compactions ([row, start, n, src_0..src_n-1] each) on this stage's cache."""
+    i = 0
+    while i < len(moves):
+        row, start, n = moves[i: i + 3]
+        cache.compact(row, start, moves[i + 3: i + 3 + n])
+        i += 3 + n
+
+
 class PipelineModel:
     """Stage 0's stand-in for `Transformer`: the same call (tokens, positions, cache, slots, out_index,
     return_hidden) and `.config`/`.device`, so `decode_step` runs unchanged. Its layers run here, the
@@ -83,7 +109,8 @@ class PipelineModel:
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         """Stage 0's cache (its own layers); the other stages allocate theirs on the first pass."""
         cfg, w = self.config, self.model.embed_tokens.weight
-        return KVCache(len(self.model.layers), rows, cfg.n_kv_heads, capacity, cfg.head_dim, w.dtype, w.device)
+        return StageZeroCache(len(self.model.layers), rows, cfg.n_kv_heads, capacity, cfg.head_dim, w.dtype,
+                              w.device)
 
     def __call__(self, tokens, positions=None, cache=None, slots=None, attn_mask=None, out_index=None,
                  return_hidden=False, cache_positions=None):
@@ -101,6 +128,8 @@ class PipelineModel:
             gate = gate.unsqueeze(-1)  # [B, T, 1]
         if cache is not None and cache is not self._cache:
             self._cache, self._epoch = cache, self._epoch + 1  # the other stages start a fresh cache too
+            if hasattr(cache, "moves"):
+                cache.moves.clear()  # moves on a cache the other stages never held are moot
         x = m.forward_layers(x, positions, cache, slots, attn_mask, gate, cache_positions)
         if self.world == 1:
             return m.forward_head(x, out_index, return_hidden)
@@ -110,9 +139,12 @@ class PipelineModel:
                  | (F_HIDDEN if return_hidden else 0) | (F_LAYOUT if attn_mask is not None else 0))
         rows, cap = (cache.rows, cache.capacity) if cache is not None else (0, 0)
         S = attn_mask.shape[-1] if attn_mask is not None else 0
-        hdr = _header(OP_FORWARD, B, T, N, flags, self._epoch, rows, cap, round(self.link.delay_s * 1e6), S)
+        moves = self._take_moves(cache)
+        flags |= F_MOVES if moves else 0
+        hdr = _header(OP_FORWARD, B, T, N, flags, self._epoch, rows, cap, round(self.link.delay_s * 1e6), S,
+                      len(moves))
         ints = [positions.reshape(-1)] + [t.reshape(-1) for t in (slots, out_index, cache_positions)
-                                          if t is not None]
+                                          if t is not None] + ([torch.tensor(moves)] if moves else [])
         floats = x if gate is None else torch.cat([x, gate.to(x.dtype)], -1)  # [B, T, dim (+1)]
         extra = [] if attn_mask is None else [attn_mask.to(torch.uint8)]  # [B, T, S]
         self.link.send(1, [hdr, torch.cat([t.to(torch.long).cpu() for t in ints]), floats] + extra)
@@ -127,11 +159,21 @@ class PipelineModel:
 
     forward = __call__
 
+    def _take_moves(self, cache) -> list[int]:
+        """The compactions of the cache the other stages hold, not yet sent to them (then cleared)."""
+        if cache is None or cache is not self._cache or not getattr(cache, "moves", None):
+            return []
+        moves, cache.moves = cache.moves, []
+        return moves
+
     def close(self) -> None:
-        """Shut the other stages down (the message goes round the ring and comes back as the ack)."""
+        """Shut the other stages down (the message goes round the ring and comes back as the ack);
+        the last pass's moves go with it, so every stage's cache ends as stage 0's."""
         if self.world == 1 or self.link.broken:
             return
-        self.link.send(1, [_header(OP_SHUTDOWN)])
+        moves = self._take_moves(self._cache)
+        hdr = _header(OP_SHUTDOWN, 0, 0, 0, F_MOVES if moves else 0, self._epoch, 0, 0, 0, 0, len(moves))
+        self.link.send(1, [hdr] + ([torch.tensor(moves, dtype=torch.long)] if moves else []))
         self.link.recv(self.world - 1, (HEADER,), torch.long)
 
 
@@ -150,15 +192,19 @@ def serve(model: Transformer, link: Link, watchdog: Watchdog | None = None) -> d
     passes = 0
     while True:
         hdr = link.recv(prev, (HEADER,), torch.long, idle=True)
-        op, B, T, N, flags, ep, rows, cap, delay_us, S = hdr[:10].tolist()
+        op, B, T, N, flags, ep, rows, cap, delay_us, S, n_moves = hdr[:11].tolist()
         if op == OP_SHUTDOWN:
+            moves = link.recv(prev, (n_moves,), torch.long) if flags & F_MOVES else None
+            if moves is not None and cache is not None and ep == epoch:
+                apply_moves(cache, moves.tolist())
             if watchdog is not None:
                 watchdog.stop()
-            link.send(0 if last else nxt, [hdr])
+            link.send(0 if last else nxt, [hdr] + ([moves] if moves is not None and not last else []))
             return {"cache": cache, "passes": passes}
         link.delay_s = delay_us / 1e6  # stage 0 sets the delay of the whole ring
         layout = bool(flags & F_LAYOUT)
-        n_ints = B * T + (B if flags & F_SLOTS else 0) + (B * N if flags & F_OUT else 0) + (B * T if layout else 0)
+        n_ints = (B * T + (B if flags & F_SLOTS else 0) + (B * N if flags & F_OUT else 0) + (B * T if layout else 0)
+                  + (n_moves if flags & F_MOVES else 0))
         ints = link.recv(prev, (n_ints,), torch.long)
         has_gate = bool(flags & F_GATE)
         floats = link.recv(prev, (B, T, cfg.dim + has_gate), dtype).to(dev)
@@ -171,12 +217,15 @@ def serve(model: Transformer, link: Link, watchdog: Watchdog | None = None) -> d
         if flags & F_OUT:
             out_index, rest = rest[:B * N].view(B, N).to(dev), rest[B * N:]
         if layout:
-            cache_positions, attn_mask = rest.view(B, T).to(dev), mask_u8.to(dev, torch.bool)
+            cache_positions, rest = rest[:B * T].view(B, T).to(dev), rest[B * T:]
+            attn_mask = mask_u8.to(dev, torch.bool)
         x = floats[..., : cfg.dim]  # [B, T, dim]
         gate = floats[..., cfg.dim:] if has_gate else None  # [B, T, 1]
         if flags & F_CACHE and ep != epoch:
             cache = KVCache(len(model.layers), rows, cfg.n_kv_heads, cap, cfg.head_dim, dtype, dev)
             epoch = ep
+        if flags & F_MOVES:  # stage 0's tree compactions since the last pass, before this pass reads them
+            apply_moves(cache, rest.tolist())
         with torch.inference_mode():
             x = model.forward_layers(x, positions, cache if flags & F_CACHE else None, slots, attn_mask, gate,
                                      cache_positions)

@@ -1,7 +1,7 @@
 """The links between pipeline stages: the process group, the message header, bounded sends and receives.
 
 A message is a header (`HEADER` int64s: op, B, T, N, flags, cache epoch, cache rows, cache capacity,
-delay, spare) followed by payload tensors sent back to back; `Link` adds the dialled-in delay before
+delay, attention-layout width, KV moves) followed by payload tensors sent back to back; `Link` adds the dialled-in delay before
 each message and turns a failed or timed-out transfer into a `PipelineError` naming the stage at fault.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# message header: [op, B, T, N, flags, cache_epoch, cache_rows, cache_capacity, delay_us, spare]
-HEADER = 10
+# message header: [op, B, T, N, flags, cache_epoch, cache_rows, cache_capacity, delay_us, layout_S, n_moves]
+HEADER = 11
 OP_SHUTDOWN, OP_FORWARD, OP_RESULT = 0, 1, 2
-F_CACHE, F_SLOTS, F_OUT, F_GATE, F_HIDDEN, F_LAYOUT = 1, 2, 4, 8, 16, 32
+F_CACHE, F_SLOTS, F_OUT, F_GATE, F_HIDDEN, F_LAYOUT, F_MOVES = 1, 2, 4, 8, 16, 32, 64
 IDLE_WAIT = timedelta(days=7)  # a stage waiting for the next pass relies on the watchdog instead
 
 
