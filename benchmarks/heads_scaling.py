@@ -26,6 +26,7 @@ import torch
 from mtp.core.engine import SHIPPED, Engine, EngineConfig
 from mtp.core.loading import cache_root
 from mtp.core.proposers.heads import bf16_readout, load_heads
+from mtp.training import shards
 from mtp.training.data import load_examples
 from mtp.training.heads_train import TrainHeadsConfig, cached_features, evaluate, train_heads
 
@@ -53,7 +54,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    records = [json.loads(x) for x in Path(args.examples).read_text().splitlines() if x.strip()]
+    src = Path(args.examples)  # an `mtp data` folder (its shards, then its working file) or a JSONL of answers
+    records = (list(shards.read(src, "train", repair=False)[0].values()) if src.is_dir()
+               else [json.loads(x) for x in src.read_text().splitlines() if x.strip()])
     ids = [r.get("id", str(i)) for i, r in enumerate(records)]
     sources = [r.get("source", "?") for r in records]
     examples = load_examples(args.examples)

@@ -239,3 +239,24 @@ def _gsm8k_test():
     root = os.environ.get("MTP_DATA_DIR")
     path = Path(root or "/nonexistent") / "gsm8k" / "test.jsonl"
     return [json.loads(x)["question"] for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+@pytest.mark.parametrize("what", ["folder", "shard"])
+def test_a_data_set_made_by_another_model_is_refused_whatever_its_vocabulary(tmp_path, capsys, what):
+    """Its manifest's base_hash names the model the answers came from: another model's answers (here a
+    tiny model of the same vocabulary, other weights) are refused in one line; the same model's pass."""
+    from mtp.core.artifacts import base_hash
+    from mtp.core.loading import load
+    mine, other = make_tiny_model_dir(tmp_path / "mine", seed=0), make_tiny_model_dir(tmp_path / "other", seed=1)
+    out = folder(tmp_path)
+    m = shards.read_manifest(out)
+    m["base_hash"] = base_hash(load(str(mine)).model)
+    shards.write_manifest(out, m)
+    [entry] = shards.seal(out)
+    data = out if what == "folder" else out / entry["file"]
+    argv = ["datastore", "build", "--data", str(data), "--out", str(tmp_path / "ds")]
+    assert main(argv + ["--model", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtp: error:") and len(err.strip().splitlines()) == 1 and "another model" in err, err
+    assert not (tmp_path / "ds").exists()
+    assert main(argv + ["--model", str(mine)]) == 0, capsys.readouterr().err

@@ -9,7 +9,7 @@ from mtp.core import loading
 from mtp.core.artifacts import replaceable
 from mtp.core.proposers.suffix import build_datastore, is_datastore
 from mtp.training import shards
-from mtp.training.data import check_example_ids, load_examples
+from mtp.training.data import check_examples_for, load_examples
 
 
 def add_parser(sub) -> None:
@@ -39,7 +39,7 @@ def run(args) -> int:
     elif data.name.endswith(".jsonl.gz"):
         meta["shards"] = [data.name]
     model = loading.load(args.model).model
-    check_example_ids(examples, model.config.vocab_size, data)  # another tokenizer's answers: refused here
+    check_examples_for(examples, model, data)  # another model's answers: refused here
     store = build_datastore([ex.response_ids for ex in examples], model, meta, out)
     print(f"datastore: {len(examples):,} answers, {len(store):,} tokens -> {out} "
           f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)

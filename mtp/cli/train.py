@@ -16,7 +16,7 @@ from mtp.cli.options import check_device, check_threads
 from mtp.core.adapter import MODES, TARGETS, is_adapter_dir
 from mtp.core.artifacts import replaceable
 from mtp.core.engine import Engine, EngineConfig
-from mtp.training.data import build_examples, check_example_ids, load_examples, load_prompts
+from mtp.training.data import build_examples, check_examples_for, load_examples, load_prompts
 from mtp.training.distill import TEACHERS, TrainConfig, check_export, describe, train
 from mtp.training.trainer import check_lr, distributed
 
@@ -84,7 +84,7 @@ def run(args) -> int:
         engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=device))
         d, rank, _ = distributed()
         if examples is not None:
-            check_example_ids(examples, engine.model.config.vocab_size, args.examples)
+            check_examples_for(examples, engine.model, args.examples)
         if prompts is not None:
             if d is not None and rank != 0:
                 d.barrier()  # rank 0 generates (and caches) first; the others then read its cache

@@ -77,7 +77,7 @@ def run_train_eagle3(args) -> int:
     ecfg = Eagle3Config.for_model(engine.model.config, cfg.draft_vocab, cfg.aux_layers or None)  # fail early
     t0 = time.perf_counter()
     if args.examples:
-        data.check_example_ids(examples, engine.model.config.vocab_size, args.examples)
+        data.check_examples_for(examples, engine.model, args.examples)
     else:
         examples = data.build_examples(engine, prompts, args.self_generate, args.max_new_tokens,
                                        args.gen_batch_size, Path(args.cache_dir) / "selfgen" if args.cache_dir else None)

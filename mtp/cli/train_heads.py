@@ -69,7 +69,7 @@ def run_train_heads(args) -> int:
     HeadsConfig.for_model(engine.model.config, cfg.depths, cfg.blocks, cfg.width)  # bad sizes fail before work
     t0 = time.perf_counter()
     if args.examples:
-        data.check_example_ids(examples, engine.model.config.vocab_size, args.examples)
+        data.check_examples_for(examples, engine.model, args.examples)
     else:  # the same call as `mtp train` makes, so both share the self-generated answers on disk
         examples = data.build_examples(engine, prompts, args.self_generate, args.max_new_tokens,
                                        args.gen_batch_size, Path(args.cache_dir) / "selfgen" if args.cache_dir else None)
