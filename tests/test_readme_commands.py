@@ -1,7 +1,21 @@
-"""Every training command README.md shows runs as shown: the `mtp train`, `mtp train-heads` and
-`mtp train-eagle3` lines of its shell blocks (with the `cp -r` and `mtp export` lines beside them, in
-order), on a tiny 4-layer model and tiny data, with step counts and sizes cut down; each must exit 0
-and write what its command promises."""
+"""Every command line README.md shows runs as shown: each `mtp` line of its shell blocks (with the
+`cp -r` lines beside them, in order, in one folder per block) and the one it gives inline (`mtp
+datastore build`), on a tiny 4-layer model and tiny inputs; each must exit 0 and write or print what
+its command promises.
+
+What is changed, and why:
+- the commands run in a temporary folder, so the README's relative paths (`data/smollm2-135m/mix-v1`,
+  `runs/...`) land there, never in the repository; `$MTP_DATA_DIR` points at tiny GSM8K and self-instruct
+  files written there (no shared data set is read), `~/.cache/mtp` at a temporary cache;
+- sizes are cut down (SMALL, SMALL_STEPS, `--max-new-tokens`, `--limit`, `--stages`, tune's probes) and
+  the tiny model is given as `--model`; a `DIR` placeholder becomes a folder, a trailing `...` is dropped;
+- the tiny model "ships" what the README's lines take from the default model (`--adapter auto`, `--heads
+  auto`); `mtp pipeline`'s stages, fresh processes, are given its adapter as `--adapter`;
+- `mtp bench`'s `llamacpp-server*` and `vllm*` baselines are left out: they need `make llamacpp` / `make
+  vllm` and a GGUF model (tests/test_llamacpp_server.py and tests/test_vllm.py run them);
+- `mtp serve` lines are not served: the command runs up to its model load (every flag and file it names,
+  e.g. tune's deploy.json, checked by the command's own pre-load checks) and stops there.
+Lines of other programs (`make`, `curl`, `torchrun`, `python benchmarks/...`) are not run."""
 from __future__ import annotations
 
 import json
@@ -14,47 +28,67 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from mtp.cli import main
+from mtp.cli import build_parser, main
+from mtp.core import engine as engine_module
+from mtp.training import shards
 from test_data import prompts_file, write_jsonl
+from test_data_engine import sources
 from test_hostile_training import make_word_model_dir
 from test_train import examples
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
 TRAINERS = ("train", "train-heads", "train-eagle3")
+INLINE = ("datastore",)  # commands the README gives only inline (`mtp datastore build ...`), run too
 # small values for the sizes the README gives (a flag missing from a command is left out)
 SMALL = {"--batch-size": "2", "--limit": "4", "--threads": "1", "--save-every": "1", "--seq-len": "64",
-         "--k-max": "4", "--spans": "2", "--draft-vocab": "16"}
+         "--k-max": "4", "--spans": "2", "--draft-vocab": "16", "--self-written": "3", "--stages": "2"}
+# and flags added to the commands that have them (short answers, few tuning probes and repeats)
+ADDED = {"--max-new-tokens": "6", "--probe": "2", "--measure": "2", "--calibrate": "2",
+         "--measure-rows": "1", "--profile-repeats": "1", "--profile-cache-len": "32", "--repeats": "1"}
+EXTERNAL_BASELINES = ("llamacpp", "vllm")  # peers that need their own build (see the docstring)
 
 
-def wanted(line: str) -> bool:
-    """An `mtp` training or export command, or a `cp` beside them (other lines are not split)."""
-    words = line.split()
-    if not words or words[0] == "cp":
-        return bool(words)
-    return Path(words[0]).name == "mtp" and len(words) > 1 and words[1] in (*TRAINERS, "export")
+def is_mtp(words: list[str]) -> bool:
+    return len(words) > 1 and Path(words[0]).name == "mtp"
 
 
-def training_blocks() -> list[list[list[str]]]:
-    """The commands (argv lists) this test runs, per ```bash or plain ``` block of the README that
-    holds a training command: continuation lines joined, comments dropped, in order."""
+def shown_blocks() -> list[list[list[str]]]:
+    """The commands (argv lists) this test runs: per ```bash or plain ``` block of the README that holds
+    an `mtp` line, its `mtp` and `cp` lines (continuation lines joined, comments dropped), in order;
+    then one block per inline `mtp datastore ...` command."""
+    text = README.read_text(encoding="utf-8")
     out = []
-    for body in re.findall(r"^```(?:bash)?\n(.*?)^```", README.read_text(encoding="utf-8"), flags=re.M | re.S):
-        lines = re.sub(r"\\\n", " ", body).splitlines()
-        cmds = [shlex.split(line, comments=True) for line in lines if wanted(line)]
-        if any(a[0] != "cp" and a[1] in TRAINERS for a in cmds):
+    for body in re.findall(r"^```(?:bash)?\n(.*?)^```", text, flags=re.M | re.S):
+        lines = [line for line in re.sub(r"\\\n", " ", body).splitlines()  # (other lines are not split)
+                 if is_mtp(line.split()) or line.startswith("cp ")]
+        cmds = [shlex.split(line, comments=True) for line in lines]
+        if any(is_mtp(a) for a in cmds):
             out.append(cmds)
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S).replace("\n", " ")
+    for span in re.findall(r"`((?:\.venv/bin/)?mtp [^`]*)`", prose):
+        if shlex.split(span)[1] in INLINE:
+            out.append([shlex.split(span)])
     return out
 
 
-BLOCKS = training_blocks()
+BLOCKS = shown_blocks()
 STEPS = sorted({int(a[a.index("--steps") + 1]) for b in BLOCKS for a in b if "--steps" in a})
 SMALL_STEPS = {n: str(2 + i) for i, n in enumerate(STEPS)}  # same order, so `--steps` + `--resume` continues
+PARSERS = build_parser()._subparsers._group_actions[0].choices  # command -> its parser
 
 
-def shrink(argv: list[str], model: Path, out: Path) -> list[str]:
-    """argv of `mtp COMMAND ...` for the tiny run: placeholders (`...`) dropped, `~/.cache/mtp` and
-    $VARS expanded, sizes made small, the tiny --model, an --out where the README leaves it out."""
-    args = [os.path.expandvars(a.replace("~/.cache/mtp", "$MTP_CACHE_DIR")) for a in argv[1:] if a != "..."]
+def takes(command: str, flag: str) -> bool:
+    return flag in PARSERS[command]._option_string_actions
+
+
+def shrink(argv: list[str], model: Path, out: Path, shipped: Path) -> list[str]:
+    """argv of `mtp COMMAND ...` for the tiny run (see the module docstring)."""
+    args = [os.path.expandvars(a.replace("~/.cache/mtp", "$MTP_CACHE_DIR")) for a in argv[1:]]
+    if args[-1] == "...":  # "and the rest as you like"; a "..." prompt stays a prompt
+        args.pop()
+    args = [str(out) if a in ("DIR", "D") else a for a in args]
+    command = args[0]
 
     def put(flag, value):
         if flag in args:
@@ -62,50 +96,96 @@ def shrink(argv: list[str], model: Path, out: Path) -> list[str]:
         else:
             args.extend([flag, value])
 
-    if args[0] in TRAINERS:
-        for flag, value in SMALL.items():
-            if flag in args:
-                put(flag, value)
+    for flag, value in SMALL.items():
+        if flag in args:
+            put(flag, value)
+    bare = "--card" in args or "--predict" in args  # no model, nothing decoded: run exactly as shown
+    for flag, value in ADDED.items():
+        if takes(command, flag) and not bare and "--toy" not in args:
+            put(flag, value)
+    if "--baselines" in args:
+        peers = args[args.index("--baselines") + 1].split(",")
+        put("--baselines", ",".join(p for p in peers if not p.startswith(EXTERNAL_BASELINES)))
+    if command in TRAINERS:
         put("--steps", SMALL_STEPS.get(int(args[args.index("--steps") + 1]), "2") if "--steps" in args else "2")
-        put("--model", str(model))
-        if "--self-generate" in args:
-            put("--max-new-tokens", "8")
         if "--out" not in args:
             put("--out", str(out))
+    if takes(command, "--model") and not bare:
+        put("--model", str(model))
+        if command == "pipeline" and "--adapter" not in args:  # its stages are fresh processes: no SHIPPED patch
+            put("--adapter", str(shipped / "adapter"))
     return args
 
 
 def make_inputs(args: list[str]) -> None:
-    """The data files a command reads, where they do not exist yet: tiny prompts or token ids."""
-    for flag, write in (("--data", lambda p: prompts_file(p.parent, n=6).rename(p)),
-                        ("--examples", lambda p: write_jsonl(p, [{"prompt_ids": e.prompt_ids,
-                                                                  "response_ids": e.response_ids}
-                                                                 for e in examples(6)]))):
-        if flag in args and not Path(args[args.index(flag) + 1]).exists():
-            path = Path(args[args.index(flag) + 1])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write(path)
+    """The data files a command reads, where no earlier line of its block wrote them: tiny prompts, or
+    token ids (`--examples`, and the datastore's `--data`)."""
+    def token_ids(p):
+        write_jsonl(p, [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(6)])
+
+    for flag, write in (("--data", lambda p: prompts_file(p.parent, n=6).rename(p)), ("--examples", token_ids)):
+        if flag in args:
+            path = Path(args[args.index(flag) + 1].split(":", 1)[-1])
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                (token_ids if args[0] == "datastore" else write)(path)
 
 
-def check_outputs(args: list[str]) -> None:
-    """What the command promises: the finished directory (and --export's float16 copy)."""
-    out = Path(args[args.index("--out") + 1])
-    names = {p.name for p in out.iterdir()}
-    weights = {"train": "adapter.safetensors", "train-heads": "heads.safetensors",
-               "train-eagle3": "model.safetensors", "export": "model.safetensors"}[args[0]]
-    assert {"config.json", weights} <= names, (args, names)
-    if args[0] == "train":
-        state = json.loads((out / "trainer_state.json").read_text())
-        assert state["step"] == int(args[args.index("--steps") + 1])
-    if "--export" in args:
-        export = Path(args[args.index("--export") + 1])
-        assert {p.name for p in export.iterdir()} == {"config.json", "adapter.safetensors"}
-        assert all(str(t.dtype) == "torch.float16" for t in load_file(str(export / weights)).values())
+def check_outputs(args: list[str], stdout: str) -> None:
+    """What the command promises: the finished directory, the printed answer or report."""
+    command = args[0]
+    out = Path(args[args.index("--out") + 1]) if "--out" in args else None
+    if command in (*TRAINERS, "export"):
+        names = {p.name for p in out.iterdir()}
+        weights = {"train": "adapter.safetensors", "train-heads": "heads.safetensors",
+                   "train-eagle3": "model.safetensors", "export": "model.safetensors"}[command]
+        assert {"config.json", weights} <= names, (args, names)
+        if command == "train":
+            state = json.loads((out / "trainer_state.json").read_text())
+            assert state["step"] == int(args[args.index("--steps") + 1])
+        if "--export" in args:
+            export = Path(args[args.index("--export") + 1])
+            assert {p.name for p in export.iterdir()} == {"config.json", "adapter.safetensors"}
+            assert all(str(t.dtype) == "torch.float16" for t in load_file(str(export / weights)).values())
+    elif command == "data":
+        card = json.loads(stdout) if "--card" in args else json.loads((out / "card.json").read_text())
+        assert card["answers"] == len(shards.read(out)[0]) > 0, card
+        assert (out / "card.md").is_file() and (out / "heldout").is_dir()
+    elif command == "generate":
+        assert stdout.strip(), args
+        if "--json" in args:
+            assert json.loads(stdout)["text"] is not None
+    elif command == "bench":
+        out = Path(args[args.index("--out") + 1] if "--out" in args else "bench-out")
+        assert {"results.jsonl", "report.html"} <= {p.name for p in out.iterdir()}, args
+    elif command == "tune":
+        assert stdout.strip() if "--toy" in args else (out / "deploy.json").is_file(), args
+    elif command == "pipeline":
+        assert stdout.strip(), args
+        if "--json" in args:
+            assert json.loads(stdout.strip().splitlines()[-1])
+    elif command == "datastore":
+        assert out.is_dir() and any(out.iterdir()), args
 
 
-def test_the_readme_shows_every_trainer():
-    shown = {a[1] for b in BLOCKS for a in b if Path(a[0]).name == "mtp"}
-    assert set(TRAINERS) <= shown, shown
+def fake_data_dir(root: Path) -> None:
+    """$MTP_DATA_DIR as the README's lines read it: gsm8k/{train,test}.jsonl and self_instruct/, tiny."""
+    root.mkdir(parents=True)
+    gsm, tasks = sources(root)
+    (root / "gsm8k").mkdir()
+    (root / "self_instruct").mkdir()
+    gsm.rename(root / "gsm8k" / "train.jsonl")
+    shutil.copy(root / "gsm8k" / "train.jsonl", root / "gsm8k" / "test.jsonl")
+    tasks.rename(root / "self_instruct" / "seed_tasks.jsonl")
+
+
+class StopBeforeLoad(Exception):
+    """`mtp serve` got as far as its model load: every check before it passed."""
+
+
+def test_the_readme_shows_every_command():
+    shown = {a[1] for b in BLOCKS for a in b if is_mtp(a)}
+    assert {*TRAINERS, "data", "generate", "bench", "tune", "pipeline", "serve", "export", "datastore"} <= shown
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +193,48 @@ def model(tmp_path_factory):
     return make_word_model_dir(tmp_path_factory.mktemp("readme") / "tiny4", n_layers=4, max_seq_len=1024)
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[" | ".join(" ".join(a[:2]) for a in b) for b in BLOCKS])
-def test_readme_training_block_runs(block, model, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)  # the README's relative paths (runs/..., my-heads) land here
+@pytest.fixture(scope="module")
+def shipped(model, tmp_path_factory):
+    """What the tiny model ships, as the default model does (`Engine` resolves `auto` from it): an MTP
+    adapter (its mask token) and heads."""
+    root = tmp_path_factory.mktemp("shipped")
+    ids = write_jsonl(root / "examples.jsonl", [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}
+                                                for e in examples(6)])
+    common = ["--examples", str(ids), "--model", str(model), "--steps", "2", "--batch-size", "2", "--threads", "1"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("MTP_CACHE_DIR", str(root / "cache"))
+        assert main(["train", *common, "--k-max", "4", "--spans", "2", "--seq-len", "64", "--out", str(root / "run"),
+                     "--export", str(root / "adapter")]) == 0
+        assert main(["train-heads", *common, "--draft-vocab", "16", "--out", str(root / "heads")]) == 0
+    return root
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[" | ".join(f"{Path(a[0]).name} {a[1]}" for a in b) for b in BLOCKS])
+def test_readme_block_runs(block, model, shipped, tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)  # the README's relative paths (data/..., runs/..., my-heads) land here
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("MTP_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setitem(engine_module.SHIPPED, str(model), shipped)
+    fake_data_dir(tmp_path / "data")
+
+    def stop(*a, **k):
+        raise StopBeforeLoad
+
     for i, argv in enumerate(block):
         if argv[0] == "cp":
             shutil.copytree(argv[-2], argv[-1])
             continue
-        args = shrink(argv, model, tmp_path / f"out{i}")
+        args = shrink(argv, model, tmp_path / f"out{i}", shipped)
+        for a in args:  # nothing in the repository (its data set: a background job may be writing it)
+            assert REPO not in Path(a.split(":", 1)[-1]).resolve().parents, args
         make_inputs(args)
+        if args[0] == "serve":
+            with monkeypatch.context() as m:
+                m.setattr(engine_module.Engine, "load", stop)
+                with pytest.raises(StopBeforeLoad):
+                    main(args)
+            continue
         code = main(args)
-        err = capsys.readouterr().err
+        stdout, err = capfd.readouterr()
         assert code == 0, (args, err[-2000:])
-        check_outputs(args)
+        check_outputs(args, stdout)

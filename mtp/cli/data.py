@@ -6,9 +6,9 @@ from pathlib import Path
 import signal
 import sys
 
-from mtp.cli.options import check_device, check_threads
+from mtp.cli.options import MAX_BATCH, check_device, check_threads
 from mtp.core.engine import Engine, EngineConfig
-from mtp.training.data_engine import DataConfig, file_prompts, run as run_engine, seal, write_card
+from mtp.training.data_engine import DataConfig, check_folder, file_prompts, run as run_engine, seal, write_card
 
 
 def add_parser(sub) -> None:
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--heldout-fraction", type=float, default=0.2, help="share of each non-GSM8K source held out")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit")
     p.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are skipped (and counted)")
-    p.add_argument("--batch-size", type=int, default=32, help="sequences generated at once")
+    p.add_argument("--batch-size", type=int, default=32, help=f"sequences generated at once (1..{MAX_BATCH})")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per file source (smoke runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
@@ -48,6 +48,7 @@ def run(args) -> int:
                      batch_size=args.batch_size, seed=args.seed, limit=args.limit)
     check_threads(args.threads)
     check_device(args.device)
+    check_folder(Path(args.out))  # a file, or a folder mtp did not write, refused before the model loads
     file_prompts(cfg)  # every source file read (and a test split refused) before the model loads
     engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=args.device))
 

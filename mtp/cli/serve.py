@@ -12,12 +12,12 @@ import os
 import sys
 from pathlib import Path
 
-from mtp.cli.options import add_model_args, add_sampling_args, check_decoding_args, engine_config
+from mtp.cli.options import MAX_BATCH, add_model_args, add_sampling_args, check_decoding_args, engine_config
 from mtp.core import deploy as deploy_file
 from mtp.core.costmodel import CostModel, measured_cost
 from mtp.core.engine import Engine
 from mtp.serving.config import MAX_MESSAGES, ServeConfig
-from mtp.serving.scheduler import MAX_BATCH, SchedulerConfig
+from mtp.serving.scheduler import SchedulerConfig
 
 API_KEY_ENV = "MTP_API_KEY"
 

@@ -78,6 +78,17 @@ def check_device(device: str) -> str:
     return device
 
 
+MAX_BATCH = 256  # most KV-cache rows one batch may ask for (the cache is zero-filled up front)
+
+
+def check_batch_size(n: int, flag: str) -> int:
+    """`n` if it is 1 .. MAX_BATCH: rows decoded together (`mtp serve --max-batch`, `mtp data
+    --batch-size`, the trainers' `--gen-batch-size`), refused before a cache is allocated."""
+    if not 1 <= n <= MAX_BATCH:
+        raise ValueError(f"{flag} must be in 1..{MAX_BATCH}, got {n}")
+    return n
+
+
 THREADS_PER_CPU = 4  # --threads is at most this many per CPU (torch crashes on huge counts)
 
 
@@ -118,10 +129,10 @@ def check_decoding_args(args) -> Strategy:
 
 
 def check_tree_proposer(strategy: Strategy, proposer: str) -> None:
-    """`tree:N` needs a proposer that drafts trees: heads, lookup, suffix, or a merge of them."""
+    """`tree:N` needs a proposer that drafts trees: heads, lookup, suffix, eagle3, or a merge (not eagle3)."""
     spec = check_proposer(proposer)
-    if strategy.is_tree and (spec.needs_mask_token or proposer == "eagle3"):
-        raise ValueError(f"tree:N drafts from heads, lookup or suffix (or a merge such as heads+suffix), "
+    if strategy.is_tree and spec.needs_mask_token:
+        raise ValueError(f"tree:N drafts from heads, lookup, suffix or eagle3 (or a merge such as heads+suffix), "
                          f"not from {proposer!r}: add --proposer heads")
 
 

@@ -14,8 +14,9 @@ A request with `adaptive=False` is never capped (a lossy strategy then emits exa
 generate` does). `drain(timeout)` stops admitting; once `timeout` seconds have passed, whatever still
 runs or waits is cancelled (finish_reason `cancelled`).
 
-The KV cache is allocated (zero-filled) up front: `--max-batch` is at most MAX_BATCH, and a cache that
-does not fit in the memory available is refused before it is allocated (`mtp.serving.memory`).
+The KV cache is allocated (zero-filled) up front: `--max-batch` is at most MAX_BATCH (`mtp.core.options`),
+and a cache that does not fit in the memory available is refused before it is allocated
+(`mtp.serving.memory`).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import torch
 from mtp.core import batching
 from mtp.core.batching import Batch
 from mtp.core.decode import Sequence, block_slack
+from mtp.core.options import check_batch_size
 from mtp.core.strategy import K_LIMIT
 from mtp.core.proposers import TimedProposer
 from mtp.serving import memory
@@ -40,7 +42,6 @@ from mtp.serving.adaptive import AdaptiveK
 
 log = logging.getLogger("mtp.serve")
 
-MAX_BATCH = 256  # most KV-cache rows --max-batch may ask for
 PREFILL_TOKENS = batching.PREFILL_TOKENS  # padded prompt tokens one prefill pass may carry (at least one prompt)
 
 
@@ -62,8 +63,7 @@ class SchedulerConfig:
     adaptive: bool = True  # cap K per pass with the cost model
 
     def __post_init__(self):
-        if not 1 <= self.max_batch <= MAX_BATCH:
-            raise ValueError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
+        check_batch_size(self.max_batch, "--max-batch")
         if self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.max_cache_tokens < 0:

@@ -39,6 +39,7 @@ from pathlib import Path
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mtp.core.artifacts import ArtifactError, base_hash
+from mtp.core.options import check_batch_size
 from mtp.core.sampling import SamplingParams
 from mtp.training import shards
 from mtp.training.data import Job, generate, load_prompts, response_of
@@ -73,8 +74,9 @@ class DataConfig:
             raise ValueError("no source: give --gsm8k, --self-instruct, --prompts and/or --self-written N")
         if self.self_written and not self.self_instruct:
             raise ValueError("--self-written needs --self-instruct (its tasks are the examples the model imitates)")
-        if self.self_written < 0 or self.max_new_tokens < 1 or self.batch_size < 1 or self.max_prompt_tokens < 1:
-            raise ValueError("--self-written must be >= 0; --max-new-tokens, --max-prompt-tokens, --batch-size >= 1")
+        if self.self_written < 0 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
+            raise ValueError("--self-written must be >= 0; --max-new-tokens, --max-prompt-tokens >= 1")
+        check_batch_size(self.batch_size, "--batch-size")  # the cache's rows are zero-filled up front
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
         if self.limit is not None and self.limit < 1:
@@ -244,13 +246,24 @@ def locked(out: Path):
         os.close(fd)
 
 
-def open_folder(out: Path, want: dict | None) -> dict:
-    """The folder's manifest (created from `want` for a new folder); refuses a folder mtp did not
-    write, or one made with other settings."""
+def check_folder(out: Path) -> dict | None:
+    """The manifest of `--out` if it is an mtp data set, None if it is new or empty; refuses (without
+    changing anything, and without a model) a file, anyone else's manifest.json, or a non-empty folder
+    mtp did not write."""
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{out} exists and is not a directory")
     if (out / MANIFEST).exists():
-        have = shards.read_manifest(out)  # "not an mtp data set" for anyone else's manifest.json
+        return shards.read_manifest(out)  # "not an mtp data set" for anyone else's manifest.json
+    if out.exists() and any(p.name != LOCK for p in out.iterdir()):
+        raise ArtifactError(f"{out} is not empty and not an mtp data set (no {MANIFEST}); choose another --out")
+    return None
+
+
+def open_folder(out: Path, want: dict | None) -> dict:
+    """The folder's manifest (created from `want` for a new folder); refuses a folder mtp did not
+    write (`check_folder`), or one made with other settings."""
+    have = check_folder(out)
+    if have is not None:
         if want is not None:
             diff = [k for k in want if k != "version" and have.get(k) != want[k]]
             if diff:
@@ -259,8 +272,6 @@ def open_folder(out: Path, want: dict | None) -> dict:
         return have
     if want is None:
         raise ArtifactError(f"{out} is not an mtp data set (no {MANIFEST})")
-    if out.exists() and any(p.name != LOCK for p in out.iterdir()):
-        raise ArtifactError(f"{out} is not empty and not an mtp data set; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     have = {**want, "shards": []}
     shards.write_manifest(out, have)
