@@ -260,3 +260,68 @@ def test_a_data_set_made_by_another_model_is_refused_whatever_its_vocabulary(tmp
     assert err.startswith("mtp: error:") and len(err.strip().splitlines()) == 1 and "another model" in err, err
     assert not (tmp_path / "ds").exists()
     assert main(argv + ["--model", str(mine)]) == 0, capsys.readouterr().err
+
+
+def refuse_model_load(monkeypatch):
+    """Any model load fails the test: the input was to be refused before it."""
+    from mtp.core.engine import Engine
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+
+
+@pytest.mark.parametrize("command", ["data", "train", "train-heads", "train-eagle3"])
+def test_a_batch_too_large_for_memory_is_refused_before_the_model_loads(command, tmp_path, capsys, monkeypatch):
+    """T7: the KV cache's rows are zero-filled up front; 100,000 of them is one line, not a traceback."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "w1 w2"}])
+    refuse_model_load(monkeypatch)
+    if command == "data":
+        argv = ["data", "--out", str(tmp_path / "o"), "--prompts", str(prompts), "--batch-size", "100000"]
+    else:
+        argv = [command, "--data", str(prompts), "--prompt-field", "prompt", "--self-generate",
+                "--gen-batch-size", "100000", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    flag = "--batch-size" if command == "data" else "--gen-batch-size"
+    assert err.startswith("mtp: error:") and err.count("\n") == 1 and f"{flag} must be in 1..256" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "foreign-folder", "foreign-manifest"])
+def test_an_out_mtp_data_cannot_use_is_refused_before_the_model_loads(kind, tmp_path, capsys, monkeypatch):
+    """`--out` is checked before the model loads (a missing model is not the first complaint), in one
+    line, and nothing in it changes."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "w1 w2"}])
+    out = tmp_path / "o"
+    if kind == "file":
+        out.write_text("mine")
+    else:
+        out.mkdir()
+        (out / ("manifest.json" if kind == "foreign-manifest" else "notes.txt")).write_text('{"mine": 1}')
+    before = {p: p.read_bytes() for p in [out, *out.rglob("*")] if p.is_file()}
+    refuse_model_load(monkeypatch)
+    assert main(["data", "--out", str(out), "--prompts", str(prompts), "--model", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtp: error:") and err.count("\n") == 1 and str(out) in err, err
+    assert "not a directory" in err if kind == "file" else "not an mtp data set" in err, err
+    assert {p: p.read_bytes() for p in [out, *out.rglob("*")] if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_the_shipped_heads_recipe_trains_from_a_committed_shard(tmp_path, capsys):
+    """`git clone` + the README's train-heads command on the committed data: a few steps on one real
+    shard (the smallest) with the real model; the manifest's base_hash matches SmolLM2, the heads are
+    written with the steps asked for and load onto the model."""
+    from conftest import require_smollm2
+    require_smollm2()
+    from mtp.core.engine import Engine, EngineConfig
+    from mtp.core.proposers.heads import load_heads
+    entry = min(shards.shard_entries(shards.read_manifest(SHIPPED), "train"), key=lambda e: e["lines"])
+    out = tmp_path / "heads"
+    rc = main(["train-heads", "--examples", str(SHIPPED / entry["file"]), "--limit", "4", "--depths", "2",
+               "--steps", "3", "--batch-size", "64", "--draft-vocab", "512", "--threads", "1", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["depths"] == 2 and 0 < cfg["draft_vocab"] <= 512 and cfg["meta"]["metrics"]["steps"] == 3
+    engine = Engine.load(EngineConfig(adapter="none"))
+    assert cfg["base_hash"] == shards.read_manifest(SHIPPED)["base_hash"]
+    heads = load_heads(engine.model, out)
+    assert all(p.isfinite().all() for p in heads.parameters())

@@ -11,7 +11,9 @@ from conftest import tiny_model
 from mtp.cli import main
 from mtp.core.artifacts import ArtifactError
 from mtp.core.batching import Batch
-from mtp.core.decode import Sequence, generate
+from mtp.core import tree
+from mtp.core.cache import KVCache
+from mtp.core.decode import Sequence, decode_step, generate
 from mtp.core.export import export_vllm_eagle3
 from mtp.core.proposers import REGISTRY, PassView
 from mtp.core.proposers.eagle3 import (CONFIG, WEIGHTS, Eagle3Config, Eagle3Drafter, Eagle3Proposer,
@@ -428,3 +430,153 @@ def test_smollm2_shipped_drafter_verify_equals_ntp(smollm2):
             pass
         assert mixed.result(seq).token_ids == ref.token_ids, name
     assert set(mixed.asset_dirs) == {"eagle3", "heads"}
+
+
+# ---- token trees (`tree:N`, mtp.core.tree) ---------------------------------------------------------
+
+def branching_copy_target(scale=0.5):
+    """copy_target with a drafter still always right but only ~half sure (logits scaled down), so the
+    best trees branch at depth 1 and the accepted path runs off the diagonal, and with live attention,
+    so its KV depends on the features it was fed."""
+    model, d = copy_target()
+    g = torch.Generator().manual_seed(0)
+    a = d.midlayer.self_attn
+    with torch.no_grad():
+        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
+            lin.weight.normal_(std=0.02, generator=g)
+        d.lm_head.weight.mul_(scale)
+    return model, d
+
+
+def committed_state(model, proposer, tokens, n):
+    """The drafter state of a sequence whose first n tokens were all fed in one pass (token n known)."""
+    _, _, aux = model(torch.tensor([tokens[:n]]), aux_layers=proposer.aux_layers)
+    st: dict = {}
+    proposer.ingest(PassView(tokens[:n + 1], torch.zeros(0), None, True, aux=aux[0], start=0, state=st))
+    return st
+
+
+def assert_state_is_the_committed_prefix(model, proposer, seq, n):
+    want = committed_state(model, proposer, seq.prompt_ids + seq.output, n)
+    got = seq.proposer_state
+    assert got["len"] == want["len"] == n and got["k"].shape == want["k"].shape, (got["k"].shape, n)
+    torch.testing.assert_close(got["k"], want["k"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["v"], want["v"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["h"], want["h"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 4, 8])
+def test_greedy_tree_with_eagle3_equals_ntp(n):
+    model = tiny_model(3)
+    proposer = Eagle3Proposer(model, random_drafter(model))
+    for prompt in ([5, 17, 3], [44, 2, 9, 9, 81, 30]):
+        ref = greedy(model, prompt, "ntp", n=30)
+        got = greedy(model, prompt, f"tree:{n}", proposer, n=30)
+        assert torch.equal(torch.tensor(got.output), torch.tensor(ref.output))
+
+
+def test_eagle3_tree_is_the_most_probable_paths_and_leaves_the_state_alone():
+    model, d = branching_copy_target()
+    proposer = Eagle3Proposer(model, d)
+    prompt = [3, 14, 15]
+    committed = committed_state(model, proposer, prompt + [16], 3)
+    state = dict(committed)
+    t = proposer.propose_tree(PassView(prompt + [16], torch.zeros(0), None, True, start=3, state=state), 8)
+    # the right chain 17, 18, 19 ... at ~0.5, 0.25, 0.12; depth 1's runners-up join once the chain gets less likely
+    assert len(t.tokens) == 8 and t.tokens[0] == 17 and 0.4 < t.confidences[0] < 0.6
+    assert t.parents.count(-1) > 1 and tree.depths(t.parents)[:2] == [1, 1]
+    assert all(c <= t.confidences[p] + 1e-9 for c, p in zip(t.confidences, t.parents) if p >= 0)
+    chain = [t.tokens[j] for j in tree.ancestors(t.parents, max(range(8), key=lambda j: tree.depths(t.parents)[j]))]
+    assert chain == list(range(17, 17 + len(chain))) and len(chain) >= 3
+    assert state["len"] == 3 and torch.equal(state["k"], committed["k"])  # the scratch KV stayed scratch
+
+
+def test_eagle3_tree_node_confidence_is_its_path_drafted_as_a_chain():
+    """Tree attention inside the drafter: every node's confidence equals the probability of its root
+    path computed one token at a time with plain causal steps (what `propose` would do on that path)."""
+    model = tiny_model(3)
+    d = random_drafter(model, draft_vocab=97)
+    d.lm_head.weight.mul_(3)  # more decisive: deeper trees
+    proposer = Eagle3Proposer(model, d)
+    context = [44, 2, 9, 9, 81, 30]
+    committed = committed_state(model, proposer, context, 5)
+    t = proposer.propose_tree(PassView(context, torch.zeros(0), None, True, start=5, state=dict(committed)), 12)
+    assert len(t.tokens) == 12 and max(tree.depths(t.parents)) >= 3
+    for j in range(12):
+        h, pk, pv, p = committed["h"], committed["k"], committed["v"], 1.0
+        for depth, node in enumerate(tree.ancestors(t.parents, j), 1):
+            tok = t.tokens[node]
+            p *= float(torch.softmax(d.logits(h)[0, 0], -1)[int((d.draft_ids() == tok).nonzero())])
+            if node != j:
+                h, k, v = d.step(model.embed_tokens(torch.tensor([[tok]])), h, torch.tensor([[4 + depth]]), pk, pv)
+                pk, pv = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+        assert abs(t.confidences[j] - p) < 1e-4 * max(p, 1e-3), (j, t.confidences[j], p)
+
+
+def test_eagle3_tree_drafter_state_follows_the_accepted_path_only(monkeypatch):
+    """After every tree pass the drafter's KV equals feeding the committed tokens alone: a rejected
+    branch's entries (or features gathered from the wrong block rows) would show up here."""
+    paths = []
+    accept = tree.accept
+
+    def spy(*args):
+        path, own = accept(*args)
+        paths.append(path)
+        return path, own
+
+    monkeypatch.setattr(tree, "accept", spy)
+    model, d = branching_copy_target()
+    proposer = Eagle3Proposer(model, d)
+    prompt = [3, 14, 15]
+    seq = Sequence(prompt, Strategy.parse("tree:8"), SamplingParams(max_new_tokens=30), proposer)
+    cache = KVCache.for_model(model, 1, 64)
+    with torch.inference_mode():
+        while not seq.finished:
+            decode_step(model, cache, [seq], None)
+            if not seq.finished:  # (a last pass may cut its tokens at max_new_tokens)
+                assert_state_is_the_committed_prefix(model, proposer, seq, cache.lengths[0])
+    assert seq.output == greedy(model, prompt, "ntp", n=30).output
+    assert any(len(p) > 1 and p != list(range(len(p))) for p in paths), paths  # deep and off the diagonal
+
+
+def test_ragged_batch_of_eagle3_trees_equals_ntp_and_keeps_each_rows_state():
+    model = tiny_model(3)
+    proposer = Eagle3Proposer(model, random_drafter(model))
+    prompts = [[5, 17, 3], [44, 2, 9, 9, 81, 30], [7]]
+    wants = [greedy(model, p, "ntp", n=20).output for p in prompts]
+    seqs = [Sequence(p, Strategy.parse(s), SamplingParams(max_new_tokens=20), proposer, slot=i)
+            for i, (p, s) in enumerate(zip(prompts, ["tree:6", "tree:2", "verify:3"]))]
+    cache = KVCache.for_model(model, 3, 64)
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            live = [s for s in seqs if not s.finished]
+            decode_step(model, cache, live, None)
+            for s in live:
+                if not s.finished:
+                    assert_state_is_the_committed_prefix(model, proposer, s, cache.lengths[s.slot])
+    assert [s.output for s in seqs] == wants
+
+
+@pytest.mark.parametrize("strategy", ["tree:4", "tree:auto"])
+def test_eagle3_tree_follows_its_sequence_through_capped_and_sized_passes(strategy):
+    """A scheduler's cap to K = 1 (no drafts) still feeds the drafter what the pass committed, and
+    `tree:auto` keeps a prefix of its nodes: both stay equal to ntp."""
+    model = tiny_model(3)
+    proposer = Eagle3Proposer(model, random_drafter(model))
+    seq = Sequence([5, 17, 3], Strategy.parse(strategy), SamplingParams(max_new_tokens=30), proposer,
+                   pass_time=lambda q: 1 + 0.05 * q)
+    cache = KVCache.for_model(model, 1, 128)
+    with torch.inference_mode():
+        while not seq.finished:
+            seq.k_override = 1 if seq.stats.forward_passes % 3 == 1 else None
+            decode_step(model, cache, [seq], None)
+    assert seq.output == greedy(model, [5, 17, 3], "ntp", n=30).output
+
+
+def test_sampled_eagle3_tree_makes_the_same_draws_as_plain_sampling():
+    model = tiny_model(3)
+    proposer = Eagle3Proposer(model, random_drafter(model))
+    for seed in range(5):
+        p = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=seed)
+        want = generate(model, [5, 17, 3], "ntp", p).output
+        assert generate(model, [5, 17, 3], "tree:6", p, proposer=proposer).output == want

@@ -278,8 +278,10 @@ def test_cli_bad_input_and_prediction(capsys):
     assert cli_main(["pipeline", "--strategy", "bogus", "hi"]) == 2
     assert cli_main(["pipeline", "--link-delay-ms", "-1", "hi"]) == 2
     assert cli_main(["pipeline", "--predict", "stages=8,latency_ms=0.5"]) == 2
+    for strategy in ("verify:3", "tree:4"):  # its drafter needs trunk layers other stages hold: refused, no crash
+        assert cli_main(["pipeline", "--proposer", "eagle3", "--strategy", strategy, "--adapter", "none", "hi"]) == 2
     err = capsys.readouterr().err
-    assert err.count("mtp: error:") == 4 and "Traceback" not in err
+    assert err.count("mtp: error:") == 6 and "Traceback" not in err and err.count("eagle3") == 2
     assert cli_main(["pipeline", "--predict", "stages=8,latency_ms=0.5,pass_ms=40,tokens_per_pass=3"]) == 0
     assert "speedup" in capsys.readouterr().out
 

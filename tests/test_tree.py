@@ -248,10 +248,10 @@ def test_sampling_distribution_is_exact_where_a_naive_sibling_rule_is_not():
 
 
 @pytest.mark.parametrize("argv", [["generate", "x", "--strategy", "tree:8"],
-                                  ["generate", "x", "--strategy", "tree:8", "--proposer", "eagle3"],
+                                  ["generate", "x", "--strategy", "tree:8", "--proposer", "mask-single"],
                                   ["bench", "--data", "prompts:P", "--strategies", "tree:8", "--out", "O"],
                                   ["bench", "--data", "prompts:P", "--strategies", "tree:8@mask", "--out", "O"],
-                                  ["pipeline", "x", "--strategy", "tree:4", "--proposer", "eagle3"]])
+                                  ["pipeline", "x", "--strategy", "tree:4", "--proposer", "mask"]])
 def test_tree_with_a_proposer_that_cannot_draft_trees_is_refused_before_loading(argv, tmp_path, capsys, monkeypatch):
     from mtp.cli import main
     from mtp.core import engine, loading
@@ -264,3 +264,36 @@ def test_tree_with_a_proposer_that_cannot_draft_trees_is_refused_before_loading(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "tree:N drafts from heads" in err, err
+
+
+@pytest.fixture(scope="module")
+def smollm2_engines():
+    """SmolLM2 engines by proposer (shipped heads and datastore), loaded once per module."""
+    from conftest import require_smollm2
+    require_smollm2()
+    from mtp.core.engine import Engine, EngineConfig
+    made = {}
+
+    def get(proposer):
+        if proposer not in made:
+            made[proposer] = Engine.load(EngineConfig(adapter="none", proposer=proposer))
+        return made[proposer]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proposer,strategy", [("heads", "tree:8"), ("lookup", "tree:8"), ("suffix", "tree:8"),
+                                               ("heads+suffix+lookup", "tree:16"),
+                                               ("heads+suffix+lookup", "tree:auto")])
+def test_greedy_trees_equal_ntp_on_smollm2(smollm2_engines, proposer, strategy):
+    """On the real model, every tree proposer and the merge: greedy tree output is `ntp`'s token for
+    token (a maths answer and a request that repeats its prompt), in fewer passes."""
+    engine = smollm2_engines(proposer)
+    for prompt in ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                   "How many clips did Natalia sell altogether in April and May?",
+                   "Repeat this list twice: apple, pear, plum, cherry, fig."):
+        ids = engine.encode(prompt)
+        ref = engine.generate(ids, "ntp", SamplingParams(max_new_tokens=32))
+        out = engine.generate(ids, strategy, SamplingParams(max_new_tokens=32))
+        assert out.token_ids == ref.token_ids, (proposer, strategy, prompt)
+        assert out.summary["forward_passes"] < ref.summary["forward_passes"]

@@ -30,6 +30,9 @@ def run(args) -> int:
         return 0
     check_decoding_args(args)
     config_from_args(args)
+    if "eagle3" in args.proposer.split("+"):  # its drafter reads trunk layers that other stages hold
+        raise ValueError("mtp pipeline does not run --proposer eagle3 (its drafter reads residual streams of layers "
+                         "spread over the stages); use heads, suffix, lookup or a merge of them")
     if args.stages < 1:
         raise ValueError("--stages must be >= 1")
     n_layers = model_layers(args.model)  # from the config alone: no stage starts before this check

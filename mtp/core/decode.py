@@ -66,8 +66,8 @@ class Sequence:
             self.gen = torch.Generator().manual_seed(self.params.seed)
         if self.strategy.thresholded and not self.proposer.has_confidence:
             raise ValueError(f"conf_adapt needs a proposer with confidences, not {self.proposer.name!r}")
-        if self.strategy.is_tree and (self.proposer.n_appended(self.strategy.k) or self.proposer.aux_layers):
-            raise ValueError(f"tree:N drafts from heads, lookup or suffix, not from {self.proposer.name!r}")
+        if self.strategy.is_tree and self.proposer.n_appended(self.strategy.k):
+            raise ValueError(f"tree:N drafts from heads, lookup, suffix or eagle3, not from {self.proposer.name!r}")
         if self.strategy.auto and self.pass_time is None:
             raise ValueError("tree:auto needs this machine's pass times (Engine.new_sequence measures them)")
 
@@ -176,14 +176,18 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         g = s.proposer.n_appended(s.k)  # masks per group; groups: after all D drafts, then after 0, 1, ...
         has_group = a == D or a < s.groups() - 1
         first_mask = D + 1 + (0 if a == D else g * (1 + a))
-        n_commit = len(s.pending) + a  # block positions 0..n_commit-1 become the row's prefix
+        # block positions that become the row's prefix: pending + accepted drafts (a tree: its path's
+        # nodes, e.g. P=1, path [1, 4] -> rows 0, 2, 5), in order
+        P = len(s.pending)
+        committed = list(range(P)) + [P + j for j in path] if path else slice(0, P + a)
         view = PassView(context=context, mask_logits=lg[first_mask: first_mask + g],
                         hidden=hidden[i, row] if hidden is not None else None, masks_valid=has_group,
-                        aux=aux[i, :n_commit] if aux is not None and s.proposer.aux_layers else None,
+                        aux=aux[i, committed] if aux is not None and s.proposer.aux_layers else None,
                         start=starts[i], state=s.proposer_state)
         # (a proposer with its own state, EAGLE-3, sees every pass: it must follow the committed prefix)
         if s.strategy.is_tree:
-            guesses = s.proposer.propose_tree(view, s.k - 1) if s.k > 1 else Guesses.none()
+            guesses = s.proposer.propose_tree(view, s.k - 1) if s.k > 1 or s.proposer.aux_layers \
+                else Guesses.none()
             if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows on this machine
                 t, p, c = tree.prune(guesses.tokens, guesses.parents or list(range(-1, len(guesses.tokens) - 1)),
                                      guesses.confidences, s.pass_time)

@@ -135,12 +135,13 @@ def load_examples(path, log=None) -> list[Example]:
 def check_examples_for(examples: list[Example], model, source) -> None:
     """Examples fit `model`: an `mtp data` folder or shard records the base weights its answers came
     from (its manifest's `base_hash`), and another model's is refused in one line, whatever its
-    vocabulary; then every token id must lie inside the model's vocabulary (`check_example_ids`)."""
+    vocabulary (a hand-made folder without one is not checked so); then every token id must lie inside
+    the model's vocabulary (`check_example_ids`)."""
     source = Path(source)
     folder = source if source.is_dir() else source.parent if source.name.endswith(".jsonl.gz") else None
     if folder is not None:
         made_by, have = shards.read_manifest(folder).get("base_hash"), base_hash(model)
-        if made_by != have:
+        if made_by is not None and made_by != have:  # `mtp data` always records it; a hand-made folder may not
             raise ValueError(f"{source}: these answers were made by another model (data set base_hash {made_by}, "
                              f"this model {have}); make a data set with this model (`mtp data --model ...`)")
     check_example_ids(examples, model.config.vocab_size, source)

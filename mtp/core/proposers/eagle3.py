@@ -21,12 +21,14 @@ the target ids that have a draft id. The embedding is the trunk's (shared, not s
 
 Cache rule: the drafter's KV at positions the trunk committed (computed from the trunk's real
 features) is kept; the KV of drafted positions is scratch, dropped after the pass (rollback = length).
+Under `tree:N` the committed positions of a pass are its accepted path (the loop gathers their features).
 A drafter directory holds `config.json` (vLLM's EAGLE-3 Llama config plus `format: mtp-eagle3`
 and the base weights' hash) and `model.safetensors` under vLLM's names; training lives in
 `mtp.training.eagle3_train`.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,21 +210,24 @@ class Eagle3Drafter(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))  # [..., draft_vocab]
 
-    def step(self, emb, g, positions, past_k=None, past_v=None):
-        """One pass of the layer over T new positions that follow `past_k/v` [B, kv, S, hd] (all visible).
-        Returns (h [B, T, dim], k, v of the new positions)."""
+    def step(self, emb, g, positions, past_k=None, past_v=None, mask=None):
+        """One pass of the layer over T new positions that follow `past_k/v` [B, kv, S-T, hd].
+        mask: [T, S] bool (True = attend) over past + new keys; None = causal (all past visible,
+        new row j sees new rows 0..j). Returns (h [B, T, dim], k, v of the new positions)."""
         q, k, v = self.qkv(emb, g, positions)
         K = k if past_k is None else torch.cat([past_k, k], 2)
         V = v if past_v is None else torch.cat([past_v, v], 2)
         S, T = K.shape[2], q.shape[2]
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # new row j sees S-T+j
+        if mask is None:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # new row j sees S-T+j
         y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask,
                                            enable_gqa=self.config.n_heads != self.config.n_kv_heads)
         return self.finish(g, y), k, v
 
 
 class Eagle3Proposer(Proposer):
-    """Drafts k-1 tokens per pass with an EAGLE-3 drafter; see the module docstring.
+    """Drafts k-1 tokens per pass (`propose`), or a tree of n nodes (`propose_tree`, `tree:N`), with an
+    EAGLE-3 drafter; see the module docstring.
 
     Each pass: (1) run the drafter over the positions the trunk just committed (their features are
     `view.aux`, the token after each is in `view.context`) and keep their KV in the sequence's
@@ -290,6 +295,84 @@ class Eagle3Proposer(Proposer):
         self.draft_s += time.perf_counter() - t0
         self.draft_calls += 1
         return Guesses(tokens, confs, torch.cat(dists) if dists else None)
+
+    def propose_tree(self, view: PassView, n: int, top_k: int = 4) -> Guesses:
+        """At most n nodes: the candidates of highest cumulative probability (the product of the
+        drafter's probabilities along the path; each node's confidence), grown depth by depth as
+        EAGLE-2/3 do. Deterministic (top-k, never sampled), so `tree:N` stays exact under sampling.
+
+        After step (1) (`ingest`, as `propose`), a candidate is a child among the top_k of its parent's
+        distribution. Depth d expands the top_k candidates of depth d that can still enter the n best
+        with one batched drafter step at RoPE position len - 1 + d, each row reading its token and its
+        parent's hidden state (depth 1: the last committed one) and attending, by a tree mask, to the
+        committed KV, its ancestors' scratch KV and its own entry: what the chain would compute along
+        that path, with no per-path recomputation. A child's cumulative probability never exceeds its
+        parent's, so the growth stops once the n best are at least as likely as any unexpanded node,
+        and the n best (ties: shallower first) always include their ancestors.
+
+        The scratch KV lives in this call only: `view.state` keeps the committed entries alone, and the
+        next pass's `ingest` adds the accepted path's from the trunk's features (decode gathers them)."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            h = self.ingest(view)  # [1, 1, dim]
+            if n <= 0 or h is None:
+                return Guesses.none()
+            st, d = view.state, self.drafter
+            dev = d.d2t.device
+            # every candidate c: its draft id, parent candidate (-1 = root), cumulative log-probability, depth
+            tok: list[int] = []
+            par: list[int] = []
+            cum: list[float] = []
+            depth: list[int] = []
+            hid: dict[int, torch.Tensor] = {-1: h[0, 0]}  # candidate -> drafter state after its step [dim]
+            col: dict[int, int] = {}  # expanded candidate -> its column in the scratch KV
+            sk, sv = st["k"][:, :, :0], st["v"][:, :, :0]  # scratch KV [1, kv, M, hd]
+            S0 = st["k"].shape[2]  # committed drafter entries
+            frontier, logits = [-1], d.logits(h).view(1, -1)  # logits [F, Vd]: row f gives frontier[f]'s children
+            level = 0
+            while True:
+                logp = torch.log_softmax(logits.float().cpu(), -1)  # [F, Vd]
+                val, idx = logp.topk(min(top_k, logp.shape[-1]), -1)  # [F, top_k]
+                level += 1
+                for f, p in enumerate(frontier):
+                    base = cum[p] if p >= 0 else 0.0
+                    for r in range(val.shape[1]):
+                        tok.append(int(idx[f, r]))
+                        par.append(p)
+                        cum.append(base + float(val[f, r]))
+                        depth.append(level)
+                nth = sorted(cum, reverse=True)[n - 1] if len(cum) >= n else float("-inf")
+                new = sorted((c for c in range(len(cum)) if depth[c] == level and cum[c] > nth),
+                             key=lambda c: -cum[c])[:top_k]
+                if not new:
+                    break
+                # one drafter step for the F = w candidates in `new`, tree-masked
+                w = len(new)
+                M = sk.shape[2]
+                mask = torch.zeros(w, S0 + M + w, dtype=torch.bool, device=dev)  # [F, committed|scratch|new]
+                mask[:, :S0] = True
+                for i, c in enumerate(new):
+                    a = par[c]
+                    while a >= 0:
+                        mask[i, S0 + col[a]] = True
+                        a = par[a]
+                    mask[i, S0 + M + i] = True
+                ids = self.ids[torch.tensor([tok[c] for c in new])].to(dev).view(1, w)
+                g = torch.stack([hid[par[c]] for c in new]).unsqueeze(0)  # [1, F, dim]
+                pos = torch.full((1, w), st["len"] - 1 + level, device=dev)
+                hh, kk, vv = d.step(self.model.embed_tokens(ids), g, pos, torch.cat([st["k"], sk], 2),
+                                    torch.cat([st["v"], sv], 2), mask=mask)
+                sk, sv = torch.cat([sk, kk], 2), torch.cat([sv, vv], 2)
+                for i, c in enumerate(new):
+                    hid[c], col[c] = hh[0, i], M + i
+                frontier, logits = new, d.logits(hh)[0]  # [F, Vd]
+            best = sorted(range(len(cum)), key=lambda c: (-cum[c], depth[c], c))[:n]
+            keep = sorted(best)  # candidates are numbered after their parents: parents first
+            index = {c: i for i, c in enumerate(keep)}
+        self.draft_s += time.perf_counter() - t0
+        self.draft_calls += 1
+        return Guesses([int(self.ids[tok[c]]) for c in keep], [math.exp(cum[c]) for c in keep],
+                       None, [index[par[c]] if par[c] >= 0 else -1 for c in keep])
 
 
 # ---- files -----------------------------------------------------------------------------------
