@@ -7,9 +7,12 @@ A mask prediction is one supervised entry at a mask position (depth >= 2 of a sp
 entries (the model's own next token, which gated LoRA leaves untouched) are not counted.
 
     python benchmarks/train_throughput.py --examples EXAMPLES.jsonl --threads 1 \\
-        --config before=OLD_TREE:12:8:hard --config after=.:48:8:ground-truth --out results.jsonl
+        --config before=OLD_TREE:12:8:hard --config after=.:48:8:ground-truth --out results.jsonl \\
+        --config upper-half=.:48:8:ground-truth@15:30
 
-TREE is a checkout of mtp (its `mtp/` package is imported from there), SPANS:K_MAX:TEACHER the step.
+TREE is a checkout of mtp (its `mtp/` package is imported from there), SPANS:K_MAX:TEACHER the step,
+and an optional @FROM:TO puts the LoRA on layers FROM..TO-1 only (`mtp train --lora-layers`; trees
+that have it).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ except ImportError:  # the flat layout of older checkouts
 engine = Engine.load(EngineConfig(adapter="none", pack=False))
 model = engine.model
 examples = D.prepare_examples(load_examples({examples!r})[:{n_examples}], {seq_len})
-params = add_adapters(model, 16, 32.0, n_used_tokens=len(engine.tokenizer))
+params = add_adapters(model, 16, 32.0, n_used_tokens=len(engine.tokenizer){layers_arg})
 model.train()
 opt = torch.optim.AdamW(params, lr=1e-4)
 B, total_s, masks = {batch}, 0.0, 0
@@ -62,7 +65,7 @@ print(json.dumps({{"seconds": total_s, "mask_predictions": masks}}))
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", required=True, help="JSONL of token ids (e.g. `mtp data`'s train.jsonl)")
-    ap.add_argument("--config", action="append", required=True, help="LABEL=TREE:SPANS:K_MAX:TEACHER")
+    ap.add_argument("--config", action="append", required=True, help="LABEL=TREE:SPANS:K_MAX:TEACHER[@FROM:TO]")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per config and round")
     ap.add_argument("--batch", type=int, default=4)
@@ -74,15 +77,18 @@ def main() -> int:
     configs = []
     for spec in args.config:
         label, _, rest = spec.partition("=")
+        rest, _, layers = rest.partition("@")
         tree, spans, k_max, teacher = rest.rsplit(":", 3)
-        configs.append((label, Path(tree).resolve(), int(spans), int(k_max), teacher))
+        layers = tuple(int(x) for x in layers.split(":")) if layers else None
+        configs.append((label, Path(tree).resolve(), int(spans), int(k_max), teacher, layers))
     totals = {c[0]: [0.0, 0] for c in configs}
     for r in range(args.rounds):
         order = configs[r % len(configs):] + configs[: r % len(configs)]
-        for label, tree, spans, k_max, teacher in order:
+        for label, tree, spans, k_max, teacher, layers in order:
             code = STEP.format(threads=args.threads, examples=str(Path(args.examples).resolve()),
                                n_examples=args.n_examples, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
-                               seed=r, spans=spans, k_max=k_max, teacher=teacher)
+                               seed=r, spans=spans, k_max=k_max, teacher=teacher,
+                               layers_arg=f", layers={layers}" if layers else "")
             env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tree)
             if out.returncode:
@@ -91,7 +97,7 @@ def main() -> int:
             rec = json.loads(out.stdout.strip().splitlines()[-1])
             totals[label][0] += rec["seconds"]
             totals[label][1] += rec["mask_predictions"]
-            rec.update(label=label, round=r, spans=spans, k_max=k_max, teacher=teacher, batch=args.batch,
+            rec.update(label=label, round=r, spans=spans, k_max=k_max, teacher=teacher, layers=layers, batch=args.batch,
                        threads=args.threads, rate=rec["mask_predictions"] / rec["seconds"], time=time.time())
             print(json.dumps(rec), flush=True)
             if args.out:

@@ -158,3 +158,44 @@ def test_full_mode_trains_everything():
 def _params(n):
     from mtp.core.sampling import SamplingParams
     return SamplingParams(max_new_tokens=n)
+
+
+def test_upper_layers_only(tmp_path):
+    """LoRA on layers FROM..TO-1: the others stay plain projections, the mask row is frozen (FROM > 0),
+    the range is saved and comes back on load; verify stays plain greedy."""
+    model = tiny_model(0, n_layers=4)
+    params = add_adapters(model, rank=4, alpha=8, layers=(2, 4))
+    assert [isinstance(b.mlp.down_proj, adapter.LoRALinear) for b in model.layers] == [False, False, True, True]
+    assert not model.embed_tokens.mask_row.requires_grad and len(params) == 2 * 7 * 2
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn_like(p) * 0.2)
+    save_adapter(model, tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["layers"] == [2, 4]
+    fresh = tiny_model(0, n_layers=4)
+    load_adapter(fresh, tmp_path / "a")
+    x = torch.cat([TOKENS, torch.full((2, 2), 97)], 1)
+    assert torch.equal(fresh(x), model(x))
+    prompt = [5, 17, 3, 44]
+    assert (generate(fresh, prompt, "verify:4", params=_params(24)).output
+            == generate(tiny_model(0, n_layers=4), prompt, "ntp", params=_params(24)).output)
+
+
+def test_layer_range_refused(tmp_path):
+    for bad in ((1, 1), (2, 1), (0, 3), (-1, 2)):
+        with pytest.raises(ValueError, match="must satisfy 0 <= FROM < TO"):
+            add_adapters(tiny_model(0), layers=bad)
+    with pytest.raises(ValueError, match="needs --mode gated or plain"):
+        add_adapters(tiny_model(0), mode="full", layers=(0, 2))
+    save_adapter(adapted("gated"), tmp_path / "a")
+    conf = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert conf["layers"] == [0, 2]
+    for bad, match in (([1, 1], "field 'layers' must be"), ("0:2", "field 'layers' must be"), ([0, 5], "beyond")):
+        (tmp_path / "a" / "config.json").write_text(json.dumps({**conf, "layers": bad}))
+        with pytest.raises(ValueError, match=match):
+            load_adapter(tiny_model(0), tmp_path / "a")
+    del conf["layers"]  # an adapter from before the field: LoRA on every layer
+    (tmp_path / "a" / "config.json").write_text(json.dumps(conf))
+    fresh = tiny_model(0)
+    load_adapter(fresh, tmp_path / "a")
+    assert all(isinstance(b.self_attn.q_proj, adapter.LoRALinear) for b in fresh.layers)

@@ -7,18 +7,23 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from mtp.cli.options import check_device, check_threads
-from mtp.core.adapter import MODES, TARGETS, is_adapter_dir
+from mtp.cli.options import check_batch_size, check_device, check_threads
+from mtp.core.adapter import MODES, TARGETS, adapter_layers, check_layers, is_adapter_dir, read_adapter_config
 from mtp.core.artifacts import replaceable
-from mtp.core.engine import Engine, EngineConfig
+from mtp.core.engine import SHIPPED, Engine, EngineConfig
+from mtp.core.loading import model_layers
 from mtp.training.data import build_examples, check_examples_for, load_examples, load_prompts
-from mtp.training.distill import TEACHERS, TrainConfig, check_export, describe, train
+from mtp.training.distill import TEACHERS, TrainConfig, check_export, describe, shape_conflict, train
 from mtp.training.trainer import check_lr, distributed
+
+# the adapter-shape flags left unset without --init-adapter take TrainConfig's defaults
+DEFAULT_SHAPE = {f.name: f.default for f in fields(TrainConfig) if f.name in ("mode", "rank", "alpha", "targets")}
 
 
 def add_parser(sub) -> None:
@@ -37,14 +42,20 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (per process under torchrun)")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha")
-    p.add_argument("--targets", default=",".join(TARGETS), help="projections with LoRA")
+    p.add_argument("--rank", type=int, default=None, help="LoRA rank (default 16)")
+    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default 32)")
+    p.add_argument("--targets", default=None, help=f"projections with LoRA (default {','.join(TARGETS)})")
+    p.add_argument("--lora-layers", default=None, metavar="FROM:TO",
+                   help="LoRA on layers FROM..TO-1 only (FROM: = to the last layer); FROM > 0 also freezes the "
+                        "mask embedding, so the backward pass stops at layer FROM (faster steps)")
+    p.add_argument("--init-adapter", default=None, metavar="DIR|auto",
+                   help="start from this adapter's weights (auto: the shipped one) with a fresh optimizer; "
+                        "mode, rank, alpha, targets and layers come from it")
     p.add_argument("--k-max", type=int, default=16, help="span length k ~ U[2, K_MAX]")
     p.add_argument("--spans", type=int, default=5, help="mask spans per sequence")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (longer ones are cut)")
     p.add_argument("--teacher", default="hard", choices=TEACHERS)
-    p.add_argument("--mode", default="gated", choices=MODES)
+    p.add_argument("--mode", default=None, choices=MODES, help="adapter mode (default gated)")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", required=True, help="adapter + checkpoint directory")
@@ -64,6 +75,8 @@ def run(args) -> int:
     check_lr(args.lr)
     check_export(args.out, args.export)
     check_threads(args.threads)
+    check_batch_size(args.gen_batch_size, "--gen-batch-size")
+    shape = adapter_shape(args)  # before the model loads: bad ranges and conflicting flags fail fast
     device = args.device
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -97,8 +110,7 @@ def run(args) -> int:
         if too_long:
             raise ValueError(f"example {too_long[0]} is longer than the context window ({ctx} tokens)")
         cfg = TrainConfig(
-            out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
-            mode=args.mode, rank=args.rank, alpha=args.alpha, targets=tuple(args.targets.split(",")),
+            out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, **shape,
             k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,
             save_every=args.save_every, seed=args.seed, resume=args.resume, device=device,
             log_every=args.log_every, export=args.export,
@@ -126,3 +138,59 @@ def run(args) -> int:
                 sys.stderr.flush()
                 os._exit(0)
     return 0
+
+
+def parse_layers(text: str) -> tuple[int, int | None]:
+    """'FROM:TO' -> (FROM, TO); 'FROM:' -> (FROM, None): up to the last layer."""
+    lo, sep, hi = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(lo), (int(hi) if hi.strip() else None)
+    except ValueError:
+        raise ValueError(f"--lora-layers {text!r}: expected FROM:TO (e.g. 15:30) or FROM: (to the last layer)") from None
+
+
+def adapter_shape(args) -> dict:
+    """TrainConfig's mode, rank, alpha, targets, lora_layers and init_adapter from the flags, checked
+    before any weight loads: a layer range the model lacks, or (with --init-adapter) a flag that
+    contradicts the adapter, is one line. The layer count comes from the model's config alone."""
+    given = {"mode": args.mode, "rank": args.rank, "alpha": args.alpha,
+             "targets": tuple(args.targets.split(",")) if args.targets else None}
+    layers = parse_layers(args.lora_layers) if args.lora_layers else None
+    n_layers = model_layers(args.model) if layers is not None or args.init_adapter else None
+    if layers is not None:
+        if layers[1] is None:
+            if n_layers is None:
+                raise ValueError(f"--lora-layers {args.lora_layers}: give TO as well (the layer count of "
+                                 f"{args.model} is known only once it loads)")
+            layers = (layers[0], n_layers)
+        check_layers(layers, n_layers)
+        if (args.mode or DEFAULT_SHAPE["mode"]) == "full":
+            raise ValueError("--lora-layers needs --mode gated or plain (full mode trains every weight)")
+    if not args.init_adapter:
+        return {**{k: v if v is not None else DEFAULT_SHAPE[k] for k, v in given.items()}, "lora_layers": layers}
+    path = init_adapter_dir(args.init_adapter, args.model)
+    acfg = read_adapter_config(path)
+    have = adapter_layers(acfg, n_layers) if n_layers is not None else acfg.get("layers")
+    if n_layers is not None:
+        bad = shape_conflict({**given, "lora_layers": layers}, acfg, path, n_layers)
+        if bad:
+            raise ValueError(bad)
+    # all layers is the default (None), so a run started from an all-layer adapter records no range
+    every = have is None or (n_layers is not None and tuple(have) == (0, n_layers))
+    return {"mode": acfg["mode"], "rank": acfg["rank"], "alpha": acfg["alpha"], "targets": tuple(acfg["targets"]),
+            "lora_layers": None if every else tuple(have), "init_adapter": str(path.resolve())}
+
+
+def init_adapter_dir(value: str, model: str) -> Path:
+    """--init-adapter DIR, or auto: the adapter shipped for --model."""
+    if value == "auto":
+        shipped = SHIPPED.get(model)
+        if shipped is None or not (shipped / "adapter" / "config.json").exists():
+            raise ValueError(f"--init-adapter auto: no shipped adapter for --model {model}; give a directory")
+        return shipped / "adapter"
+    path = Path(value)
+    if not path.is_dir():
+        raise ValueError(f"--init-adapter: adapter directory not found: {value}")
+    return path

@@ -5,7 +5,7 @@ import sys
 import time
 from pathlib import Path
 
-from mtp.cli.options import check_device, check_threads
+from mtp.cli.options import check_batch_size, check_device, check_threads
 from mtp.core import loading
 from mtp.core.engine import Engine, EngineConfig
 from mtp.core.proposers.heads import HeadsConfig
@@ -59,6 +59,7 @@ def run_train_heads(args) -> int:
     out = Path(args.out)
     check_run_out(out, is_heads_dir, "heads", args.resume)
     check_threads(args.threads)
+    check_batch_size(args.gen_batch_size, "--gen-batch-size")
     check_device(args.device)
     if args.examples:
         examples = data.load_examples(args.examples)[: args.limit]

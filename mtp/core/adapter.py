@@ -7,11 +7,16 @@ frozen teacher needed for self-distillation is the same weights under `model.bas
 
 Modes: `gated` (LoRA at mask positions only), `plain` (LoRA everywhere), `full` (every base weight
 trainable; the trainer keeps a frozen copy as teacher). The mask token's input embedding row is
-always trainable. Its output row is not: the mask is never a prediction (decoding and the training
-loss set its logit to -inf), so that row would receive no gradient.
+trainable, unless the LoRA sits on upper layers only (`layers` = (FROM, TO), FROM > 0): then the
+row stays as initialised, so nothing below layer FROM needs a gradient and the backward pass stops
+there (the cheaper step `mtp train --lora-layers` buys). Its output row is never trained: the mask is
+never a prediction (decoding and the training loss set its logit to -inf), so that row would
+receive no gradient.
 
 An adapter directory holds `adapter.safetensors` (trainable tensors by parameter name) and
-`config.json` (mode, rank, alpha, targets, mask_token_id, the base weights' hash, training meta).
+`config.json` (mode, rank, alpha, targets, layers [FROM, TO) with LoRA, mask_token_id, the base
+weights' hash, training meta). A config without `layers` (adapters before it existed) has LoRA on
+every layer.
 """
 from __future__ import annotations
 
@@ -114,12 +119,25 @@ class MaskEmbedding(nn.Module):
         return torch.where(is_mask, self.mask_row.to(x.dtype), x)
 
 
+def check_layers(layers, n_layers: int | None) -> tuple[int, int] | None:
+    """(FROM, TO) with 0 <= FROM < TO <= n_layers (n_layers None: not known yet, TO unchecked)."""
+    if layers is None:
+        return None
+    lo, hi = layers
+    if not (type(lo) is int and type(hi) is int and 0 <= lo < hi and (n_layers is None or hi <= n_layers)):
+        have = f" (the model has {n_layers} layers)" if n_layers is not None else ""
+        raise ValueError(f"--lora-layers {lo}:{hi} must satisfy 0 <= FROM < TO <= the layer count{have}")
+    return lo, hi
+
+
 def add_adapters(model: Transformer, rank: int = 16, alpha: float = 32, targets=TARGETS, mode: str = "gated",
-                 n_used_tokens: int | None = None) -> list[nn.Parameter]:
+                 n_used_tokens: int | None = None, layers: tuple[int, int] | None = None) -> list[nn.Parameter]:
     """Add the mask token and the adapters in place; return the trainable parameters.
 
     n_used_tokens: how many vocabulary rows the tokenizer uses (an unused padded row becomes the
-    mask token; SmolLM2's vocabulary is full, so its embedding grows to 49153 rows)."""
+    mask token; SmolLM2's vocabulary is full, so its embedding grows to 49153 rows).
+    layers: (FROM, TO): LoRA on layers FROM..TO-1 only (default all); with FROM > 0 the mask row is
+    frozen, so no tensor below layer FROM requires a gradient (see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"unknown adapter mode {mode!r}; choose from {', '.join(MODES)}")
     bad = [t for t in targets if t not in TARGETS]
@@ -129,16 +147,22 @@ def add_adapters(model: Transformer, rank: int = 16, alpha: float = 32, targets=
         raise ValueError("--rank must be >= 1")
     if getattr(model, "has_adapters", False):
         raise ValueError("the model already has adapters")
+    if layers is not None and mode == "full":
+        raise ValueError("--lora-layers needs --mode gated or plain (full mode trains every weight)")
+    lo, hi = check_layers(layers, len(model.layers)) or (0, len(model.layers))
     model.base_weights_hash = base_hash(model)  # before anything changes
     mid = add_mask_token(model, n_used_tokens)
     model.requires_grad_(False)
     model.embed_tokens = MaskEmbedding(model.embed_tokens, mid)
     params: list[nn.Parameter] = [model.embed_tokens.mask_row]
+    if lo > 0:  # the row feeds layer 0: training it would need the backward through every layer
+        model.embed_tokens.mask_row.requires_grad_(False)
+        params = []
     if mode == "full":
         model.requires_grad_(True)
         params = [p for p in model.parameters() if p.requires_grad]
     else:
-        for layer in model.layers:
+        for layer in model.layers[lo:hi]:
             for t in targets:
                 parent_name, attr = _PROJ[t].split(".")
                 parent = getattr(layer, parent_name)
@@ -148,6 +172,8 @@ def add_adapters(model: Transformer, rank: int = 16, alpha: float = 32, targets=
     model.has_adapters = mode != "full"  # full fine-tunes are no adapters: the gate stays None
     model.gated_adapters = mode == "gated"
     model.adapter_meta = {"mode": mode, "rank": rank, "alpha": alpha, "targets": list(targets)}
+    if mode != "full":
+        model.adapter_meta["layers"] = [lo, hi]
     return params
 
 
@@ -204,7 +230,16 @@ def read_adapter_config(path) -> dict:
             raise ValueError(f"{cfg_path}: field {name!r} has the wrong type ({type(cfg[name]).__name__})")
     if cfg["mode"] not in MODES or cfg["rank"] < 1 or not all(x in TARGETS for x in cfg["targets"]):
         raise ValueError(f"{cfg_path}: bad mode, rank or targets")
+    layers = cfg.get("layers")
+    if layers is not None and not (isinstance(layers, list) and len(layers) == 2
+                                   and all(type(x) is int and x >= 0 for x in layers) and layers[0] < layers[1]):
+        raise ValueError(f"{cfg_path}: field 'layers' must be [FROM, TO] with 0 <= FROM < TO, got {layers!r}")
     return cfg
+
+
+def adapter_layers(cfg: dict, n_layers: int) -> tuple[int, int]:
+    """The layers [FROM, TO) an adapter config puts LoRA on (no `layers` field: all of them)."""
+    return tuple(cfg["layers"]) if cfg.get("layers") is not None else (0, n_layers)
 
 
 def check_mask_id(cfg: dict, model: Transformer, n_tokenizer: int | None, path) -> None:
@@ -220,20 +255,29 @@ def check_mask_id(cfg: dict, model: Transformer, n_tokenizer: int | None, path) 
                          "refusing to load a tampered or foreign adapter")
 
 
-def load_adapter(model: Transformer, path, n_tokenizer: int | None = None) -> dict:
-    """Add the saved adapter to a freshly loaded base model (inference mode); return its config.
-
-    Refuses an adapter trained on other base weights (hash of the base weights differs), a config
-    with missing or mistyped fields, and a mask token id that is not the row an adapter adds
-    (`check_mask_id`; n_tokenizer: tokens the tokenizer uses)."""
+def read_adapter(model: Transformer, path, n_tokenizer: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The saved adapter's config and tensors, checked against `model` (the base model, no adapter
+    yet) without changing it: refuses an adapter trained on other base weights (hash of the base
+    weights differs), a config with missing or mistyped fields, a layer range the model lacks, a
+    mask token id that is not the row an adapter adds (`check_mask_id`; n_tokenizer: tokens the
+    tokenizer uses), and weights holding NaN or inf."""
     path = Path(path)
     cfg = read_adapter_config(path)
     check_trained_on(model, cfg, path, "adapter", WEIGHTS)
     check_mask_id(cfg, model, n_tokenizer, path)
+    if cfg.get("layers") is not None and cfg["layers"][1] > len(model.layers):
+        raise ValueError(f"adapter {path}: layers {cfg['layers']} beyond the model's {len(model.layers)} layers")
     tensors = load_safetensors(path / WEIGHTS)
     check_finite(tensors, path / WEIGHTS)  # one NaN would make every mask guess garbage
+    return cfg, tensors
+
+
+def load_adapter(model: Transformer, path, n_tokenizer: int | None = None) -> dict:
+    """Add the saved adapter to a freshly loaded base model (inference mode); return its config.
+    What it refuses: `read_adapter`."""
+    cfg, tensors = read_adapter(model, path, n_tokenizer)
     add_adapters(model, cfg["rank"], cfg["alpha"], tuple(cfg["targets"]), cfg["mode"],
-                 n_used_tokens=cfg["mask_token_id"])
+                 n_used_tokens=cfg["mask_token_id"], layers=cfg.get("layers"))
     if model.config.mask_token_id != cfg["mask_token_id"]:
         raise ValueError(f"adapter expects mask token id {cfg['mask_token_id']}, model gave "
                          f"{model.config.mask_token_id}")

@@ -26,16 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from mtp.core.adapter import (MODES, TARGETS, WEIGHTS, adapter_files, add_adapters, is_adapter_dir,
-                              load_trainable)
-from mtp.core.artifacts import load_safetensors, replaceable, write_dir_atomic
+from mtp.core.adapter import (MODES, TARGETS, WEIGHTS, adapter_files, adapter_layers, add_adapters, check_layers,
+                              is_adapter_dir, load_trainable, read_adapter)
+from mtp.core.artifacts import file_digest, load_safetensors, replaceable, write_dir_atomic
 from mtp.training.data import Example
 from mtp.training.trainer import Trainer, TrainerConfig, batch_indices, check_lr, distributed
 
 TEACHERS = ("hard", "soft", "ground-truth")
 # settings that must match when resuming (they shape the model, the data or the optimisation)
 RESUME_KEYS = ("mode", "rank", "alpha", "targets", "seed", "teacher", "k_max", "spans", "seq_len", "batch_size",
-               "lr", "warmup", "n_examples", "world")
+               "lr", "warmup", "n_examples", "world", "lora_layers", "init_adapter")
+# the adapter's shape: a run started from an adapter (--init-adapter) takes these from it
+SHAPE_KEYS = ("mode", "rank", "alpha", "targets", "lora_layers")
 
 
 @dataclass
@@ -60,6 +62,8 @@ class TrainConfig:
     log_every: int = 10
     full_layout: bool = False  # gated: one pass over the whole layout instead of the split forward
     export: str | None = None  # also write a float16 adapter-only copy here at the end
+    lora_layers: tuple | None = None  # (FROM, TO): LoRA on layers FROM..TO-1 only (None: all); FROM > 0 freezes the mask row
+    init_adapter: str | None = None  # start from this adapter's weights (fresh optimizer); its shape must match
     meta: dict = field(default_factory=dict)  # data provenance, written into the adapter config
 
 
@@ -349,6 +353,47 @@ def check_config(cfg: TrainConfig, model) -> None:
         raise ValueError("--warmup must be >= 0")
     if cfg.seq_len > model.config.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's context window {model.config.max_seq_len}")
+    check_layers(cfg.lora_layers, len(model.layers))
+    if cfg.lora_layers is not None and cfg.mode == "full":
+        raise ValueError("--lora-layers needs --mode gated or plain (full mode trains every weight)")
+
+
+def shape_of(adapter_cfg: dict, n_layers: int) -> dict:
+    """The SHAPE_KEYS settings an adapter config implies (lora_layers as a concrete (FROM, TO))."""
+    return {"mode": adapter_cfg["mode"], "rank": adapter_cfg["rank"], "alpha": adapter_cfg["alpha"],
+            "targets": tuple(adapter_cfg["targets"]), "lora_layers": adapter_layers(adapter_cfg, n_layers)}
+
+
+def shape_conflict(given: dict, adapter_cfg: dict, path, n_layers: int) -> str | None:
+    """One line naming the first setting in `given` (SHAPE_KEYS; a missing or None one is not
+    compared; lora_layers as a concrete (FROM, TO)) that differs from the adapter at `path`, else None."""
+    have = shape_of(adapter_cfg, n_layers)
+    for k in SHAPE_KEYS:
+        want = given.get(k)
+        if want is None:
+            continue
+        want = tuple(want) if isinstance(want, (list, tuple)) else want
+        if want != have[k]:
+            show = {"targets": ",".join, "lora_layers": lambda v: f"{v[0]}:{v[1]}"}.get(k, str)
+            return (f"--{k.replace('_', '-')} {show(want)} conflicts with --init-adapter {path} ({k} {show(have[k])}); "
+                    f"drop it: a run started from an adapter keeps its {', '.join(SHAPE_KEYS)}")
+    return None
+
+
+def init_from(model, cfg: TrainConfig, n_used_tokens: int | None) -> tuple[dict, dict]:
+    """--init-adapter: the adapter's tensors, checked against the base `model` (before any adapter is
+    added: same base weights, mask row, finite) and against cfg's shape; and a record of the source
+    (path, weights digest, its training step) for the run's settings."""
+    path = Path(cfg.init_adapter)
+    acfg, tensors = read_adapter(model, path, n_used_tokens)
+    n = len(model.layers)
+    given = {**{k: getattr(cfg, k) for k in SHAPE_KEYS}, "lora_layers": cfg.lora_layers or (0, n)}
+    bad = shape_conflict(given, acfg, path, n)
+    if bad:
+        raise ValueError(bad)
+    source = {"path": str(path), "weights_digest": file_digest(path / WEIGHTS),
+              "step": acfg.get("meta", {}).get("step") if isinstance(acfg.get("meta"), dict) else None}
+    return tensors, source
 
 
 def check_export(out, export) -> None:
@@ -380,11 +425,17 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
     settings["n_examples"] = len(examples)
     settings["world"] = world
+    init = None
+    if cfg.init_adapter:
+        init, settings["init_from"] = init_from(model, cfg, n_used_tokens)
 
     torch.manual_seed(cfg.seed)
-    params = add_adapters(model, cfg.rank, cfg.alpha, tuple(cfg.targets), cfg.mode, n_used_tokens)
+    params = add_adapters(model, cfg.rank, cfg.alpha, tuple(cfg.targets), cfg.mode, n_used_tokens,
+                          layers=cfg.lora_layers)
     mask_id = model.config.mask_token_id
-    teacher_model = copy.deepcopy(model).requires_grad_(False) if cfg.mode == "full" else None
+    teacher_model = copy.deepcopy(model).requires_grad_(False) if cfg.mode == "full" else None  # the base
+    if init is not None:
+        load_trainable(model, init)  # step 0 = the source adapter; the optimizer starts fresh
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
     student = model
     if dist is not None:
