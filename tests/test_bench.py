@@ -16,6 +16,7 @@ from mtp.eval.bench import BenchConfig, Row, Run
 from mtp.core.costmodel import CostModel, best_k, block_tokens_for, measure, predict_speedup
 from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer, TimedProposer
 from mtp.eval.peers import Peer
+from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 
 
@@ -296,6 +297,74 @@ def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
                     "data:image/png;base64,", 'class="c0"', "peer crashed"):
         assert section in page, section
     assert page.count("<h4>") == 5  # the chunk view shows every engine row for one prompt
+
+
+class Oracle(Proposer):
+    """A merge part that knows each prompt's greedy continuation: its next two tokens as a chain."""
+    name = "oracle"
+
+    def __init__(self, truths: list[list[int]]):
+        self.truths = truths
+
+    def propose(self, view, k, params, gen):
+        g = self.propose_tree(view, k - 1)
+        return Guesses(g.tokens[:k - 1], g.confidences[:k - 1])
+
+    def propose_tree(self, view, n):
+        ctx = view.context
+        truth = next((t for t in self.truths if t[:len(ctx)] == ctx), [])
+        nxt = truth[len(ctx):len(ctx) + 2]
+        return Guesses(nxt, [1.0] * len(nxt), None, list(range(-1, len(nxt) - 1)))
+
+
+def test_bench_attributes_accepted_drafts_to_merge_parts_and_profiles_trees(tiny_engine, tmp_path, monkeypatch):
+    """Merged rows: results.jsonl, the printed table and report.html say which part drafted the accepted
+    tokens; the chunk view marks each pass's accepted branch; `--profile` names the tree each tree row
+    chose, its nodes per pass and its predicted beside measured tokens/pass and tokens/s."""
+    import io
+    from rich.console import Console
+    from mtp.core.proposers import REGISTRY, ProposerSpec
+    kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
+    truths = []
+    for it in items:
+        ids = tiny_engine.encode(it["prompt"], chat=True)
+        truths.append(ids + tiny_engine.generate(ids, "ntp", SamplingParams(max_new_tokens=12)).token_ids)
+    monkeypatch.setitem(REGISTRY, "oracle", ProposerSpec(lambda: Oracle(truths)))
+    cfg = BenchConfig(bench.parse_strategies("tree:4@oracle+lookup,tree:auto@oracle+lookup,verify:3@oracle"),
+                      max_new_tokens=12, profile=True, profile_qs=(1, 2, 4), profile_repeats=1, profile_cache_len=50)
+    res = bench.run_bench(tiny_engine, kind, items, cfg)
+    recs = {r["strategy"]: r for r in res.records}
+    tree4, auto = recs["tree:4@oracle+lookup"], recs["tree:auto@oracle+lookup"]
+    for rec in (tree4, auto):
+        assert rec["exact_match"] == 1.0 and rec["tokens_per_forward"] > 1.0
+        # the oracle drafts the first two tokens of every accepted path: its share is most of them
+        assert set(rec["accepted_share"]) <= {"oracle", "lookup"} and rec["accepted_share"]["oracle"] >= 0.5
+        assert rec["accepted_by_proposer"]["oracle"] >= 2 * rec["n_prompts"]
+        assert rec["predicted_tokens_per_forward"] > 1.0 and rec["predicted_tokens_per_s"] > 0
+        assert rec["steady_tokens_per_forward"] > rec["tokens_per_forward"]  # the prompt's pass makes one
+    assert tree4["tree_nodes"] == 4 and 0 < tree4["tree_nodes_per_pass"] <= 4
+    assert auto["tree_nodes"] == 24 and auto["tree_nodes_per_pass"] <= 24
+    assert recs["ntp"]["accepted_share"] is None and recs["ntp"]["tree_nodes"] is None
+    chain = recs["verify:3@oracle"]  # a single proposer (a chain): credited under its own name
+    assert chain["accepted_share"] == {"oracle": 1.0} and chain["accepted_by_proposer"]["oracle"] > 0
+    assert chain["tree_nodes"] is None and chain["predicted_tokens_per_forward"] is None
+
+    text = io.StringIO()
+    bench.print_summary(res, Console(file=text, width=250))
+    printed = text.getvalue()
+    assert "drafted by" in printed and "oracle " in printed
+    line = next(x for x in printed.splitlines() if x.startswith("tree:4@oracle+lookup: tree of 4 nodes"))
+    assert "drafted per pass" in line and "predicted" in line and "measured" in line and "tokens/s" in line
+    assert any(x.startswith("tree:auto@oracle+lookup: tree of at most 24 nodes drafted") and "kept per pass" in x
+               for x in printed.splitlines())
+
+    bench.write_outputs(res, tmp_path / "out", tiny_engine, "mtp bench --test", chunk_examples=1)
+    lines = {x["strategy"]: x for x in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
+    assert lines["tree:4@oracle+lookup"]["accepted_share"] == tree4["accepted_share"]
+    assert all("accepted_by_proposer" in x and "tree_nodes_per_pass" in x for x in lines.values())
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "accepted drafts by proposer" in page and "oracle " in page and "tree of 4 nodes" in page
+    assert 'class="c1 from-oracle' in page and "drafts accepted, drafted by oracle" in page
 
 
 # ---------------------------------------------------------------------------------------------- bad input

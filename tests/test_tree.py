@@ -154,6 +154,67 @@ def test_auto_tree_equals_plain_greedy_for_every_tree_proposer(which):
     assert seq.output == want
 
 
+class OracleChain(Proposer):
+    """A merge part named like a real one: the next two true tokens as a chain (0.9, 0.8)."""
+    name = "heads"
+
+    def __init__(self, truth: list[int], prompt_len: int):
+        self.truth, self.prompt_len = truth, prompt_len
+
+    def propose(self, view, k, params, gen):
+        return Guesses.none()
+
+    def propose_tree(self, view, n):
+        done = len(view.context) - self.prompt_len
+        return Guesses(self.truth[done:done + 2], [0.9, 0.8], None, [-1, 0])
+
+
+class OracleFirstOnly(OracleChain):
+    """The other part: the first true token with a wrong child, and a wrong sibling (confidence 1,
+    weighted 0.5 as lookup)."""
+    name = "lookup"
+
+    def propose_tree(self, view, n):
+        done = len(view.context) - self.prompt_len
+        t0, t1 = self.truth[done:done + 2]
+        return Guesses([t0, (t1 + 1) % 90, (t0 + 1) % 90], [1.0] * 3, None, [-1, 0, -1])
+
+
+@pytest.mark.parametrize("strategy", ["tree:6", "tree:auto", "verify:3"])
+def test_merged_tree_credits_each_accepted_token_to_every_part_that_drafted_it(strategy):
+    """Every pass after the first accepts [t0, t1]: t0 drafted by both parts, t1 by 'heads' only, so
+    each part is credited in full for the tokens it drafted (not split): heads 2 per pass, lookup 1."""
+    from mtp.core import metrics
+    from mtp.core.proposers import MergedProposer
+    model = tiny_model(0)
+    truth = generate(model, PROMPT, "ntp", params=params(40)).output
+    merged = MergedProposer([OracleChain(truth, len(PROMPT)), OracleFirstOnly(truth, len(PROMPT))])
+    seq = Sequence(list(PROMPT), Strategy.parse(strategy), params(30), merged, pass_time=lambda q: 1.0)
+    cache = KVCache.for_model(model, 1, len(PROMPT) + 30 + block_slack(seq.strategy.k))
+    with torch.inference_mode():
+        while not seq.finished:
+            decode_step(model, cache, [seq], None)
+    assert seq.output == truth[:30]
+    # passes: 1 token (the prompt's), then 3 per pass (2 drafts + the model's own) up to 28, then the two
+    # drafts of the 11th pass fill the 30 (its own token is cut): 10 passes with 2 accepted drafts each
+    assert seq.stats.chunks == [1] + [3] * 9 + [2]
+    assert seq.stats.accepted_from == [[]] + [[("heads", "lookup"), ("heads",)]] * 10
+    assert metrics.accepted_by_proposer(seq.stats.accepted_from) == {"heads": 20, "lookup": 10}
+    assert metrics.accepted_share(seq.stats.accepted_from) == {"heads": 1.0, "lookup": 0.5}
+    if strategy.startswith("tree"):  # 4 nodes scored 0.9, 0.8 (heads) and 0.5, 0.5 (lookup x its weight)
+        assert seq.stats.expected == pytest.approx([1.0] + [3.7] * 10)
+    else:
+        assert seq.stats.expected == []
+
+
+def test_a_single_proposer_is_credited_under_its_own_name():
+    from mtp.core import metrics
+    model = tiny_model(0)
+    truth = generate(model, PROMPT, "ntp", params=params(40)).output
+    seq = generate(model, PROMPT, "tree:4", params=params(30), proposer=OracleChain(truth, len(PROMPT)))
+    assert metrics.accepted_by_proposer(seq.stats.accepted_from) == {"heads": 20}
+
+
 def random_heads(model, depths=3):
     torch.manual_seed(0)
     return N.MTPHeads(N.HeadsConfig.for_model(model.config, depths)).eval().requires_grad_(False)

@@ -21,7 +21,7 @@ bins, weighted by count); `CalibratedProposer` applies a fit to a proposer's gue
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mtp.core.tree import depths as tree_depths
 from mtp.core.proposers.base import Guesses, Proposer, WrappedProposer
@@ -208,7 +208,7 @@ class CalibratedProposer(WrappedProposer):
         g = self.inner.propose(view, k, params, gen)
         if self.chain is None:
             return g
-        return Guesses(g.tokens, self.chain.apply(g.confidences), g.probs, g.parents)
+        return replace(g, confidences=self.chain.apply(g.confidences))  # tokens, tree and sources kept
 
     def propose_tree(self, view, n) -> Guesses:
         g = self.inner.propose_tree(view, n)
@@ -216,4 +216,4 @@ class CalibratedProposer(WrappedProposer):
             return g
         parents = g.parents if g.parents is not None else list(range(-1, len(g.tokens) - 1))
         confs = [self.tree_calibration.map(d - 1, c) for d, c in zip(tree_depths(parents), g.confidences)]
-        return Guesses(g.tokens, confs, g.probs, g.parents)
+        return replace(g, confidences=confs)

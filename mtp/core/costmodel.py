@@ -148,6 +148,13 @@ def predict_speedup(cost: CostModel, tokens_per_forward: float,
 
     `mean_block_tokens` is either the mean block size or the list of every pass's block size; the
     list is better (E[t(q)] over passes, not t(E[q]), since t is not linear)."""
+    return predict_tokens_per_s(cost, tokens_per_forward, mean_block_tokens) * cost.pass_time(1)
+
+
+def predict_tokens_per_s(cost: CostModel, tokens_per_forward: float,
+                         mean_block_tokens: float | Sequence[int]) -> float:
+    """tokens/s ≈ E[tokens per pass] / E[t(q used)], forward passes only (no proposing, no overhead);
+    `mean_block_tokens` as in `predict_speedup`."""
     if isinstance(mean_block_tokens, (int, float)):
         mean_t = cost.pass_time(mean_block_tokens)
     else:
@@ -155,7 +162,7 @@ def predict_speedup(cost: CostModel, tokens_per_forward: float,
         if not blocks:
             raise ValueError("predict_speedup: no passes")
         mean_t = sum(cost.pass_time(q) for q in blocks) / len(blocks)
-    return tokens_per_forward * cost.pass_time(1) / mean_t
+    return tokens_per_forward / mean_t
 
 
 def expected_tokens(acceptance_by_position: Sequence[float], k: int) -> float:

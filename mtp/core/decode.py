@@ -21,14 +21,14 @@ One step, for a batch of sequences (ragged rows, right-padded):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
 
 from mtp.core import tree
 from mtp.core.cache import KVCache
-from mtp.core.metrics import DecodeStats
+from mtp.core.metrics import DecodeStats, tree_expected_tokens
 from mtp.core.proposers import Guesses, MaskProposer, PassView, Proposer, max_appended
 from mtp.core.sampling import SamplingParams, verify_drafts
 from mtp.core.strategy import Strategy
@@ -48,6 +48,8 @@ class Sequence:
     pending: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(drafts), V]
+    draft_confidences: list[float] = field(default_factory=list)  # the drafts' confidences (Guesses.confidences)
+    draft_sources: list[tuple[str, ...]] | None = None  # who drafted each draft (Guesses.sources); None = the proposer
     stats: DecodeStats = field(default_factory=DecodeStats)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     text: str | None = None  # set when a stop string cut the output
@@ -107,6 +109,8 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
             s.drafts = s.drafts[: s.k - 1]
             s.draft_probs = None if s.draft_probs is None else s.draft_probs[: s.k - 1]
             s.tree = None if s.tree is None else s.tree[: s.k - 1]
+            s.draft_confidences = s.draft_confidences[: s.k - 1]
+            s.draft_sources = None if s.draft_sources is None else s.draft_sources[: s.k - 1]
         n_mask = s.n_appended()
         if n_mask and mask_id is None:
             raise ValueError("this strategy needs a model with the <mtp_mask> token (an adapter)")
@@ -170,6 +174,10 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         else:
             a, own = verify_drafts(lg[: D + 1], s.drafts, s.draft_probs, s.params, s.gen)
             row, path, accepted = a, None, s.drafts[:a]
+        # who drafted each accepted token (a merge's parts; otherwise the proposer itself), for metrics
+        drafted_by = [s.draft_sources[j] if s.draft_sources is not None else (s.proposer.name,)
+                      for j in (path if path is not None else range(a))]
+        expected = tree_expected_tokens(s.draft_confidences[:D]) if s.strategy.is_tree else None
         own_conf = float(torch.softmax(lg[row], -1).max())
         # 4. guesses for what follows `own`: the mask group that followed the accepted prefix
         context = s.prompt_ids + s.output + accepted + [own]
@@ -189,9 +197,9 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
             guesses = s.proposer.propose_tree(view, s.k - 1) if s.k > 1 or s.proposer.aux_layers \
                 else Guesses.none()
             if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows on this machine
-                t, p, c = tree.prune(guesses.tokens, guesses.parents or list(range(-1, len(guesses.tokens) - 1)),
-                                     guesses.confidences, s.pass_time)
-                guesses = Guesses(t, c, None, p)
+                parents = guesses.parents or list(range(-1, len(guesses.tokens) - 1))
+                guesses = replace(guesses, parents=parents).select(tree.keep(parents, guesses.confidences,
+                                                                             s.pass_time))
         else:
             guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 or s.proposer.aux_layers \
                 else Guesses.none()
@@ -210,10 +218,11 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         if s.strategy.verifies:
             s.drafts, s.draft_probs = guesses.tokens, guesses.probs
             s.tree = guesses.parents if s.strategy.is_tree else None
+            s.draft_confidences, s.draft_sources = guesses.confidences, guesses.sources
         else:
-            s.drafts, s.draft_probs = [], None
+            s.drafts, s.draft_probs, s.draft_confidences, s.draft_sources = [], None, [], None
         emitted, produced = _append_output(s, emitted)
-        s.stats.record_pass(produced, confs_emitted, len(blocks[i]))
+        s.stats.record_pass(produced, confs_emitted, len(blocks[i]), drafted_by[:produced], expected)
         emitted_all.append(emitted)
     return emitted_all
 
@@ -231,8 +240,7 @@ def finite_prefix(g: Guesses) -> Guesses:
         n += 1
     if n == len(g.tokens):
         return g
-    return Guesses(g.tokens[:n], g.confidences[:n], None if g.probs is None else g.probs[:n],
-                   None if g.parents is None else g.parents[:n])  # parents precede children: still a tree
+    return g.select(list(range(n)))  # parents precede children: still a tree
 
 
 def _aux_layers(seqs: list[Sequence]) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from mtp.core.adapter import load_adapter
 from mtp.core.calibration import Calibration, CalibratedProposer
 from mtp.core.costmodel import measure
 from mtp.core.decode import Sequence, stream
-from mtp.core.metrics import DecodeStats
+from mtp.core.metrics import DecodeStats, accepted_by_proposer
 from mtp.core.model import pack_weights
 from mtp.core.proposers import MergedProposer, Proposer, check_proposer
 from mtp.core.sampling import SamplingParams
@@ -209,8 +209,13 @@ class Engine:
         return self.result(seq)
 
     def render_chunks(self, result: Result, as_html: bool = False) -> str:
-        """The text with each forward pass's tokens on one background colour (terminal or HTML)."""
+        """The text with each forward pass's tokens on one background colour (terminal or HTML).
+
+        In HTML, a pass that accepted drafts also names the branch it accepted: class `from-NAME` for
+        each proposer that drafted the accepted path's deepest node (so the whole path; a merge's parts,
+        else the proposer), and its title counts the accepted drafts per proposer."""
         colours = ["44", "42", "45", "46", "43", "41"]
+        accepted_from = result.stats.accepted_from if result.stats is not None else []
         pieces, i = [], 0
         for j, n in enumerate(result.chunks):
             ids = result.token_ids[i:i + n]
@@ -220,7 +225,15 @@ class Engine:
             # decode with the preceding text so multi-token characters come out whole
             text = self.decode_text(result.token_ids[:i])[len(self.decode_text(result.token_ids[:i - n])):]
             if as_html:
-                pieces.append(f'<span class="c{j % 6}" title="pass {j}: {n} tokens">{html.escape(text)}</span>')
+                drafted = accepted_from[j] if j < len(accepted_from) else []
+                cls, title = f"c{j % 6}", f"pass {j}: {n} tokens"
+                if drafted:
+                    counts = accepted_by_proposer([drafted])
+                    cls += "".join(f" from-{name}" for name in drafted[-1])
+                    title += f"; {len(drafted)} drafts accepted, drafted by " + ", ".join(
+                        f"{name} ({c})" for name, c in counts.items())
+                pieces.append(f'<span class="{html.escape(cls)}" title="{html.escape(title)}">'
+                              f'{html.escape(text)}</span>')
             else:
                 pieces.append(f"\x1b[{colours[j % 6]}m{text}\x1b[0m")
         return "".join(pieces)

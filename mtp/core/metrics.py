@@ -16,6 +16,17 @@ Definitions (one forward pass = one call of the model on one block, the prompt's
   prediction were the model's own next-token prediction with its own top-1 probability: the emitted
   sequence is cut into blocks greedily, each block the longest run with confidence >= tau (at
   least one token, at most k_max).
+- accepted_by_proposer[p] / accepted_share[p]: of the draft tokens a row accepted (and emitted), how
+  many proposer p drafted, and that over all accepted draft tokens. p is a part of a merged proposer
+  (`heads+suffix+lookup`) or the single proposer itself (share 1.0). A token several parts drafted
+  counts in full for each of them (not split), so a merge's shares may sum to more than 1.
+- expected tokens of a tree pass (tree_expected_tokens): 1 + the sum of its draft nodes' confidences
+  (each node's estimated probability that its root path is the model's continuation), what `tree:auto`
+  maximises per second (mtp.core.tree.prune). predicted_tokens_per_forward: its mean over steady
+  passes (the prompt's excluded), beside steady_tokens_per_forward, the measured tokens per pass of
+  the same passes.
+- tree_nodes_per_pass: draft nodes a tree row's steady pass verified (its block less the one pending
+  token; for `tree:auto` the nodes kept of those drafted).
 """
 from __future__ import annotations
 
@@ -28,14 +39,21 @@ class DecodeStats:
     chunks: list[int] = field(default_factory=list)  # tokens emitted by each forward pass
     confidences: list[float] = field(default_factory=list)  # top-1 prob of each emitted token
     blocks: list[int] = field(default_factory=list)  # tokens in each pass's block (pending+drafts+masks)
+    # per pass: for each accepted draft token, the proposers that drafted it (merge parts); [] = none accepted
+    accepted_from: list[list[tuple[str, ...]]] = field(default_factory=list)
+    expected: list[float] = field(default_factory=list)  # tree rows, per pass: tree_expected_tokens of its drafts
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_end: float | None = None
 
-    def record_pass(self, n_emitted: int, confidences: list[float], block_tokens: int | None = None) -> None:
+    def record_pass(self, n_emitted: int, confidences: list[float], block_tokens: int | None = None,
+                    accepted_from: list[tuple[str, ...]] | None = None, expected: float | None = None) -> None:
         self.chunks.append(n_emitted)
         if block_tokens is not None:
             self.blocks.append(block_tokens)
+        self.accepted_from.append(list(accepted_from or []))
+        if expected is not None:
+            self.expected.append(expected)
         self.confidences.extend(confidences[:n_emitted])
         now = time.perf_counter()
         if self.t_first is None:
@@ -86,6 +104,34 @@ def acceptance_by_position(chunks: list[int], k_max: int | None = None) -> list[
 
 def mean_block_tokens(blocks: list[int]) -> float:
     return sum(blocks) / len(blocks) if blocks else 0.0
+
+
+def tree_nodes_per_pass(steady_blocks: list[int]) -> float:
+    """Draft nodes per pass of a tree row, from its steady blocks (one pending token + the nodes)."""
+    return sum(b - 1 for b in steady_blocks) / len(steady_blocks) if steady_blocks else 0.0
+
+
+def accepted_by_proposer(accepted_from: list[list[tuple[str, ...]]]) -> dict[str, int]:
+    """Accepted draft tokens per proposer, over passes (DecodeStats.accepted_from; several runs' lists
+    may be concatenated); a token several parts drafted counts for each."""
+    counts: dict[str, int] = {}
+    for pass_sources in accepted_from:
+        for names in pass_sources:
+            for name in names:
+                counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def accepted_share(accepted_from: list[list[tuple[str, ...]]]) -> dict[str, float]:
+    """accepted_by_proposer over all accepted draft tokens ({} when none was accepted)."""
+    total = sum(len(pass_sources) for pass_sources in accepted_from)
+    return {name: n / total for name, n in accepted_by_proposer(accepted_from).items()} if total else {}
+
+
+def tree_expected_tokens(confidences: list[float]) -> float:
+    """Tokens a tree pass is expected to emit: 1 (the model's own token) + its nodes' confidences,
+    each clamped to [0, 1]."""
+    return 1.0 + sum(min(max(float(c), 0.0), 1.0) for c in confidences)
 
 
 def speedup(tokens_per_s_run: float, tokens_per_s_reference: float) -> float | None:

@@ -22,7 +22,7 @@ model's own choice, so the output equals plain decoding's, token for token (gree
 state (tree proposers pick top-k deterministically), so the tree only decides how many of the model's
 own tokens one pass can confirm.
 
-Size (`tree:auto`, `prune`): a node's confidence estimates the probability that its whole root path is
+Size (`tree:auto`, `keep` / `prune`): a node's confidence estimates the probability that its whole root path is
 the model's continuation (heads: the path's probability; calibrated by `mtp tune`: measured), so a tree
 of nodes with confidences p_1..p_n is expected to confirm 1 + sum(p) tokens per pass; of the drafted
 nodes, the most confident prefix whose expected tokens per second E / t(1 + n) is highest is kept (n = 0:
@@ -116,14 +116,22 @@ def build(candidates: list[list[int]], budget: int) -> tuple[list[int], list[int
 
 
 def prune(tokens: list[int], parents: list[int], confidences: list[float], pass_time, pending: int = 1):
-    """The most confident nodes worth their rows: (tokens, parents, confidences) of the prefix, by
-    confidence (ties: shallower first), that maximises (1 + sum of its confidences) / t(pending + n).
+    """The most confident nodes worth their rows: (tokens, parents, confidences) of the nodes `keep` keeps."""
+    kept = keep(parents, confidences, pass_time, pending)
+    index = {j: i for i, j in enumerate(kept)}
+    return ([tokens[j] for j in kept], [index[parents[j]] if parents[j] >= 0 else -1 for j in kept],
+            [confidences[j] for j in kept])
+
+
+def keep(parents: list[int], confidences: list[float], pass_time, pending: int = 1) -> list[int]:
+    """Indices (ascending, so parents still precede children) of the prefix, by confidence (ties:
+    shallower first), that maximises (1 + sum of its confidences) / t(pending + n).
     A confidence never exceeds its parent's in the proposers' trees, so every such prefix is a tree."""
-    if not tokens:
-        return tokens, parents, confidences
+    if not parents:
+        return []
     d = depths(parents)
     p = [min(max(float(c), 0.0), 1.0) for c in confidences]
-    order = sorted(range(len(tokens)), key=lambda j: (-p[j], d[j], j))
+    order = sorted(range(len(parents)), key=lambda j: (-p[j], d[j], j))
     kept: set[int] = set()
     best_n, best_rate, expected, n = 0, 1.0 / pass_time(pending), 1.0, 0
     chosen: list[int] = []
@@ -137,7 +145,4 @@ def prune(tokens: list[int], parents: list[int], confidences: list[float], pass_
         rate = expected / pass_time(pending + n)
         if rate > best_rate:
             best_n, best_rate = n, rate
-    keep = sorted(chosen[:best_n])  # original order: parents still precede children
-    index = {j: i for i, j in enumerate(keep)}
-    return ([tokens[j] for j in keep], [index[parents[j]] if parents[j] >= 0 else -1 for j in keep],
-            [confidences[j] for j in keep])
+    return sorted(chosen[:best_n])

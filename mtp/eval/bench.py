@@ -9,7 +9,8 @@ Protocol (so that the numbers can be trusted):
    `ntp` row on the same prompts (its median and spread);
 4. quality compares the first repeat's outputs with `ntp`'s (greedy decoding, so repeats agree);
 5. with `--profile`, the cost model of mtp.core.costmodel predicts each row's speedup from its block
-   sizes and acceptance, printed beside the measured one.
+   sizes and acceptance, printed beside the measured one; for tree rows also the tree chosen (its
+   nodes per pass) and its predicted tokens/pass and tokens/s beside the measured ones (`tree_lines`).
 Decoding goes through the engine (mtp.core.decode's loop); every number comes from mtp.core.metrics.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mtp.core import metrics
-from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedup
+from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedup, predict_tokens_per_s
 from mtp.core.proposers import Proposer, TimedProposer
 from mtp.eval import gsm8k, llamacpp_env, report
 from mtp.eval.peers import make_peer
@@ -122,6 +123,8 @@ class Run:
     confidences: list[float] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)
     result: object = None  # engine.Result, kept for the chunk view
+    accepted_from: list = field(default_factory=list)  # per pass: who drafted each accepted token (DecodeStats)
+    expected: list[float] = field(default_factory=list)  # tree rows, per pass: tokens its drafts promised
 
 
 @dataclass
@@ -246,7 +249,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
         wall = time.perf_counter() - t0
         res = engine.result(seq)
         return Run(res.text, res.token_ids, list(seq.stats.chunks), list(seq.stats.blocks),
-                   list(seq.stats.confidences), [wall], res)
+                   list(seq.stats.confidences), [wall], res, list(seq.stats.accepted_from), list(seq.stats.expected))
 
     if cfg.warmup:
         for row in rows:
@@ -287,7 +290,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
     records = aggregate(rows, kind, items, cfg.repeats, cost)
     for rec in records:
         rec["env"] = env
-    advice = cost_advice(cost, rows, records, engine.proposer) if cost is not None else []
+    advice = [] if cost is None else cost_advice(cost, rows, records, engine.proposer) + tree_lines(rows, records)
     if cfg.profile:
         advice += llamacpp_draft_advice(rows, tick)
     return BenchResult(kind, items, rows, records, env, cost, advice)
@@ -307,6 +310,8 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                "tokens_per_s_spread": None, "speedup_vs_ntp": None, "speedup_spread": None,
                "exact_match": None, "answer_agreement": None, "accuracy": None, "rougeL": None,
                "oracle_tokens_per_forward": None, "mean_block_tokens": None, "predicted_speedup": None,
+               "accepted_by_proposer": None, "accepted_share": None, "tree_nodes": None, "tree_nodes_per_pass": None,
+               "steady_tokens_per_forward": None, "predicted_tokens_per_forward": None, "predicted_tokens_per_s": None,
                "tokens": 0, "error": row.error or row.skipped}
         if row.peer is not None:
             rec["params"] = row.peer.params()
@@ -354,15 +359,47 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                         for c in cats}
                 rec["proposing_ms_per_guess"] = guess_seconds(row) * 1e3
                 steady_blocks = [b for r in runs for b in r.blocks[1:]]  # prompt passes excluded
+                steady_chunks = [c for r in runs for c in r.chunks[1:]]
                 rec["mean_block_tokens"] = metrics.mean_block_tokens(steady_blocks)
                 if row.strategy.thresholded and common:
                     rec["oracle_tokens_per_forward"] = _oracle(ref, common, row.strategy)
                 if cost is not None and steady_blocks:
-                    steady_chunks = [c for r in runs for c in r.chunks[1:]]
                     rec["predicted_speedup"] = predict_speedup(cost, metrics.tokens_per_forward(steady_chunks),
                                                                steady_blocks)
+                if row.strategy.verifies:  # which proposer (a merge's part) drafted the accepted tokens
+                    accepted_from = [p for r in runs for p in r.accepted_from]
+                    rec["accepted_by_proposer"] = metrics.accepted_by_proposer(accepted_from)
+                    rec["accepted_share"] = metrics.accepted_share(accepted_from)
+                if row.strategy.is_tree and steady_blocks:  # the tree chosen, and what its nodes promised
+                    expected = [e for r in runs for e in r.expected[1:]]  # steady passes, as steady_blocks
+                    rec["tree_nodes"] = row.strategy.k - 1
+                    rec["tree_nodes_per_pass"] = metrics.tree_nodes_per_pass(steady_blocks)
+                    rec["steady_tokens_per_forward"] = metrics.tokens_per_forward(steady_chunks)
+                    rec["predicted_tokens_per_forward"] = metrics.tokens_per_forward(expected)
+                    if cost is not None:
+                        rec["predicted_tokens_per_s"] = predict_tokens_per_s(cost, rec["predicted_tokens_per_forward"],
+                                                                             steady_blocks)
         out.append(rec)
     return out
+
+
+def tree_lines(rows: list[Row], records: list[dict]) -> list[str]:
+    """`--profile`: for each tree row, the tree it chose and, over its steady passes (the prompt's
+    excluded, as for the predicted speedup), the tokens per pass its nodes' confidences promised and
+    the tokens/s the cost model gives for them (forward passes only), beside the measured tokens per
+    pass of the same passes and the row's measured tokens/s (which also pays the prompt, proposing
+    and the loop's overhead)."""
+    lines = []
+    for row, rec in zip(rows, records):
+        if row.is_peer or not row.strategy.is_tree or rec["predicted_tokens_per_forward"] is None:
+            continue
+        size = f"at most {rec['tree_nodes']} nodes drafted" if row.strategy.auto else f"{rec['tree_nodes']} nodes"
+        kept = "kept" if row.strategy.auto else "drafted"
+        lines.append(f"{row.name}: tree of {size}, {rec['tree_nodes_per_pass']:.1f} {kept} per pass on average; "
+                     f"predicted {rec['predicted_tokens_per_forward']:.2f} tokens/pass, "
+                     f"{_f(rec['predicted_tokens_per_s'], 1)} tokens/s; measured "
+                     f"{rec['steady_tokens_per_forward']:.2f} tokens/pass, {_f(rec['tokens_per_s'], 1)} tokens/s")
+    return lines
 
 
 def guess_seconds(row: Row) -> float:
@@ -475,6 +512,8 @@ def print_summary(res: BenchResult, console=None) -> None:
             "error"]
     if res.cost is not None:
         cols.insert(6, "predicted")
+    if any(rec.get("accepted_share") for rec in res.records):  # rows that verified drafts: who drafted the accepted
+        cols.insert(cols.index("error"), "drafted by")
     for c in cols:
         t.add_column(c, no_wrap=c != "error", overflow="fold")
     for rec in res.records:
@@ -486,6 +525,7 @@ def print_summary(res: BenchResult, console=None) -> None:
                  "speedup": _f(rec["speedup_vs_ntp"]), "predicted": _f(rec["predicted_speedup"]),
                  "exact": _f(rec["exact_match"]), "agree": _f(rec["answer_agreement"]), "acc": _f(rec["accuracy"]),
                  "rougeL": _f(rec["rougeL"]), "oracle": _f(rec["oracle_tokens_per_forward"]),
+                 "drafted by": report.shares_text(rec.get("accepted_share")),
                  "error": _short(rec["error"])}
         t.add_row(*[cells[c] for c in cols])
     console.print(t)

@@ -5,7 +5,8 @@
   against `ntp` (prompts), the loss a user pays for the speed.
 - acceptance.png: per-position acceptance (fraction of passes emitting more than i tokens).
 - report.html: the table, both plots, the t(q) profile when measured, and the chunk view (each
-  forward pass's tokens on one background colour) for the first prompts.
+  forward pass's tokens on one background colour; a pass that accepted drafts underlined in the
+  colour of the proposer that drafted its accepted branch) for the first prompts.
 """
 from __future__ import annotations
 
@@ -18,12 +19,22 @@ COLUMNS = [("strategy", "strategy"), ("n_prompts", "n"), ("tokens_per_forward", 
            ("predicted_speedup", "predicted"), ("exact_match", "exact match"),
            ("answer_agreement", "answer agreement"), ("accuracy", "accuracy"), ("rougeL", "ROUGE-L"),
            ("oracle_tokens_per_forward", "oracle tokens/pass"), ("mean_block_tokens", "block tokens"),
-           ("error", "error")]
+           ("accepted_share", "accepted drafts by proposer"), ("error", "error")]
 PAGE_CSS = ("body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}table{border-collapse:collapse;"
             "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}td:first-child{text-align:left}"
             "img{max-width:100%}")  # the pages of mtp bench and mtp tune
 CHUNK_CSS = ("".join(f".c{i}{{background:{c}}}" for i, c in enumerate(
     ["#cfe2ff", "#d1e7dd", "#f8d7da", "#fff3cd", "#e2d9f3", "#d2f4ea"])))
+# the accepted branch's proposer (Engine.render_chunks' `from-NAME` classes): an underline per source
+SOURCE_COLOURS = {"heads": "#0d6efd", "suffix": "#d63384", "lookup": "#198754", "eagle3": "#fd7e14",
+                  "mask": "#6f42c1", "mask-single": "#6f42c1"}
+SOURCE_CSS = "".join(f".from-{name}{{border-bottom:3px solid {c}}}" for name, c in SOURCE_COLOURS.items())
+
+
+def shares_text(share: dict | None) -> str:
+    """`heads 62% lookup 41%`: accepted_share, largest first (a token several parts drafted counts for
+    each, so a merge's shares may sum to more than 100%)."""
+    return " ".join(f"{name} {100 * v:.0f}%" for name, v in sorted((share or {}).items(), key=lambda kv: -kv[1]))
 
 
 def _quality(rec: dict, kind: str) -> tuple[float | None, str]:
@@ -117,6 +128,8 @@ def _cell(key: str, v) -> str:
         return "—"
     if isinstance(v, float):
         return f"{v:.1f}" if key == "tokens_per_s" else f"{v:.3f}"
+    if key == "accepted_share":
+        return html.escape(shares_text(v)) or "—"
     return html.escape(str(v))
 
 
@@ -169,9 +182,12 @@ def write_html(res, path: Path, engine=None, command: str = "", chunk_examples: 
         profile_png(res.cost, out / "profile.png")
         pieces += ["<h2 id=profile>Cost model t(q)</h2>", _img(out / "profile.png"),
                    "<ul>" + "".join(f"<li>{html.escape(a)}</li>" for a in res.advice) + "</ul>"]
-    pieces += ["<h2 id=chunks>Chunk view</h2><p>Tokens emitted by one forward pass share a background colour.</p>",
+    legend = " ".join(f'<span class="from-{n}">{n}</span>' for n in SOURCE_COLOURS if n != "mask-single")
+    pieces += ["<h2 id=chunks>Chunk view</h2><p>Tokens emitted by one forward pass share a background colour; "
+               f"a pass that accepted drafts is underlined in the colour of the proposer that drafted the accepted "
+               f"branch ({legend}; hover a pass for its accepted drafts per proposer).</p>",
                chunk_view_html(res, engine, chunk_examples)]
     style = PAGE_CSS + (".chunks{white-space:pre-wrap;font-family:monospace;line-height:1.6}"
-                        "pre.prompt{white-space:pre-wrap;background:#f6f6f6;padding:6px}" + CHUNK_CSS)
+                        "pre.prompt{white-space:pre-wrap;background:#f6f6f6;padding:6px}" + CHUNK_CSS + SOURCE_CSS)
     Path(path).write_text(f"<!doctype html><html><head><meta charset=utf-8><title>mtp bench</title>"
                           f"<style>{style}</style></head><body>{''.join(pieces)}</body></html>", encoding="utf-8")

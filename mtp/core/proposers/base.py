@@ -33,10 +33,22 @@ class Guesses:
     confidences: list[float]  # top-1 probability of each guess's own distribution
     probs: torch.Tensor | None = None  # [n, V] distributions sampled from (None = greedy/deterministic)
     parents: list[int] | None = None  # a token tree (mtp.core.tree): each guess's parent, -1 = root; None = chain
+    # which proposers drafted each guess (a merge's parts, mtp.core.proposers.merged); None = the proposer itself
+    sources: list[tuple[str, ...]] | None = None
 
     @classmethod
     def none(cls) -> "Guesses":
         return cls([], [], None)
+
+    def select(self, keep: list[int]) -> "Guesses":
+        """The guesses at indices `keep` (ascending; a tree's kept nodes must include their parents),
+        parents re-indexed, distributions and sources kept alongside."""
+        index = {j: i for i, j in enumerate(keep)}
+        return Guesses([self.tokens[j] for j in keep], [self.confidences[j] for j in keep],
+                       None if self.probs is None else self.probs[keep],
+                       None if self.parents is None else [index[self.parents[j]] if self.parents[j] >= 0 else -1
+                                                          for j in keep],
+                       None if self.sources is None else [self.sources[j] for j in keep])
 
 
 @dataclass

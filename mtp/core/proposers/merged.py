@@ -10,6 +10,11 @@ heads predict well gets head branches. The weights are fixed priors (`WEIGHTS`) 
 calibrated for trees (`mtp tune` fits one map per part and node depth on held-out answers,
 `mtp.core.calibration`): its nodes then score by their measured probability of being the model's
 continuation, comparable across parts, and its weight is 1.
+
+Attribution: every node carries the names of the parts that drafted it (`Guesses.sources`, in the
+order of the parts). A node several parts drafted is credited in full to each of them, not split:
+"lookup drafted 40 % of the accepted tokens" then reads the same whether or not heads drafted them
+too, and the shares of a row may sum to more than 1 (`metrics.accepted_shares`).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ class MergedProposer(Proposer):
 
     def propose_tree(self, view: PassView, n: int) -> Guesses:
         score: dict[tuple, float] = {}
+        drafted_by: dict[tuple, list[str]] = {}  # path -> the parts that drafted it, in part order
         for part in self.parts:
             g = part.propose_tree(view, n)
             # a part calibrated for trees (mtp tune) scores a node by its probability of being right: no prior
@@ -42,12 +48,15 @@ class MergedProposer(Proposer):
                 paths.append((paths[p] if p >= 0 else ()) + (t,))
                 conf = g.confidences[j] if j < len(g.confidences) else 1.0
                 score[paths[-1]] = max(score.get(paths[-1], 0.0), w * float(conf))
+                names = drafted_by.setdefault(paths[-1], [])
+                if part.name not in names:
+                    names.append(part.name)
         for path in sorted(score, key=len, reverse=True):  # an ancestor is worth at least its best descendant
             if len(path) > 1:
                 score[path[:-1]] = max(score[path[:-1]], score[path])
         chosen = sorted(sorted(score, key=lambda q: (-score[q], len(q)))[:n], key=len)
         index: dict[tuple, int] = {}
-        tokens, parents, confs = [], [], []
+        tokens, parents, confs, sources = [], [], [], []
         for path in chosen:
             if len(path) > 1 and path[:-1] not in index:
                 continue
@@ -55,7 +64,8 @@ class MergedProposer(Proposer):
             tokens.append(path[-1])
             parents.append(index[path[:-1]] if len(path) > 1 else -1)
             confs.append(score[path])
-        return Guesses(tokens, confs, None, parents)
+            sources.append(tuple(drafted_by[path]))
+        return Guesses(tokens, confs, None, parents, sources)
 
     def propose(self, view: PassView, k: int, params, gen) -> Guesses:
         """A chain: the best-scoring root path of the merged tree."""
@@ -64,4 +74,5 @@ class MergedProposer(Proposer):
         for j in range(len(g.tokens)):
             if g.parents[j] == (chain[-1] if chain else -1) and len(chain) < k - 1:
                 chain.append(j)
-        return Guesses([g.tokens[j] for j in chain], [g.confidences[j] for j in chain], None)
+        return Guesses([g.tokens[j] for j in chain], [g.confidences[j] for j in chain], None, None,
+                       [g.sources[j] for j in chain])
