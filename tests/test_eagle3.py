@@ -70,15 +70,17 @@ def test_aux_layers_are_the_residual_streams(tiny):
         tiny(tokens, aux_layers=(5,))
 
 
-@pytest.mark.parametrize("k", [2, 3, 4, 6])
-def test_greedy_verify_with_eagle3_equals_ntp(k):
+@pytest.mark.parametrize("strategy", ["verify:2", "verify:3", "verify:4", "verify:6", "tree:1", "tree:4", "tree:8"])
+def test_greedy_chain_or_tree_with_eagle3_equals_ntp(strategy):
+    """verify:K (at most K tokens a pass) and tree:N (at most N + 1) give ntp's tokens exactly."""
     model = tiny_model(3)
     proposer = Eagle3Proposer(model, random_drafter(model))
+    most = int(strategy.split(":")[1]) + strategy.startswith("tree")
     for prompt in ([5, 17, 3], [44, 2, 9, 9, 81, 30]):
         ref = greedy(model, prompt, "ntp", n=30)
-        got = greedy(model, prompt, f"verify:{k}", proposer, n=30)
+        got = greedy(model, prompt, strategy, proposer, n=30)
         assert torch.equal(torch.tensor(got.output), torch.tensor(ref.output))
-        assert all(c <= k for c in got.stats.chunks)
+        assert all(c <= most for c in got.stats.chunks)
     assert proposer.draft_calls > 0
 
 
@@ -463,16 +465,6 @@ def assert_state_is_the_committed_prefix(model, proposer, seq, n):
     torch.testing.assert_close(got["k"], want["k"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got["v"], want["v"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got["h"], want["h"], rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("n", [1, 4, 8])
-def test_greedy_tree_with_eagle3_equals_ntp(n):
-    model = tiny_model(3)
-    proposer = Eagle3Proposer(model, random_drafter(model))
-    for prompt in ([5, 17, 3], [44, 2, 9, 9, 81, 30]):
-        ref = greedy(model, prompt, "ntp", n=30)
-        got = greedy(model, prompt, f"tree:{n}", proposer, n=30)
-        assert torch.equal(torch.tensor(got.output), torch.tensor(ref.output))
 
 
 def test_eagle3_tree_is_the_most_probable_paths_and_leaves_the_state_alone():
