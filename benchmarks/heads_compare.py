@@ -1,0 +1,76 @@
+"""Two or more sets of MTP heads on the same prompts, by replay: which one accepts more per pass.
+
+The rule for shipping retrained heads is "beat the shipped ones on both test sets" (GSM8K test 0-99,
+the 60 diverse held-out prompts; greedy, 256 tokens). Decoding every set of heads on every prompt
+costs a full `mtp bench` run per set; under greedy decoding a lossless strategy emits exactly the
+`ntp` answer, so the reference answers are decoded once (batched) and every set of heads is replayed
+on them (`mtp.tune.simulate.replay`: one teacher-forced pass per prompt, then the heads alone, pass by
+pass, the same drafts and acceptances a decode makes up to float near-ties). Tokens per pass comes
+from `mtp.core.metrics.tokens_per_forward` over all passes of all prompts, as `mtp bench` reports it.
+
+    python benchmarks/heads_compare.py --data gsm8k:$MTP_DATA_DIR/gsm8k/test.jsonl --limit 100 \\
+        --heads auto,runs/heads6-1600/heads-5000 --strategies verify:4,tree:16 --out runs/heads_compare/gsm8k100
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from mtp.core import metrics
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.strategy import Strategy
+from mtp.eval.bench import load_data
+from mtp.tune.offline import decode_all
+from mtp.tune.simulate import replay
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True, help="gsm8k:PATH or prompts:PATH (as mtp bench)")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--heads", required=True, help="comma list of heads directories; 'auto' = the shipped heads")
+    ap.add_argument("--strategies", default="verify:4", help="comma list of lossless strategies (verify:K, tree:N)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16, help="rows of the batched reference decode")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kind, items = load_data(args.data, args.limit)
+    heads = [h.strip() for h in args.heads.split(",") if h.strip()]
+    strategies = [Strategy.parse(s) for s in args.strategies.split(",")]
+    t0 = time.perf_counter()
+    hidden: dict = {}  # teacher-forced hidden states per prompt: the trunk's, shared by every set of heads
+    ref, rows = None, []
+    for h in heads:
+        engine = Engine.load(EngineConfig(adapter="none", proposer="heads", heads=h, threads=args.threads))
+        prompts = [engine.encode(it["prompt"], chat=True) for it in items]
+        if ref is None:
+            ref = decode_all(engine, prompts, Strategy(), None, args.max_new_tokens, args.batch).outputs
+            print(f"reference: {len(ref)} ntp answers, {sum(len(o.ids) for o in ref):,} tokens "
+                  f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+        for s in strategies:
+            stats = replay(engine, prompts, ref, s, "heads", hidden_cache=hidden, memo={})
+            chunks = [c for o in stats.outputs for c in o.chunks]
+            row = {"heads": h, "heads_dir": str(engine.heads_dir), "strategy": str(s), "data": args.data,
+                   "n_prompts": len(prompts), "tokens_per_forward": metrics.tokens_per_forward(chunks),
+                   "acceptance_by_position": metrics.acceptance_by_position(chunks, s.k)}
+            rows.append(row)
+            print(f"{h:40s} {str(s):10s} {row['tokens_per_forward']:.3f} tokens/pass "
+                  f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+    env = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": args.threads,
+           "seconds": round(time.perf_counter() - t0, 1)}
+    with open(out / "results.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "env": env}) + "\n")
+    print(f"wrote {out / 'results.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()
