@@ -1,7 +1,8 @@
 """Token trees (`tree:N`, mtp.core.tree): the layout by hand, greedy tree decoding identical to plain
-greedy for every tree proposer, the accepted off-diagonal path's keys and values compacted exactly as a
-fresh prefill would hold them, ragged batches of different trees, and sampling that stays exact (the
-same draws as plain decoding for a seed, and the right distribution where a naive sibling rule is not)."""
+greedy for every tree proposer (mask groups included: tests/test_mask_tree.py has their own), the accepted
+off-diagonal path's keys and values compacted exactly as a fresh prefill would hold them, ragged batches of
+different trees and chains, and sampling that stays exact (the same draws as plain decoding for a seed, and
+the right distribution where a naive sibling rule is not)."""
 from __future__ import annotations
 
 import collections
@@ -13,12 +14,30 @@ from conftest import tiny_model
 from mtp.core import tree
 from mtp.core.cache import KVCache
 from mtp.core.decode import Sequence, _branch_layout, block_slack, decode_step, generate
-from mtp.core.proposers import Guesses, PromptLookupProposer, Proposer
+from mtp.core.model import add_mask_token
+from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
 from mtp.core.proposers import heads as N
 from mtp.core.sampling import SamplingParams, probs_from_logits
 from mtp.core.strategy import Strategy, StrategyError
 
 PROMPT = [5, 17, 3, 44, 9, 5, 17, 3]
+SMALL_V = 12  # the mask proposer's tiny model: few tokens, so its untrained masks' top-k is often right
+
+
+def mask_model(seed: int = 0):
+    """A tiny model of SMALL_V tokens plus <mtp_mask>: its mask trees get deep and sibling paths accepted."""
+    model = tiny_model(seed, vocab_size=SMALL_V)
+    add_mask_token(model)
+    return model
+
+
+def model_and_proposer(which: str):
+    """(model, proposer, prompt) for a tree proposer by name: lookup, random heads, or mask groups."""
+    if which == "mask":
+        return mask_model(), MaskProposer(), [t % SMALL_V for t in PROMPT]
+    model = tiny_model(0)
+    prop = PromptLookupProposer() if which == "lookup" else N.HeadsProposer(model, random_heads(model), "float32")
+    return model, prop, PROMPT
 
 
 def params(n=24, **kw):
@@ -141,17 +160,17 @@ def test_auto_tree_sizes_itself_by_the_pass_time_and_stays_exact(cost, fewer_pas
         Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(30), StubTree(want, len(PROMPT)))
 
 
-@pytest.mark.parametrize("which", ["lookup", "heads"])
+@pytest.mark.parametrize("which", ["lookup", "heads", "mask"])
 def test_auto_tree_equals_plain_greedy_for_every_tree_proposer(which):
-    model = tiny_model(0)
-    prop = PromptLookupProposer() if which == "lookup" else N.HeadsProposer(model, random_heads(model), "float32")
-    want = generate(model, PROMPT, "ntp", params=params(40)).output
-    seq = Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(40), prop, pass_time=lambda q: 1 + 0.05 * q)
-    cache = KVCache.for_model(model, 1, len(PROMPT) + 40 + block_slack(seq.strategy.k))
+    model, prop, prompt = model_and_proposer(which)
+    want = generate(model, prompt, "ntp", params=params(40)).output
+    seq = Sequence(list(prompt), Strategy.parse("tree:auto"), params(40), prop, pass_time=lambda q: 1 + 0.05 * q)
+    cache = KVCache.for_model(model, 1, len(prompt) + 40 + block_slack(seq.strategy.k))
     with torch.inference_mode():
         while not seq.finished:
-            decode_step(model, cache, [seq], None)
+            decode_step(model, cache, [seq], model.config.mask_token_id)
     assert seq.output == want
+    assert seq.stats.forward_passes < len(want)  # some nodes were worth their rows (and accepted)
 
 
 class OracleChain(Proposer):
@@ -220,14 +239,13 @@ def random_heads(model, depths=3):
     return N.MTPHeads(N.HeadsConfig.for_model(model.config, depths)).eval().requires_grad_(False)
 
 
-@pytest.mark.parametrize("which", ["lookup", "heads"])
-@pytest.mark.parametrize("n", [1, 4, 12])
+@pytest.mark.parametrize("which", ["lookup", "heads", "mask"])
+@pytest.mark.parametrize("n", [1, 4, 8, 12])
 def test_greedy_tree_equals_plain_greedy_for_every_tree_proposer(which, n):
-    model = tiny_model(0)
-    prop = PromptLookupProposer() if which == "lookup" else N.HeadsProposer(model, random_heads(model), "float32")
-    want = generate(model, PROMPT, "ntp", params=params(40)).output
-    seq = generate(model, PROMPT, f"tree:{n}", params=params(40), proposer=prop)
-    assert seq.output == want
+    model, prop, prompt = model_and_proposer(which)
+    want = generate(model, prompt, "ntp", params=params(40)).output
+    seq = generate(model, prompt, f"tree:{n}", params=params(40), proposer=prop)
+    assert torch.equal(torch.tensor(seq.output), torch.tensor(want))
 
 
 def test_heads_tree_holds_the_chain_and_its_alternatives():
@@ -243,27 +261,38 @@ def test_heads_tree_holds_the_chain_and_its_alternatives():
 
 
 def test_ragged_batch_of_different_trees_equals_plain_greedy():
-    model = tiny_model(0)
-    prompts = [PROMPT, [7, 7, 8, 9, 7, 7], [30, 31, 32, 30, 31]]
-    wants = [generate(model, p, "ntp", params=params(20)).output for p in prompts]
-    seqs = [Sequence(list(p), Strategy.parse(s), params(20), prop, slot=i) for i, (p, s, prop) in enumerate(zip(
-        prompts, ["tree:6", "tree:2", "verify:3"],
-        [PromptLookupProposer(), N.HeadsProposer(model, random_heads(model), "float32"), PromptLookupProposer()]))]
-    cache = KVCache.for_model(model, 3, 64)
+    """Trees from lookup, heads and mask groups (branched and mask-single) beside chains (lookup, and
+    mask groups after every prefix), different prompt lengths, in one pass each step."""
+    model = mask_model()
+    heads = N.HeadsProposer(model, random_heads(model), "float32")
+    rows = [(PROMPT, "tree:6", PromptLookupProposer()), ([7, 7, 8, 9, 7, 7], "tree:2", heads),
+            ([30, 31, 32, 30, 31], "verify:3", PromptLookupProposer()),
+            ([3, 1, 4, 1, 5, 9, 2, 6], "tree:8", MaskProposer()),
+            ([2, 7], "verify:4", MaskProposer()), ([11, 0, 11, 0, 11], "tree:4", MaskProposer(branch=False)),
+            ([6, 5, 4], "tree:3", MaskProposer())]
+    rows = [([t % SMALL_V for t in p], s, prop) for p, s, prop in rows]
+    wants = [generate(model, p, "ntp", params=params(20)).output for p, _, _ in rows]
+    seqs = [Sequence(list(p), Strategy.parse(s), params(20), prop, slot=i) for i, (p, s, prop) in enumerate(rows)]
+    cache = KVCache.for_model(model, len(rows), 128)
     with torch.inference_mode():
         while not all(s.finished for s in seqs):
             live = [s for s in seqs if not s.finished]
-            decode_step(model, cache, live, None)
+            decode_step(model, cache, live, model.config.mask_token_id)
     assert [s.output for s in seqs] == wants
+    assert max(c for s in seqs[3:] for c in s.stats.chunks) >= 3  # mask rows accepted paths of 2 drafts
 
 
-def test_sampled_tree_makes_the_same_draws_as_plain_sampling():
-    model = tiny_model(0)
+@pytest.mark.parametrize("which", ["lookup", "mask"])
+def test_sampled_tree_makes_the_same_draws_as_plain_sampling(which):
+    model, prop, prompt = model_and_proposer(which)
+    accepted = 0
     for seed in range(5):
         p = params(24, temperature=0.9, top_p=0.95, seed=seed)
-        want = generate(model, PROMPT, "ntp", params=p).output
-        got = generate(model, PROMPT, "tree:6", params=p, proposer=PromptLookupProposer()).output
-        assert got == want
+        want = generate(model, prompt, "ntp", params=p).output
+        got = generate(model, prompt, "tree:6", params=p, proposer=prop)
+        assert got.output == want
+        accepted += len(want) - got.stats.forward_passes
+    assert accepted > 0 or which == "lookup"  # mask: drafts were accepted, the draws went through the tree
 
 
 def naive_accept(logits, tokens, parents, p, gen):
@@ -311,20 +340,24 @@ def test_sampling_distribution_is_exact_where_a_naive_sibling_rule_is_not():
 @pytest.mark.parametrize("argv", [["generate", "x", "--strategy", "tree:8"],
                                   ["generate", "x", "--strategy", "tree:8", "--proposer", "mask-single"],
                                   ["bench", "--data", "prompts:P", "--strategies", "tree:8", "--out", "O"],
-                                  ["bench", "--data", "prompts:P", "--strategies", "tree:8@mask", "--out", "O"],
-                                  ["pipeline", "x", "--strategy", "tree:4", "--proposer", "mask"]])
-def test_tree_with_a_proposer_that_cannot_draft_trees_is_refused_before_loading(argv, tmp_path, capsys, monkeypatch):
+                                  ["bench", "--data", "prompts:P", "--strategies", "tree:8@mask", "--out", "O"]])
+def test_tree_with_the_mask_proposer_passes_every_check_before_loading(argv, tmp_path, capsys, monkeypatch):
+    """`tree:N` with the mask proposers (once refused in one line) gets through every front end's checks
+    to the model load (`mtp pipeline`: tests/test_mask_tree.py runs its stages)."""
     from mtp.cli import main
     from mtp.core import engine, loading
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     argv = [a.replace("P", str(prompts)).replace("O", str(tmp_path / "o")) if a in ("prompts:P", "O") else a
             for a in argv]
-    monkeypatch.setattr(engine.Engine, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
-    monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+
+    def reached(*a, **k):
+        raise ValueError("reached the model load")
+    monkeypatch.setattr(engine.Engine, "load", reached)
+    monkeypatch.setattr(loading, "load", reached)
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "tree:N drafts from heads" in err, err
+    assert err.count("\n") == 1 and "reached the model load" in err, err
 
 
 @pytest.fixture(scope="module")
@@ -336,19 +369,20 @@ def smollm2_engines():
     made = {}
 
     def get(proposer):
-        if proposer not in made:
-            made[proposer] = Engine.load(EngineConfig(adapter="none", proposer=proposer))
+        if proposer not in made:  # the mask proposer: the shipped adapter
+            made[proposer] = Engine.load(EngineConfig(adapter="auto" if proposer == "mask" else "none",
+                                                      proposer=proposer))
         return made[proposer]
     return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("proposer,strategy", [("heads", "tree:8"), ("lookup", "tree:8"), ("suffix", "tree:8"),
-                                               ("heads+suffix+lookup", "tree:16"),
+                                               ("mask", "tree:8"), ("heads+suffix+lookup", "tree:16"),
                                                ("heads+suffix+lookup", "tree:auto")])
 def test_greedy_trees_equal_ntp_on_smollm2(smollm2_engines, proposer, strategy):
-    """On the real model, every tree proposer and the merge: greedy tree output is `ntp`'s token for
-    token (a maths answer and a request that repeats its prompt), in fewer passes."""
+    """On the real model, every tree proposer (mask: with the shipped adapter) and the merge: greedy tree
+    output is `ntp`'s token for token (a maths answer and a request that repeats its prompt), in fewer passes."""
     engine = smollm2_engines(proposer)
     for prompt in ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                    "How many clips did Natalia sell altogether in April and May?",

@@ -12,7 +12,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from mtp.cli.options import add_model_args, engine_config
 from mtp.core import deploy as deploy_file
 from mtp.core.engine import Engine
-from mtp.core.options import check_tree_proposer
 from mtp.eval.bench import (BenchConfig, check_out, load_data, parse_strategies, print_summary, run_bench,
                             write_outputs)
 from mtp.eval.peers import OPTIONAL_ARG, PARAMETRISED, PEERS, parse_baselines
@@ -53,9 +52,6 @@ def run(args) -> int:
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     strategies = parse_strategies(args.strategies)
-    for spec in strategies:  # a tree row drafting from the engine's --proposer
-        if spec.strategy.is_tree and spec.proposer is None:
-            check_tree_proposer(spec.strategy, args.proposer)
     baselines = parse_baselines(args.baselines)
     kind, items = load_data(args.data, args.limit)
     check_out(Path(args.out))

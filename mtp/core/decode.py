@@ -8,11 +8,13 @@ A sequence carries three lists of tokens that are not yet in its KV cache:
 One step, for a batch of sequences (ragged rows, right-padded):
   1. build each row's block: pending + drafts + masks, at positions cache_len, cache_len+1, ...
      (`verify` with mask guesses: one group of masks per possible number of accepted drafts, each
-     placed and attending as if it followed that prefix; see `_branch_layout`)
+     placed and attending as if it followed that prefix; `tree:N`: the drafts are a token tree and
+     the groups follow its root and likeliest nodes; see `_branch_layout`)
   2. one forward pass over the batch; logits at the last pending position and every later one
   3. accept: check the drafts against the model's own predictions (sampling.verify_drafts) ->
      a accepted drafts and the model's own token after them
-  4. propose: the proposer's guesses for the tokens after that one (mask logits, heads, lookup)
+  4. propose: the proposer's guesses for the tokens after that one (heads, lookup; mask logits: the
+     group that followed where acceptance stopped, if one did)
   5. emit by strategy: ntp -> the model's token; static -> it + all guesses; conf_adapt -> the
      confident prefix of [it, guesses...]; verify -> accepted drafts + it, guesses become next drafts
   6. commit pending + accepted drafts to the cache (rejected drafts and masks are simply not
@@ -58,6 +60,7 @@ class Sequence:
     proposer_state: dict = field(default_factory=dict)  # the proposer's own per-sequence state (EAGLE-3: its KV)
     tree: list[int] | None = None  # `tree:N`: each draft's parent (-1 = root; mtp.core.tree); None = a chain
     pass_time: Callable[[float], float] | None = None  # `tree:auto`: seconds per pass of q tokens (mtp.core.costmodel)
+    missed_groups: int = 0  # passes whose acceptance stopped where no mask group followed (no guesses next pass)
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -68,8 +71,6 @@ class Sequence:
             self.gen = torch.Generator().manual_seed(self.params.seed)
         if self.strategy.thresholded and not self.proposer.has_confidence:
             raise ValueError(f"conf_adapt needs a proposer with confidences, not {self.proposer.name!r}")
-        if self.strategy.is_tree and self.proposer.n_appended(self.strategy.k):
-            raise ValueError(f"tree:N drafts from heads, lookup, suffix or eagle3, not from {self.proposer.name!r}")
         if self.strategy.auto and self.pass_time is None:
             raise ValueError("tree:auto needs this machine's pass times (Engine.new_sequence measures them)")
 
@@ -84,13 +85,31 @@ class Sequence:
         return k if self.k_override is None else max(1, min(k, self.k_override))
 
     def n_appended(self) -> int:
-        """Masks appended to this pass: `groups()` groups of `proposer.n_appended(k)`."""
-        return self.proposer.n_appended(self.k, len(self.drafts))
+        """Masks appended to this pass: `groups()` groups of `group_size()`."""
+        return self.proposer.n_appended(self.strategy.guess_k(self.k), len(self.drafts))
+
+    def group_size(self) -> int:
+        """Masks per group (0: the proposer appends none): k-1, a tree's at most TREE_MASK_DEPTH."""
+        return self.proposer.n_appended(self.strategy.guess_k(self.k))
 
     def groups(self) -> int:
-        """Mask groups this pass: 1, or 1 + drafts when the proposer branches after every draft."""
-        per_group = self.proposer.n_appended(self.k)
-        return self.n_appended() // per_group if per_group else 0
+        """Mask groups this pass: 1, or 1 + drafts (nodes) when the proposer branches, at most MAX_MASK_GROUPS."""
+        g = self.group_size()
+        return self.n_appended() // g if g else 0
+
+    def mask_anchors(self) -> list[int]:
+        """The draft after which each of this pass's mask groups sits, in block order (-1: the root,
+        i.e. after the pending tokens, nothing accepted). A chain of D drafts: after all D first, then
+        after 0, 1, ... accepted drafts; a tree: after the root, then after its nodes by confidence
+        (path probability), highest first, ties to the earlier node. E.g. D = 3 and 4 groups: chain
+        [2, -1, 0, 1]; a tree with confidences [0.5, 0.2, 0.4]: [-1, 0, 2, 1]."""
+        G, D = self.groups(), len(self.drafts)
+        if not G:
+            return []
+        if not self.strategy.is_tree:
+            return [D - 1] + list(range(-1, G - 2))
+        conf = self.draft_confidences + [0.0] * (D - len(self.draft_confidences))
+        return [-1] + sorted(range(D), key=lambda j: (-conf[j], j))[: G - 1]
 
 
 def block_slack(k: int) -> int:
@@ -103,7 +122,7 @@ def block_slack(k: int) -> int:
 def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None) -> list[list[int]]:
     """Advance every sequence by one forward pass; return the tokens each one emitted."""
     # 1. blocks: pending + drafts + masks, right-padded to a common length T
-    blocks, starts, branched = [], [], []
+    blocks, starts, branched, anchors = [], [], [], []
     for s in seqs:
         if len(s.drafts) > s.k - 1:  # a capped K checks fewer drafts (still lossless; a tree keeps its top)
             s.drafts = s.drafts[: s.k - 1]
@@ -116,7 +135,9 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
             raise ValueError("this strategy needs a model with the <mtp_mask> token (an adapter)")
         blocks.append(s.pending + s.drafts + [mask_id] * n_mask)
         starts.append(cache.lengths[s.slot])
-        branched.append(s.groups() > 1)
+        anchors.append(s.mask_anchors())
+        # its own layout unless plainly causal: a tree, or mask groups beyond the one after the last draft
+        branched.append((s.tree is not None and bool(s.drafts)) or len(anchors[-1]) > 1)
     B, T = len(seqs), max(len(b) for b in blocks)
     dev = model.device
     tokens = torch.zeros(B, T, dtype=torch.long)
@@ -124,12 +145,8 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         tokens[i, : len(b)] = torch.tensor(b)
     slots_pos = torch.tensor(starts).view(B, 1) + torch.arange(T).view(1, T)  # [B, T] cache slots written
     positions, attn_mask = slots_pos, None  # RoPE positions; None = the plain causal rule over slots
-    trees = [s.tree is not None and bool(s.drafts) for s in seqs]
-    if any(branched) or any(trees):
+    if any(branched):
         positions, attn_mask = _branch_layout(seqs, slots_pos, branched)
-        for i, s in enumerate(seqs):
-            if trees[i]:
-                tree.apply_layout(positions, attn_mask, i, starts[i], len(s.pending), s.tree)
     # logits needed from the last pending token on: e.g. pending=[a,b], drafts=[c], masks=[M,M]
     # -> block [a,b,c,M,M], out rows 1..4 (predictions after b, after c, and the two masks)
     first = [len(s.pending) - 1 for s in seqs]
@@ -179,11 +196,16 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
                       for j in (path if path is not None else range(a))]
         expected = tree_expected_tokens(s.draft_confidences[:D]) if s.strategy.is_tree else None
         own_conf = float(torch.softmax(lg[row], -1).max())
-        # 4. guesses for what follows `own`: the mask group that followed the accepted prefix
+        # 4. guesses for what follows `own`: the mask group that followed the last accepted draft (the
+        # root: none accepted), if it had one; e.g. D=3 nodes, g=2, anchors [-1, 0, 2, 1] (mask_anchors):
+        # acceptance stopping at node 2 reads lg rows 1+D+2g.. = 8, 9; stopping at a node without a group
+        # leaves the next pass without mask guesses
         context = s.prompt_ids + s.output + accepted + [own]
-        g = s.proposer.n_appended(s.k)  # masks per group; groups: after all D drafts, then after 0, 1, ...
-        has_group = a == D or a < s.groups() - 1
-        first_mask = D + 1 + (0 if a == D else g * (1 + a))
+        g = s.group_size()
+        stop = path[-1] if path else a - 1  # the last accepted draft; -1 = the root
+        has_group = stop in anchors[i]
+        first_mask = D + 1 + g * (anchors[i].index(stop) if has_group else 0)
+        s.missed_groups += bool(g) and not has_group
         # block positions that become the row's prefix: pending + accepted drafts (a tree: its path's
         # nodes, e.g. P=1, path [1, 4] -> rows 0, 2, 5), in order
         P = len(s.pending)
@@ -196,10 +218,11 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
         if s.strategy.is_tree:
             guesses = s.proposer.propose_tree(view, s.k - 1) if s.k > 1 or s.proposer.aux_layers \
                 else Guesses.none()
-            if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows on this machine
+            if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows (and their masks) here
                 parents = guesses.parents or list(range(-1, len(guesses.tokens) - 1))
+                appended = lambda n: s.proposer.n_appended(s.strategy.guess_k(s.k), n)  # noqa: E731
                 guesses = replace(guesses, parents=parents).select(tree.keep(parents, guesses.confidences,
-                                                                             s.pass_time))
+                                                                             s.pass_time, appended=appended))
         else:
             guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 or s.proposer.aux_layers \
                 else Guesses.none()
@@ -252,13 +275,16 @@ def _aux_layers(seqs: list[Sequence]) -> tuple[int, ...]:
 
 
 def _branch_layout(seqs: list[Sequence], slots_pos: torch.Tensor, branched: list[bool]):
-    """RoPE positions [B, T] and attention [B, T, S] for blocks whose mask groups branch.
+    """RoPE positions [B, T] and attention [B, T, S] for the rows flagged in `branched` (a token tree,
+    or mask groups that branch); the other rows keep the plain causal rule over their slots.
 
-    A branched row's block is pending (P) + drafts (D) + G groups of g masks: first the group after
-    all D drafts (plainly causal, as without branching), then the groups after 0, 1, ..., G-2 accepted
-    drafts (G = D+1 unless capped by MAX_MASK_GROUPS). Every row is written to its own cache slot
-    (`slots_pos`), but group a's masks take the RoPE positions that follow draft a and see only the
-    prefix up to draft a plus the earlier masks of their own group. E.g. P=1, D=2, g=2 at cache length c (x = pending, d = drafts, m = masks):
+    A flagged row's block is pending (P) + drafts (D) + one group of g masks after each of its
+    `Sequence.mask_anchors()`, laid out by `mtp.core.tree.apply_layout` as one tree: the drafts with
+    their parents (a chain: [-1, 0, 1, ...]) and every group as a chain of g more nodes under its
+    anchor (`tree.with_groups`). Every row is written to its own cache slot (`slots_pos`), but a node
+    takes the RoPE position that follows its parent and sees only the prefix, its ancestors and
+    itself. E.g. a chain, P=1, D=2, g=2 at cache length c, anchors [1, -1, 0] (x = pending, d = drafts,
+    m = masks):
         block  x   d1  d2  m   m   m   m   m   m
         RoPE   c   c+1 c+2 c+3 c+4 c+1 c+2 c+2 c+3
         group              [ D=2 ] [a=0  ] [a=1  ]     a=1's masks see slots 0..c+1 and their group."""
@@ -270,14 +296,10 @@ def _branch_layout(seqs: list[Sequence], slots_pos: torch.Tensor, branched: list
     for i, s in enumerate(seqs):
         if not branched[i]:
             continue
-        c, P, D = int(slots_pos[i, 0]), len(s.pending), len(s.drafts)
-        g = s.proposer.n_appended(s.k)
-        for a in range(s.groups() - 1):
-            first = P + D + g * (1 + a)  # block index of group a's first mask
-            for j in range(g):
-                r = first + j
-                positions[i, r] = c + P + a + j
-                attn[i, r] = (slot <= c + P - 1 + a) | ((slot >= c + first) & (slot <= c + r))
+        D = len(s.drafts)
+        parents = s.tree if s.tree is not None else list(range(-1, D - 1))
+        nodes = tree.with_groups(parents, s.mask_anchors(), s.group_size())
+        tree.apply_layout(positions, attn, i, int(slots_pos[i, 0]), len(s.pending), nodes)
     return positions, attn
 
 

@@ -124,16 +124,7 @@ def check_decoding_args(args) -> Strategy:
     strategy = Strategy.parse(args.strategy)
     sampling_params(args)
     engine_config(args)
-    check_tree_proposer(strategy, args.proposer)
     return strategy
-
-
-def check_tree_proposer(strategy: Strategy, proposer: str) -> None:
-    """`tree:N` needs a proposer that drafts trees: heads, lookup, suffix, eagle3, or a merge (not eagle3)."""
-    spec = check_proposer(proposer)
-    if strategy.is_tree and spec.needs_mask_token:
-        raise ValueError(f"tree:N drafts from heads, lookup, suffix or eagle3 (or a merge such as heads+suffix), "
-                         f"not from {proposer!r}: add --proposer heads")
 
 
 def valid_text(text: str, what: str = "prompt") -> str:

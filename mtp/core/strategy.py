@@ -12,6 +12,7 @@ USAGE = "expected one of: ntp, static:K, conf_adapt:TAU[:KMAX], verify:K, tree:N
 K_LIMIT = 32  # the largest K any front end accepts (sizes KV-cache slack; checked before a model loads)
 SWEEP_LIMIT = 256  # strategies one sweep may expand to
 AUTO_TREE_NODES = 24  # `tree:auto` drafts at most this many nodes, then keeps the prefix that pays (mtp.core.tree.prune)
+TREE_MASK_DEPTH = 3  # `tree:N` from mask guesses: masks per group, the depths its tree spans (heads: their depths)
 
 
 class StrategyError(ValueError):
@@ -92,13 +93,19 @@ class Strategy:
             return min(n_drafts, k - 1) + 1
         return k if self.kind != "ntp" else 1
 
+    def guess_k(self, k: int) -> int:
+        """The block size a pass of block size k sizes appended guesses for (`Proposer.n_appended`): k,
+        i.e. groups of k-1 masks, one guess per position; a tree's groups hold at most TREE_MASK_DEPTH
+        masks, one distribution per depth, over which its k-1 nodes spread (mtp.core.proposers.mask)."""
+        return min(k, TREE_MASK_DEPTH + 1) if self.is_tree else k
+
     def steady_block(self, k: int, proposer, pending: float | None = None) -> float:
         """Tokens one pass of block size k feeds in steady state: a verify pass checks k-1 drafts
         behind its one pending token (plus the proposer's appended masks for k-1 drafts); any other
         pass feeds back, as pending, the tokens it emitted last pass (`pending`, default k) plus the
         proposer's masks."""
         if self.verifies:
-            return 1 + (k - 1) + proposer.n_appended(k, k - 1)
+            return 1 + (k - 1) + proposer.n_appended(self.guess_k(k), k - 1)
         return (k if pending is None else pending) + proposer.n_appended(k, 0)
 
     def __str__(self) -> str:

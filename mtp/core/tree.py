@@ -26,13 +26,34 @@ Size (`tree:auto`, `keep` / `prune`): a node's confidence estimates the probabil
 the model's continuation (heads: the path's probability; calibrated by `mtp tune`: measured), so a tree
 of nodes with confidences p_1..p_n is expected to confirm 1 + sum(p) tokens per pass; of the drafted
 nodes, the most confident prefix whose expected tokens per second E / t(1 + n) is highest is kept (n = 0:
-a plain pass), per row and per pass (a Sequoia-style budgeted choice, greedy on confidences).
+a plain pass; t also pays the mask groups a pass of n nodes appends), per row and per pass (a Sequoia-style
+budgeted choice, greedy on confidences).
+
+Mask groups (`with_groups`): a pass that also wants `<mtp_mask>` guesses (the mask proposer) appends
+g masks after chosen nodes ("anchors", -1 = the root), each group laid out as a chain of g extra nodes
+under its anchor: it sees the prefix, the anchor's root path and the earlier masks of its own group,
+at the RoPE positions that follow the anchor. In the example above, groups of g = 2 after the root and
+after b (anchors [-1, 1]: masks m1 m2 after the root, n1 n2 after b) extend parents to
+[-1, 0, -1, -1, 3, 1, 5]:
+
+    block   p     a     b       x     m1     m2        n1          n2
+    slot    c     c+1   c+2     c+3   c+4    c+5       c+6         c+7
+    RoPE    c     c+1   c+2     c+1   c+1    c+2       c+3         c+4
+    sees    ..c   ..c,a ..c,a,b ..c,x ..c,m1 ..c,m1,m2 ..c,a,b,n1  ..c,a,b,n1,n2
+
+If acceptance stops at an anchor, its group's logits guess the tokens after the model's own next token.
+
+Drafting (`grow`): from one next-token distribution per frontier node, depth by depth (EAGLE-2's idea):
+the top-k tokens under every frontier node, the candidates with the highest path probability kept.
 
 Commit: the accepted path's keys and values sit at slots c+P+path[t]; `compact` moves them to the
 contiguous slots c+P+t (parents precede children, so path[t] >= t and no source is overwritten
-before it is read); everything else beyond the committed length is dropped as usual.
+before it is read); everything else beyond the committed length (other nodes, every mask) is dropped
+as usual.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -59,16 +80,38 @@ def ancestors(parents: list[int], j: int) -> list[int]:
 
 
 def apply_layout(positions: torch.Tensor, attn: torch.Tensor, row: int, c: int, P: int, parents: list[int]) -> None:
-    """Write one row's tree layout into positions [B, T] and attn [B, T, S] (bool, True = attend)."""
-    S = attn.shape[-1]
-    slot = torch.arange(S)
-    prefix = slot <= c + P - 1
-    for j, d in enumerate(depths(parents)):
-        r = P + j
-        positions[row, r] = c + P - 1 + d
-        seen = torch.zeros(S, dtype=torch.bool)
-        seen[[c + P + a for a in ancestors(parents, j)]] = True
-        attn[row, r] = prefix | seen
+    """Write one row's tree layout into positions [B, T] and attn [B, T, S] (bool, True = attend):
+    node j at block index P + j, RoPE position c + P - 1 + depth(j), seeing slots 0..c+P-1 and the
+    slots c+P+i of its ancestors i and itself."""
+    n = len(parents)
+    if not n:
+        return
+    positions[row, P:P + n] = c + P - 1 + torch.tensor(depths(parents))
+    par = torch.tensor(parents)  # [n]
+    everyone = torch.arange(n)
+    seen = torch.zeros(n, n, dtype=torch.bool)  # [n, n]: node r sees node j
+    node = everyone.clone()  # every node walks up to the root at once, marking what it passes
+    while bool((node >= 0).any()):
+        live = node >= 0
+        seen[everyone[live], node[live]] = True
+        node = torch.where(live, par[node.clamp(min=0)], node)
+    rows = attn[row, P:P + n]  # [n, S] view
+    rows[:] = False
+    rows[:, : c + P] = True
+    rows[:, c + P: c + P + n] = seen
+
+
+def with_groups(parents: list[int], anchors: list[int], g: int) -> list[int]:
+    """`parents` extended by g mask nodes after each anchor in turn (-1 = the root): a chain under
+    its anchor, so `apply_layout` places and masks the groups too. E.g. parents [-1, 0, -1], anchors
+    [-1, 1], g = 2 -> [-1, 0, -1, -1, 3, 1, 5]."""
+    out = list(parents)
+    for a in anchors:
+        prev = a
+        for _ in range(g):
+            out.append(prev)
+            prev = len(out) - 1
+    return out
 
 
 def own_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
@@ -95,6 +138,47 @@ def accept(logits: torch.Tensor, tokens: list[int], parents: list[int], params: 
         node, row = nxt, 1 + nxt
 
 
+def grow(n: int, max_depth: int, expand: Callable[[list[int], list[int]], torch.Tensor], root_token: int,
+         top_k: int = 4, vocab: torch.Tensor | None = None) -> tuple[list[int], list[int], list[float]]:
+    """At most n nodes, depth by depth (EAGLE-2's idea): every frontier node's distribution gives its
+    top_k next tokens; the candidates with the highest cumulative probability (product of the
+    probabilities along the path) are kept, ceil(n / max_depth) per depth, until n nodes are placed.
+    Deterministic (top-k, never sampled), so `tree:N` stays exact under sampling too; a node's path
+    probability never exceeds its parent's, so `keep`'s prefixes are trees. Returns (tokens, parents,
+    path probabilities), parents before children.
+
+    expand(rows, tokens) -> log-probabilities [F, V] of the token after each of the F frontier nodes,
+    called once per depth: rows[i] is the row of the previous call's result that frontier node i was
+    drawn from, tokens[i] its token (first call: rows [0], tokens [root_token], the root). Column v
+    stands for token v, or for vocab[v] when a vocabulary [V] is given (the heads' draft vocabulary)."""
+    width = -(-n // max_depth) if max_depth > 0 else 0
+    tokens: list[int] = []
+    parents: list[int] = []
+    confs: list[float] = []
+    frontier, rows, toks = [-1], [0], [root_token]  # frontier nodes (-1: the root), where they came from
+    score = torch.zeros(1)  # [F] the frontier's cumulative log-probabilities
+    for _ in range(max_depth):
+        room = min(width, n - len(tokens))
+        if room <= 0 or not frontier:
+            break
+        logp = expand(rows, toks)  # [F, V]
+        val, idx = logp.topk(min(top_k, logp.shape[-1]), -1)  # [F, top_k]
+        cum = score.view(-1, 1) + val  # [F, top_k]
+        order = cum.flatten().argsort(descending=True)[:room].tolist()
+        nxt, rows, toks = [], [], []
+        for o in order:
+            f, r = divmod(o, val.shape[1])
+            tok = int(idx[f, r]) if vocab is None else int(vocab[idx[f, r]])
+            nxt.append(len(tokens))
+            rows.append(f)
+            toks.append(tok)
+            tokens.append(tok)
+            parents.append(frontier[f])
+            confs.append(float(cum[f, r].exp()))  # the path's probability (what a merge compares)
+        frontier, score = nxt, cum.flatten()[order]
+    return tokens, parents, confs
+
+
 def build(candidates: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
     """Merge token sequences into one tree (shared prefixes once), at most `budget` nodes, the
     earlier candidates first (callers order them by how much they trust them): (tokens, parents)."""
@@ -115,25 +199,29 @@ def build(candidates: list[list[int]], budget: int) -> tuple[list[int], list[int
     return tokens, parents
 
 
-def prune(tokens: list[int], parents: list[int], confidences: list[float], pass_time, pending: int = 1):
+def prune(tokens: list[int], parents: list[int], confidences: list[float], pass_time, pending: int = 1,
+          appended: Callable[[int], int] | None = None):
     """The most confident nodes worth their rows: (tokens, parents, confidences) of the nodes `keep` keeps."""
-    kept = keep(parents, confidences, pass_time, pending)
+    kept = keep(parents, confidences, pass_time, pending, appended)
     index = {j: i for i, j in enumerate(kept)}
     return ([tokens[j] for j in kept], [index[parents[j]] if parents[j] >= 0 else -1 for j in kept],
             [confidences[j] for j in kept])
 
 
-def keep(parents: list[int], confidences: list[float], pass_time, pending: int = 1) -> list[int]:
+def keep(parents: list[int], confidences: list[float], pass_time, pending: int = 1,
+         appended: Callable[[int], int] | None = None) -> list[int]:
     """Indices (ascending, so parents still precede children) of the prefix, by confidence (ties:
-    shallower first), that maximises (1 + sum of its confidences) / t(pending + n).
+    shallower first), that maximises (1 + sum of its confidences) / t(pending + n + appended(n)),
+    appended(n) being the tokens a pass of n nodes appends besides them (mask groups; default none).
     A confidence never exceeds its parent's in the proposers' trees, so every such prefix is a tree."""
+    extra = appended or (lambda n: 0)
     if not parents:
         return []
     d = depths(parents)
     p = [min(max(float(c), 0.0), 1.0) for c in confidences]
     order = sorted(range(len(parents)), key=lambda j: (-p[j], d[j], j))
     kept: set[int] = set()
-    best_n, best_rate, expected, n = 0, 1.0 / pass_time(pending), 1.0, 0
+    best_n, best_rate, expected, n = 0, 1.0 / pass_time(pending + extra(0)), 1.0, 0
     chosen: list[int] = []
     for j in order:
         if parents[j] >= 0 and parents[j] not in kept:
@@ -142,7 +230,7 @@ def keep(parents: list[int], confidences: list[float], pass_time, pending: int =
         chosen.append(j)
         n += 1
         expected += p[j]
-        rate = expected / pass_time(pending + n)
+        rate = expected / pass_time(pending + n + extra(n))
         if rate > best_rate:
             best_n, best_rate = n, rate
     return sorted(chosen[:best_n])

@@ -31,7 +31,6 @@ from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedu
 from mtp.core.proposers import Proposer, TimedProposer
 from mtp.eval import gsm8k, llamacpp_env, report
 from mtp.eval.peers import make_peer
-from mtp.core.options import check_tree_proposer
 from mtp.core.proposers import check_proposer
 from mtp.core.engine import ASSETS
 from mtp.core.model import Linear
@@ -100,8 +99,6 @@ def parse_strategies(text: str) -> list[Spec]:
         if proposer is not None:
             check_proposer(proposer)
         for s in expand_sweep(strategy):
-            if s.is_tree and proposer is not None:
-                check_tree_proposer(s, proposer)
             spec = Spec(s, proposer)
             if spec not in seen:
                 seen.add(spec)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mtp.core.deploy import Arm
-from mtp.core.options import check_tree_proposer
 from mtp.core.strategy import Strategy, split_list
 
 LOSSLESS = ("verify:3@heads", "verify:4@heads", "tree:8@heads", "tree:16@heads", "tree:auto@heads",
@@ -62,8 +61,6 @@ def parse(text: str, default_proposer: str = "mask") -> list[Candidate]:
         strategy, _, proposer = piece.partition("@")
         arm = Arm.parse({"strategy": strategy.strip(), "proposer": proposer.strip() or default_proposer},
                         "candidate")
-        if arm.strategy.is_tree:
-            check_tree_proposer(arm.strategy, arm.proposer)
         if arm.strategy.plain or str(arm) in seen:
             continue
         seen.add(str(arm))

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp.core import tree
 from mtp.core.artifacts import base_hash, check_finite, check_trained_on, load_safetensors, read_json
 from mtp.core.model import Block, Linear, ModelConfig, RMSNorm, Transformer
 from mtp.core.proposers.base import Guesses, PassView, Proposer
@@ -221,44 +222,28 @@ class HeadsProposer(Proposer):
 
 
     def propose_tree(self, view: PassView, n: int, top_k: int = 4) -> Guesses:
-        """At most n nodes, depth by depth (EAGLE-2's idea): every frontier node's head gives its top_k
-        next tokens; the candidates with the highest cumulative probability (product of the heads'
-        probabilities along the path) are kept, ceil(n / depths) per depth, until n nodes are placed.
+        """At most n nodes, depth by depth (`mtp.core.tree.grow`, EAGLE-2's idea): depth d's head runs on
+        every frontier node (its parent's head state and its own token) and gives its top_k next tokens;
+        the candidates with the highest path probability are kept, ceil(n / depths) per depth.
         Deterministic (top-k, never sampled), so `tree:N` stays exact under sampling too."""
         if n <= 0 or view.hidden is None:
             return Guesses.none()
         t0 = time.perf_counter()
         dev = self.model.device
         mid = self.model.config.mask_token_id
-        width = -(-n // self.depths)
-        # frontier: (node index or -1, head state [dim], its token, cumulative log-probability)
-        frontier = [(-1, view.hidden.to(dev, self.model.embed_tokens.weight.dtype), view.context[-1], 0.0)]
-        tokens: list[int] = []
-        parents: list[int] = []
-        confs: list[float] = []
+        heads = iter(self.heads.depths)
+        h = view.hidden.to(dev, self.model.embed_tokens.weight.dtype).view(1, -1)  # [1, dim]: the root's state
+
+        def expand(rows: list[int], tokens: list[int]) -> torch.Tensor:
+            nonlocal h
+            h = next(heads)(h[rows], self.model.embed_tokens(torch.tensor(tokens, device=dev)))  # [F, dim]
+            logits = self.readout(h).cpu()  # [F, V] or [F, Vd]
+            if self.vocab is None and mid is not None and mid < logits.shape[-1]:
+                logits[:, mid] = float("-inf")
+            return torch.log_softmax(logits.float(), -1)
+
         with torch.inference_mode():
-            for head in self.heads.depths:
-                room = min(width, n - len(tokens))
-                if room <= 0 or not frontier:
-                    break
-                h = head(torch.stack([f[1] for f in frontier]),  # [F, dim]
-                         self.model.embed_tokens(torch.tensor([f[2] for f in frontier], device=dev)))
-                logits = self.readout(h).cpu()  # [F, V] or [F, Vd]
-                if self.vocab is None and mid is not None and mid < logits.shape[-1]:
-                    logits[:, mid] = float("-inf")
-                logp = torch.log_softmax(logits.float(), -1)
-                val, idx = logp.topk(min(top_k, logp.shape[-1]), -1)  # [F, top_k]
-                cum = torch.tensor([f[3] for f in frontier]).view(-1, 1) + val
-                order = cum.flatten().argsort(descending=True)[:room].tolist()
-                nxt = []
-                for o in order:
-                    f, r = divmod(o, val.shape[1])
-                    tok = int(idx[f, r]) if self.vocab is None else int(self.vocab[idx[f, r]])
-                    nxt.append((len(tokens), h[f], tok, float(cum[f, r])))
-                    tokens.append(tok)
-                    parents.append(frontier[f][0])
-                    confs.append(float(cum[f, r].exp()))  # the path's probability (what a merge compares)
-                frontier = nxt
+            tokens, parents, confs = tree.grow(n, self.depths, expand, view.context[-1], top_k, self.vocab)
         self.draft_s += time.perf_counter() - t0
         self.draft_calls += 1
         return Guesses(tokens, confs, None, parents)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from mtp.core import tree
 from mtp.core.proposers.base import MAX_MASK_GROUPS, Guesses, PassView, Proposer
 from mtp.core.sampling import pick
 
@@ -17,7 +18,12 @@ class MaskProposer(Proposer):
     Without it (`mask-single`), masks follow the last draft only and every rejection leaves the
     next pass without drafts. The price is (k-1)·D more rows a pass, cheap where a pass is
     latency-bound (pipelines, GPUs).
-    At most MAX_MASK_GROUPS groups: the extra ones go after 0, 1, ... accepted drafts, the likeliest."""
+    At most MAX_MASK_GROUPS groups: the extra ones go after 0, 1, ... accepted drafts, the likeliest.
+
+    Under `tree:N` (`propose_tree`) a group holds g = min(N, TREE_MASK_DEPTH) masks (the decoding loop
+    asks `n_appended` with `Strategy.guess_k`), one distribution per depth, and the groups follow the
+    root and the likeliest nodes (mtp.core.decode: Sequence.mask_anchors); `mask-single` keeps the
+    root's group only."""
     name = "mask"
 
     def __init__(self, branch: bool = True):
@@ -25,20 +31,46 @@ class MaskProposer(Proposer):
         self.name = "mask" if branch else "mask-single"  # `--proposer mask-single`: no branching
 
     def n_appended(self, k: int, drafts: int = 0) -> int:
+        """Groups of k-1 masks: one, or with `branch` one more per draft (a tree: per node) up to
+        MAX_MASK_GROUPS."""
         if k <= 1:
             return 0
         return (k - 1) * (1 + (min(drafts, MAX_MASK_GROUPS - 1) if self.branch else 0))
 
     def propose(self, view: PassView, k: int, params, gen) -> Guesses:
-        if k <= 1 or not view.masks_valid or view.mask_logits.shape[0] == 0:
+        logits = _guess_rows(view, k - 1)  # [<= k-1, V]
+        if logits is None:
             return Guesses.none()
-        logits = view.mask_logits[: k - 1]  # [k-1, V]
-        # a NaN mask row is no guess (nor any after it); -inf is fine (the mask token's own column)
-        bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1).nonzero()
-        if len(bad):
-            logits = logits[: int(bad[0])]
-            if logits.shape[0] == 0:
-                return Guesses.none()
         tokens, probs = pick(logits, params, gen)
         conf = torch.softmax(logits.float(), -1).amax(-1)
         return Guesses(tokens.tolist(), conf.tolist(), probs)
+
+    def propose_tree(self, view: PassView, n: int) -> Guesses:
+        """At most n nodes over the depths the group's masks guess (row d-1: the token d places after
+        the model's own), grown by the heads' builder (mtp.core.tree.grow): under every frontier node
+        the top tokens of the next depth's distribution, kept by path probability (the product of the
+        depths' probabilities of the path's tokens: the masks see the prefix only, not the path).
+        Confidences are those path probabilities (what `tree:auto` and `mtp tune` read). Deterministic."""
+        logits = _guess_rows(view, view.mask_logits.shape[0])  # [g, V]
+        if n <= 0 or logits is None:
+            return Guesses.none()
+        per_depth = iter(torch.log_softmax(logits.float(), -1))  # g rows of [V]
+
+        def expand(rows: list[int], tokens: list[int]) -> torch.Tensor:
+            return next(per_depth).expand(len(rows), -1)  # [F, V]: the same distribution under every node
+
+        tokens, parents, confs = tree.grow(n, logits.shape[0], expand, view.context[-1])
+        return Guesses(tokens, confs, None, parents)
+
+
+def _guess_rows(view: PassView, m: int) -> torch.Tensor | None:
+    """The first m mask rows of logits [<= m, V] up to the first broken one, or None when there are none
+    (no masks, or masks that followed a rejected draft or a node without a group)."""
+    if m <= 0 or not view.masks_valid or view.mask_logits.shape[0] == 0:
+        return None
+    logits = view.mask_logits[:m]  # [m, V]
+    # a NaN mask row is no guess (nor any after it); -inf is fine (the mask token's own column)
+    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1).nonzero()
+    if len(bad):
+        logits = logits[: int(bad[0])]
+    return logits if logits.shape[0] else None
