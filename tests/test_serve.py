@@ -245,6 +245,9 @@ def test_concurrent_trees_equal_ntp(tiny_dir, adaptive):
                    max_model_len=200)
     with LiveServer(app) as srv:
         outs = ask_all(srv, TREE_JOBS)
+        policy = app.state.mtp.scheduler.policy
+    if adaptive:  # tree rows' drafting was timed apart from the chain row's (the same proposer), per row and node
+        assert "lookup" in policy.node_fit
     for out, ref, (_, s, _) in zip(outs, refs, TREE_JOBS):
         assert out.choices[0].message.content == ref.text, s
         assert out.usage.completion_tokens == len(ref.token_ids)
@@ -694,3 +697,180 @@ def test_adaptive_policy_times_passes_with_masks_apart():
         pol.observe_time(32, {"mask": 3}, 2.5, masks=True)
     assert pol.trunk_time(16) == pytest.approx(1.0) and pol.trunk_time(16, masks=True) == pytest.approx(1.5)
     assert pol.trunk_time(24, masks=True) == pytest.approx(2.0) and pol.trunk_time(24) == pytest.approx(1.5)
+
+
+# ---- adaptive K for token trees --------------------------------------------------------------------
+class FakeTree:
+    """A tree row for the policy: `tree:N`, a stub proposer `name`, nodes in hand (parents, confidences)."""
+
+    def __init__(self, strategy="tree:8", parents=(), confidences=(), name="stub", pending=1):
+        from mtp.core.proposers import Proposer
+        from mtp.core.strategy import Strategy
+        self.strategy, self.proposer = Strategy.parse(strategy), Proposer()
+        self.proposer.name = name
+        self.pending, self.drafts = [0] * pending, list(range(10, 10 + len(parents)))
+        self.tree, self.draft_confidences = list(parents), list(confidences)
+        self.draft_probs, self.draft_sources, self.k_override = None, None, None
+
+    @property
+    def k(self):
+        k = self.strategy.k
+        return k if self.k_override is None else max(1, min(k, self.k_override))
+
+
+# 8 nodes: a confident chain 0 -> 1 -> 2, then cheap alternatives. Ranked confidences 0.9, 0.8, 0.7,
+# 0.2, 0.1, 0.1, 0.05, 0.05, so budgets n = 0..8 expect E(n) = 1, 1.9, 2.7, 3.4, 3.6, 3.7, 3.8, 3.85, 3.9
+KNEE = ([-1, 0, 1, -1, 0, 3, 2, 4], [0.9, 0.8, 0.7, 0.2, 0.1, 0.1, 0.05, 0.05])
+
+
+def test_tree_policy_prices_nodes_by_confidence():
+    from mtp.serving.adaptive import ranked_confidences
+    assert ranked_confidences(*KNEE) == [0.9, 0.8, 0.7, 0.2, 0.1, 0.1, 0.05, 0.05]
+    expected, nodes = AdaptiveK(lambda q: 1.0).tree_expected(FakeTree(parents=KNEE[0], confidences=KNEE[1]))
+    assert expected == pytest.approx([1, 1.9, 2.7, 3.4, 3.6, 3.7, 3.8, 3.85, 3.9])
+    assert nodes == [0, 1, 2, 3, 4, 5, 6, 7, 8]  # in hand: every node is fed
+    # flat pass time, no proposing cost: every node is free, the full tree (K = N + 1 = 9)
+    assert AdaptiveK(lambda q: 1.0).choose([FakeTree(parents=KNEE[0], confidences=KNEE[1])]) == 9
+    assert AdaptiveK(lambda q: 1.0).choose([FakeTree(parents=KNEE[0], confidences=KNEE[1]) for _ in range(16)]) == 9
+    # t(q) = 1 + 0.3 q, one row: E(n) / (1.3 + 0.3 n): n=2 2.7/1.9 = 1.42, n=3 3.4/2.2 = 1.55, n=4 3.6/2.5 = 1.44
+    assert AdaptiveK(lambda q: 1 + 0.3 * q).choose([FakeTree(parents=KNEE[0], confidences=KNEE[1])]) == 4
+    # t(q) = q at batch 16: plain 16 tokens / t(16) = 1; one node 16 x 1.9 / t(32) = 0.95; more is worse: plain
+    assert AdaptiveK(lambda q: float(q)).choose([FakeTree(parents=KNEE[0], confidences=KNEE[1])
+                                                 for _ in range(16)]) == 1
+
+
+def test_tree_policy_pads_the_batch_to_its_largest_tree():
+    # one row in hand with 8 nodes, one with 2 (then the prior's 0.5 per node): cap K prices both at min(K-1, 8)
+    # nodes, and the pass feeds 2 x (1 + the larger block); flat time: K = 9
+    small = FakeTree(parents=[-1, 0], confidences=[0.9, 0.8])
+    pol = AdaptiveK(lambda q: 1.0)
+    assert pol.tree_expected(small)[0][:4] == pytest.approx([1, 1.9, 2.7, 3.2])  # rank 2 from the prior
+    assert pol.choose([small, FakeTree(parents=KNEE[0], confidences=KNEE[1])]) == 9
+    # t(q) = 1 + 0.15 q: two rows, q = 2 (1 + n): (E_big + E_small) / (1.3 + 0.3 n):
+    # n=2 5.4/1.9 = 2.84, n=3 6.6/2.2 = 3.0, n=4 7.3/2.5 = 2.92 -> K = 4
+    assert AdaptiveK(lambda q: 1 + 0.15 * q).choose([small, FakeTree(parents=KNEE[0], confidences=KNEE[1])]) == 4
+
+
+def test_tree_policy_prices_proposing_per_node():
+    row = FakeTree(parents=KNEE[0], confidences=KNEE[1])
+    pol = AdaptiveK(lambda q: 1.0)
+    assert pol.choose([row]) == 9
+    for _ in range(20):  # 8 nodes drafted in 2 s besides a 1 s pass: 0.25 s per node asked for
+        pol.observe_time(9, {}, 3.0, {}, False, {"stub": (1, 8)}, {"stub": 2.0})
+    assert pol.trunk_time(9) == pytest.approx(1.0) and pol.node_cost("stub") == pytest.approx((0.0, 0.25))
+    # E(n) / (1 + 0.25 n): n=2 2.7/1.5 = 1.8, n=3 3.4/1.75 = 1.94, n=4 3.6/2 = 1.8 -> 3 nodes
+    assert pol.choose([row]) == 4
+    # another proposer (named apart) is unaffected: its rows still get the full tree
+    assert pol.choose([FakeTree(parents=KNEE[0], confidences=KNEE[1], name="cheap")]) == 9
+
+
+def test_tree_policy_tells_rows_from_nodes_in_proposing_time():
+    pol = AdaptiveK(lambda q: 1.0)
+    for _ in range(5):  # 0.5 s per drafting row + 0.1 s per node
+        pol.observe_time(9, {}, 2.3, {}, False, {"p": (1, 8)}, {"p": 1.3})
+        pol.observe_time(6, {}, 2.4, {}, False, {"p": (2, 4)}, {"p": 1.4})
+    assert pol.node_cost("p") == pytest.approx((0.5, 0.1))
+    assert pol.tree_proposing_time({"p": (3, 6)}) == pytest.approx(2.1)
+    assert pol.node_cost("unseen") == (0.0, 0.0)
+
+
+def test_tree_policy_learns_the_average_tree_for_rows_without_one():
+    pol = AdaptiveK(lambda q: 1.0)
+    bare = FakeTree()  # no tree in hand (after a plain pass or a prefill): priced by its key's average tree
+    present, conf = pol.tree_profile(pol.key(bare), 3)
+    assert present == [1.0, 1.0, 1.0] and conf == [0.5, 0.5, 0.5]  # the prior: every untried rank like the last
+    for _ in range(20):  # trees drafted with room for 8 nodes held only 2
+        pol.observe_tree(FakeTree(parents=[-1, 0], confidences=[0.9, 0.8]), 8)
+    present, conf = pol.tree_profile(pol.key(bare), 3)
+    assert conf[0] == pytest.approx((20 * 0.9 + 2 * 0.5) / 22) and present[0] == 1.0
+    assert conf[1] == pytest.approx((20 * 0.8 + 2 * conf[0]) / 22)
+    assert present[2] == pytest.approx(2 / 22) and conf[2] == pytest.approx(2 * conf[1] / 22)
+    # nodes that are rarely there add little to the block and little to the tokens; priced per node at
+    # 0.2 s, two nodes win: E(2) = 2.67 over 1 + 0.4 s
+    for _ in range(20):
+        pol.observe_time(3, {}, 1.4, {}, False, {"stub": (1, 2)}, {"stub": 0.4})
+    assert pol.choose([bare]) == 3
+    # ranks at or beyond the budget a tree was drafted under are not counted
+    pol.observe_tree(FakeTree(parents=[-1], confidences=[1.0]), 1)
+    assert pol.ranks[pol.key(bare)][0][0] == 21 and pol.ranks[pol.key(bare)][1][0] == 20
+
+
+def test_tree_policy_learns_how_much_the_confidences_over_promise():
+    row = FakeTree(parents=KNEE[0], confidences=KNEE[1])
+    pol = AdaptiveK(lambda q: 1 + 0.3 * q)
+    assert pol.tree_honesty(pol.key(row)) == 1.0 and pol.choose([row]) == 4  # as priced above: 3 nodes
+    for _ in range(48):  # trees that promised 2 accepted drafts accepted 1: half what they promise
+        pol.observe_tree_outcome(row, 2.0, 1)
+    assert pol.tree_honesty(pol.key(row)) == pytest.approx((48 + 2) / (96 + 2))
+    h = pol.tree_honesty(pol.key(row))
+    assert pol.tree_expected(row)[0][:3] == pytest.approx([1, 1 + 0.9 * h, 1 + 1.7 * h])
+    # E(n) = 1 + h * S(n) over 1.3 + 0.3 n: n=1 1.46/1.6 = 0.91, n=2 1.87/1.9 = 0.98, n=3 2.22/2.2 = 1.01
+    # and plain 1/1.3 = 0.77: the best is now 3 nodes at 1.01 (n=4 2.32/2.5 = 0.93), so K = 4 still, but
+    # a steeper t(q) = 1 + 0.5 q leaves plain (1/1.5 = 0.67) vs n=1 1.46/2.0 = 0.73, n=2 1.87/2.5 = 0.75,
+    # n=3 2.22/3.0 = 0.74: K = 3, where the honest confidences pick n=3 (3.4/3.0 = 1.13 > 2.7/2.5 = 1.08)
+    assert pol.choose([row]) == 4
+    steep, honest = AdaptiveK(lambda q: 1 + 0.5 * q), AdaptiveK(lambda q: 1 + 0.5 * q)
+    steep.tree_truth = dict(pol.tree_truth)
+    assert honest.choose([row]) == 4 and steep.choose([row]) == 3
+    # passes with nothing promised (chains, empty trees) teach nothing
+    pol.observe_tree_outcome(row, 0.0, 0)
+    assert pol.tree_honesty(pol.key(row)) == pytest.approx(h)
+
+
+def test_tree_policy_prices_a_mask_trees_groups():
+    from mtp.core.proposers.mask import MaskProposer
+    stub, mask = FakeTree(parents=KNEE[0], confidences=KNEE[1]), FakeTree(parents=KNEE[0], confidences=KNEE[1])
+    mask.proposer = MaskProposer()
+    # this pass: 1 pending + 8 nodes + groups of min(8, 3) = 3 masks after the root and 7 nodes (8 groups)
+    assert AdaptiveK.block(stub, 9) == 9 and AdaptiveK.block(mask, 9) == 9 + 3 * 8
+    # t(q) = 1 + 0.3 q: the stub tree takes 3 nodes (see above); a mask tree of n nodes also feeds
+    # min(n, 3) x (1 + min(n, 7)) masks, q = 1 + n + masks: plain 1/1.3 = 0.77, n=1 (q = 4) 1.9/2.2 = 0.86,
+    # n=2 (q = 9) 2.7/3.7 = 0.73, n=3 (q = 16) 3.4/5.8 = 0.59: one node, K = 2
+    assert AdaptiveK(lambda q: 1 + 0.3 * q).choose([stub]) == 4
+    assert AdaptiveK(lambda q: 1 + 0.3 * q).choose([mask]) == 2
+
+
+def test_trim_tree_keeps_the_most_confident_nodes():
+    # confidences 0.9, 0.7, 0.5, 0.6, 0.4, 0.3, 0.5, 0.2; the top 4: nodes 0, 1, 3 and, of the two at 0.5,
+    # the shallower node 2 (tree.keep's tie rule); node 3's parent 1 becomes index 1
+    row = FakeTree(parents=[-1, 0, -1, 1, 0, 2, 3, 4], confidences=[0.9, 0.7, 0.5, 0.6, 0.4, 0.3, 0.5, 0.2])
+    AdaptiveK.trim_tree(row, 4)
+    assert row.drafts == [10, 11, 12, 13] and row.tree == [-1, 0, -1, 1]
+    assert row.draft_confidences == [0.9, 0.7, 0.5, 0.6]
+    AdaptiveK.trim_tree(row, 8)  # a budget above the tree's size changes nothing
+    assert row.drafts == [10, 11, 12, 13]
+    AdaptiveK.trim_tree(row, 0)
+    assert row.drafts == [] and row.tree == []
+
+
+def test_chain_rows_are_priced_as_chains_beside_trees():
+    """Chain-only batches never enter the tree pricing, and a chain row priced by it gets the chain price."""
+    pol = AdaptiveK(lambda q: 1 + 0.1 * q)
+    for seqs in ([FakeSeq("conf_adapt:0.9:4")], [FakeSeq("verify:4", drafts=3)] * 3,
+                 [FakeSeq("static:3"), FakeSeq("verify:2", branch=False), FakeSeq("ntp")]):
+        assert pol._tree_rates(seqs, set(), 4) == pol._chain_rates(seqs, set(), 4)
+    pol._tree_rates = None  # the existing chain choices (test_adaptive_policy_choices) do not touch it
+    assert pol.choose([FakeSeq("conf_adapt:0.9:4")]) == 3 and pol.choose([FakeSeq("conf_adapt:0.9:4")] * 16) == 1
+
+
+def test_trimmed_trees_keep_ntp_outputs(tiny_dir, monkeypatch):
+    """The policy alone steers (observed pass times ignored, the start-up costs fixed: a deterministic run):
+    as rows join and leave the tree budget moves, a row holding more nodes than a new cap keeps its most
+    confident ones (`AdaptiveK.trim_tree`), and every output is still ntp's."""
+    from mtp.core.costmodel import CostModel
+    lookup = Engine.load(EngineConfig(model=str(tiny_dir), adapter="none", proposer="lookup"))
+    lookup.cost_model = CostModel({1: 0.01, 32: 0.05})  # tree:auto's own pruning, per row
+    trims, trim = [], AdaptiveK.trim_tree
+
+    def counted(seq, n):
+        trims.append(len(seq.drafts) > n)
+        trim(seq, n)
+
+    monkeypatch.setattr(AdaptiveK, "trim_tree", staticmethod(counted))
+    monkeypatch.setattr(AdaptiveK, "observe_time", lambda *a, **kw: None)
+    jobs = TREE_JOBS[:1] + [("la la la la la", "tree:auto", 50)] + TREE_JOBS[2:]
+    sched, reqs = scheduled(lookup, jobs, config=dict(max_batch=3, max_model_len=200),
+                            pass_time=lambda q: 0.01 * (1 + q / 8))
+    for r, (p, s, n) in zip(reqs, jobs):
+        assert r.seq.output == reference(lookup, p, "ntp", n, chat=True).token_ids, s
+    assert any(trims) and len([k for k in sched.k_caps if 1 < k < 17]) >= 2  # trimmed; budgets between plain and full

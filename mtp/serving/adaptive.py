@@ -2,12 +2,32 @@
 whole batch, priced with the measured pass times (`mtp.core.costmodel` at start-up, then what the
 passes themselves took). K = 1 means no proposals this pass; capping K keeps lossless strategies
 (`ntp`, `verify`) exact, and a capped `static` / `conf_adapt` pass emits what `conf_adapt:TAU:K` would.
+Token trees (`tree:N`, `tree:auto`) are priced by their nodes, not as chains (`AdaptiveK.choose`): a cap
+K lets every tree row check and draft at most K - 1 nodes, its n most confident ones (`trim_tree`).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
+from mtp.core import tree
 from mtp.core.decode import Sequence
+from mtp.core.proposers import Guesses
+
+
+def ranked_confidences(parents: list[int], confidences: list[float]) -> list[float]:
+    """A tree's node confidences in `tree.keep`'s order, most confident first, each at most 1: the
+    nodes keep takes when rows cost nothing (its confidence-ranked prefix, cut where a child outranks
+    its parent and at zero confidence). keep ranks by confidence, so the first n of them sum to what
+    its best n-node prefix adds to the expected tokens: a budget of n nodes expects 1 + their sum."""
+    kept = tree.keep(parents, confidences, lambda q: 1.0)
+    return sorted((min(float(confidences[j]), 1.0) for j in kept), reverse=True)
+
+
+def top_nodes(parents: list[int], confidences: list[float], n: int) -> list[int]:
+    """Indices (ascending) of a tree's n most confident nodes, by `tree.keep`'s rule: keep under a pass
+    time that is flat up to n nodes and infinite beyond (fewer when keep's prefix is shorter)."""
+    return tree.keep(parents, confidences, lambda q: 1.0 if q <= 1 + n else math.inf)
 
 
 class AdaptiveK:
@@ -27,6 +47,9 @@ class AdaptiveK:
     wins if it beats K = 1 by `margin`, with an exploring pass now and then while K = 1 wins. Unseen
     positions start from the previous position's rate (position 1 from `prior`), and `c` starts at
     0, so a cheap enough K gets tried and then learnt.
+
+    A batch with a token-tree row is priced by `_tree_rates` instead (its docstring states that
+    contract): a tree row's candidates are node budgets, not chain depths.
     """
 
     EXPLORE_PASSES = 3  # an exploring verify row needs a pass to draft before passes that check drafts
@@ -46,6 +69,14 @@ class AdaptiveK:
         self.proposal_s: dict[str, float] = {}  # proposer name -> seconds per proposal depth
         self.seen: dict[tuple[int, bool], tuple[float, int]] = {}  # (q, masks) -> (running seconds, passes)
         self.fit: dict[bool, list[float]] = {}  # masks -> decayed sums for t = a + b*q: n, q, t, q*q, q*t
+        # token trees: per strategy|proposer and confidence rank i, [trees drafted with room for an
+        # (i+1)-th node, how many had one, the sum of its confidences] (`observe_tree`)
+        self.ranks: dict[str, list[list[float]]] = {}
+        # per proposer, decayed sums for tree proposing s = a*rows + b*nodes: rr, rn, nn, rs, ns
+        self.node_fit: dict[str, list[float]] = {}
+        # token trees: per strategy|proposer, [drafts accepted, sum of the checked nodes' confidences]
+        # over recent passes (`observe_tree_outcome`): how far the confidences over- or under-promise
+        self.tree_truth: dict[str, list[float]] = {}
 
     @staticmethod
     def key(seq: Sequence) -> str:
@@ -83,7 +114,7 @@ class AdaptiveK:
         k = min(k, seq.strategy.k)
         if not steady:
             drafts = min(len(seq.drafts), k - 1)
-            return len(seq.pending) + drafts + seq.proposer.n_appended(k, drafts)
+            return len(seq.pending) + drafts + seq.proposer.n_appended(seq.strategy.guess_k(k), drafts)
         return seq.strategy.steady_block(k, seq.proposer, pending)
 
     def steady_pending(self, seqs: list[Sequence], k: int, ks: list[int] | None = None) -> float:
@@ -105,13 +136,48 @@ class AdaptiveK:
 
     @staticmethod
     def proposals(seqs: list[Sequence], ks: list[int] | None = None) -> dict[str, int]:
-        """Proposal depths a pass makes per proposer (each row with K > 1 proposes K - 1; row r's K is
-        ks[r], default its K this pass)."""
+        """Proposal depths a pass makes per proposer (each chain row with K > 1 proposes K - 1; row r's
+        K is ks[r], default its K this pass). Tree rows are counted by `tree_requests`."""
         out: dict[str, int] = {}
         for s, kk in zip(seqs, ks or [s.k for s in seqs]):
-            if kk > 1:
+            if kk > 1 and not s.strategy.is_tree:
                 out[s.proposer.name] = out.get(s.proposer.name, 0) + kk - 1
         return out
+
+    @staticmethod
+    def tree_requests(seqs: list[Sequence], ks: list[int] | None = None) -> dict[str, tuple[int, int]]:
+        """Per proposer, (tree rows that draft, nodes they ask for) after a pass: a tree row with K > 1
+        asks for K - 1 nodes (row r's K is ks[r], default its K this pass)."""
+        out: dict[str, tuple[int, int]] = {}
+        for s, kk in zip(seqs, ks or [s.k for s in seqs]):
+            if kk > 1 and s.strategy.is_tree:
+                rows, nodes = out.get(s.proposer.name, (0, 0))
+                out[s.proposer.name] = (rows + 1, nodes + kk - 1)
+        return out
+
+    def node_cost(self, name: str) -> tuple[float, float]:
+        """(a, b): seconds a tree row of proposer `name` spends drafting, a per row plus b per node
+        asked for (least squares over recent passes; while every pass asked the same nodes per row,
+        rows and nodes cannot be told apart and all of it is b, per node). (0, 0) until timed."""
+        rr, rn, nn, rs, ns = self.node_fit.get(name, [0.0] * 5)
+        if nn <= 0:
+            return 0.0, 0.0
+        det = rr * nn - rn * rn
+        if det > 0.01 * rr * nn:  # nodes per row varied enough (squared correlation of rows and nodes < 0.99)
+            a, b = (rs * nn - ns * rn) / det, (ns * rr - rs * rn) / det
+            if a >= 0 and b >= 0:
+                return a, b
+            if b < 0:  # a negative part is noise: fit the other one alone
+                return max(0.0, rs / rr), 0.0
+        return 0.0, max(0.0, ns / nn)
+
+    def tree_proposing_time(self, requests: dict[str, tuple[int, int]]) -> float:
+        """Predicted seconds tree rows spend drafting, for `tree_requests(...)`."""
+        total = 0.0
+        for name, (rows, nodes) in requests.items():
+            a, b = self.node_cost(name)
+            total += a * rows + b * nodes
+        return total
 
     def trunk_time(self, q: float, masks: bool = False) -> float:
         """Predicted seconds of a pass feeding q tokens, proposing excluded. Passes with mask tokens
@@ -149,12 +215,15 @@ class AdaptiveK:
         return self.trunk_time(q, masks) + sum(self.proposal_s.get(n, 0.0) * d for n, d in proposals.items())
 
     def observe_time(self, q: int, proposals: dict[str, float], seconds: float,
-                     proposing_s: dict[str, float] | None = None, masks: bool = False) -> None:
+                     proposing_s: dict[str, float] | None = None, masks: bool = False,
+                     tree_requests: dict[str, tuple[int, int]] | None = None,
+                     tree_proposing_s: dict[str, float] | None = None) -> None:
         """One pass of q tokens (with mask tokens or not) took `seconds`, of which proposing_s[name]
-        went into `proposals[name]` proposal depths (timed by `TimedProposer`): calibrate `scale`,
-        the observed times and the per-depth costs."""
-        proposing_s = proposing_s or {}
-        trunk = max(seconds - sum(proposing_s.values()), 1e-9)
+        went into `proposals[name]` proposal depths of chain rows and tree_proposing_s[name] into
+        drafting `tree_requests[name]` = (tree rows, nodes asked for) (both timed by `TimedProposer`):
+        calibrate `scale`, the observed times, the per-depth costs and the per-row/per-node costs."""
+        proposing_s, tree_proposing_s = proposing_s or {}, tree_proposing_s or {}
+        trunk = max(seconds - sum(proposing_s.values()) - sum(tree_proposing_s.values()), 1e-9)
         self.scale += self.alpha * (trunk / self.pass_time(q) - self.scale)
         prev, n = self.seen.get((q, masks), (trunk, 0))
         self.seen[(q, masks)] = (prev + max(self.alpha, 1 / (n + 1)) * (trunk - prev), n + 1)
@@ -166,6 +235,12 @@ class AdaptiveK:
                 per = proposing_s[name] / depths
                 prev = self.proposal_s.get(name)
                 self.proposal_s[name] = per if prev is None else prev + self.alpha * (per - prev)
+        for name, (rows, nodes) in (tree_requests or {}).items():
+            if rows > 0 and name in tree_proposing_s:
+                t = tree_proposing_s[name]
+                fit = self.node_fit.get(name, [0.0] * 5)
+                self.node_fit[name] = [x * decay + y for x, y in
+                                       zip(fit, (rows * rows, rows * nodes, nodes * nodes, rows * t, nodes * t))]
 
     def choose(self, seqs: list[Sequence], fixed: list[Sequence] = ()) -> int | None:
         """The cap for this pass (None: no row proposes, nothing to decide). Rows in `fixed` are not
@@ -174,23 +249,83 @@ class AdaptiveK:
         k_top = max((s.strategy.k for s in seqs if id(s) not in fixed), default=1)
         if k_top <= 1:
             return None
-        cum: dict[str, list[float]] = {}  # per strategy: E(K) for K = 1..k_top
+        if any(s.strategy.is_tree for s in seqs):
+            return self._pick(self._tree_rates(seqs, fixed, k_top))
+        return self._pick(self._chain_rates(seqs, fixed, k_top))
+
+    def _chain_cum(self, seqs: list[Sequence]) -> dict[str, list[float]]:
+        """Per strategy|proposer of the chain rows: E(K) for K = 1..its K."""
+        cum: dict[str, list[float]] = {}
         for s in seqs:
             key = self.key(s)
-            if key not in cum:
+            if key not in cum and not s.strategy.is_tree:
                 e, run = [1.0], 1.0
                 for p in self.rates(key, s.strategy.k - 1):
                     run *= p
                     e.append(e[-1] + run)
                 cum[key] = e
-        best_k, best_rate, plain, runner_up, runner_rate = 1, -1.0, None, None, -1.0
+        return cum
+
+    def _chain_rates(self, seqs: list[Sequence], fixed: set[int], k_top: int) -> list[float]:
+        """Expected tokens per second of the batch for caps K = 1..k_top, every row a chain."""
+        cum, rates = self._chain_cum(seqs), []
         for k in range(1, k_top + 1):
             ks = [s.strategy.k if id(s) in fixed else min(k, s.strategy.k) for s in seqs]
             pending = self.steady_pending(seqs, k, ks)
             q = len(seqs) * max(self.block(s, kk, steady=True, pending=pending) for s, kk in zip(seqs, ks))
             tokens = sum(cum[self.key(s)][kk - 1] for s, kk in zip(seqs, ks))
             masks = any(s.proposer.n_appended(kk) > 0 for s, kk in zip(seqs, ks))
-            rate = tokens / self.predicted_time(q, self.proposals(seqs, ks), masks)
+            rates.append(tokens / self.predicted_time(q, self.proposals(seqs, ks), masks))
+        return rates
+
+    def _tree_rates(self, seqs: list[Sequence], fixed: set[int], k_top: int) -> list[float]:
+        """Expected tokens per second of the batch for caps K = 1..k_top when some rows are token trees.
+
+        Contract: cap K gives every adaptive tree row a budget of n = min(K - 1, N) nodes (N: its
+        `tree:N`; `fixed` rows keep N): one budget for all tree rows, since right padding makes the
+        longest block set the pass's rows anyway. A tree row with budget n
+        - expects 1 + the sum of its n most confident nodes' confidences (`ranked_confidences`,
+          `tree.keep`'s rule; `trim_tree` keeps exactly those nodes): the nodes it has in hand, and
+          beyond them (a row without a tree yet, or budgets above its tree's size) the average tree
+          of its strategy and proposer (`tree_profile`);
+        - feeds 1 pending token + its nodes (steady state: the tree it checks is the size of the
+          one it drafts), so the pass feeds q = rows x the longest block (the in-hand nodes count
+          1 each, the profile's by how often trees had them);
+        - after the pass asks its proposer for n nodes, priced a per row + b per node (`node_cost`,
+          timed by `TimedProposer`); n = 0 is a plain pass and drafts nothing.
+        Chain rows in the same batch are priced as `_chain_rates` prices them, at min(K, their K).
+        The pass takes t'(q) + chain proposing + tree proposing (t' as for chains); the cap with the
+        most expected tokens per second wins under the same margin and exploration (`_pick`).
+        Every tree cap is lossless: a smaller tree only confirms fewer of the model's own tokens."""
+        cum = self._chain_cum(seqs)
+        trees = {id(s): self.tree_expected(s) for s in seqs if s.strategy.is_tree}
+        rates = []
+        for k in range(1, k_top + 1):
+            ks = [s.strategy.k if id(s) in fixed else min(k, s.strategy.k) for s in seqs]
+            pending = self.steady_pending(seqs, k, ks)  # tree rows verify: they feed one pending token
+            tokens, longest = 0.0, 0.0
+            for s, kk in zip(seqs, ks):
+                if s.strategy.is_tree:
+                    expected, nodes = trees[id(s)]
+                    tokens += expected[kk - 1]
+                    # a mask tree also appends its groups: after the root and its likeliest nodes
+                    masks_fed = s.proposer.n_appended(s.strategy.guess_k(kk), math.ceil(nodes[kk - 1]))
+                    longest = max(longest, 1 + nodes[kk - 1] + masks_fed)
+                else:
+                    tokens += cum[self.key(s)][kk - 1]
+                    longest = max(longest, self.block(s, kk, steady=True, pending=pending))
+            masks = any(s.proposer.n_appended(kk) > 0 for s, kk in zip(seqs, ks))
+            seconds = (self.predicted_time(len(seqs) * longest, self.proposals(seqs, ks), masks)
+                       + self.tree_proposing_time(self.tree_requests(seqs, ks)))
+            rates.append(tokens / seconds)
+        return rates
+
+    def _pick(self, rates: list[float]) -> int:
+        """The cap K (rates[K - 1]: expected tokens per second under it) with the most tokens per
+        second, if proposing (K > 1) beats K = 1 by `margin`; while K = 1 wins, every `explore_every`-th
+        decision starts `EXPLORE_PASSES` passes at the best K > 1."""
+        best_k, best_rate, plain, runner_up, runner_rate = 1, -1.0, None, None, -1.0
+        for k, rate in enumerate(rates, start=1):
             plain = rate if plain is None else plain
             if rate >= best_rate and (k == 1 or rate >= (1 + self.margin) * plain):
                 best_k, best_rate = k, rate  # ties keep the larger K, but proposing must beat K=1 clearly
@@ -205,6 +340,90 @@ class AdaptiveK:
                 return runner_up
         self.exploring = 0
         return best_k
+
+    def tree_profile(self, key: str, n: int) -> tuple[list[float], list[float]]:
+        """The average tree of strategy|proposer `key`, ranks 0..n-1 by confidence: ([how often a tree
+        had an (i+1)-th node], [its mean confidence, 0 where absent]). A rank not yet seen starts from
+        the rank before it (rank 0 from `prior`, always present), with weight `prior_weight`, so an
+        untried budget looks as good as the last tried one and gets tried once it is cheap enough."""
+        seen = self.ranks.get(key, [])
+        present, conf = [], []
+        prev_p, prev_c = 1.0, self.prior
+        for i in range(n):
+            drafted, had, total = seen[i] if i < len(seen) else (0.0, 0.0, 0.0)
+            prev_p = (had + self.w * prev_p) / (drafted + self.w)
+            prev_c = (total + self.w * prev_c) / (drafted + self.w)
+            present.append(prev_p)
+            conf.append(prev_c)
+        return present, conf
+
+    def tree_expected(self, seq: Sequence) -> tuple[list[float], list[float]]:
+        """([expected tokens], [expected nodes fed]) of a tree row for budgets n = 0..N: its in-hand
+        nodes' ranked confidences (each fed), then the profile of its strategy and proposer."""
+        n_max = seq.strategy.k - 1
+        mine = ranked_confidences(self.parents(seq), seq.draft_confidences[: len(seq.drafts)]) if seq.drafts else []
+        present, conf = self.tree_profile(self.key(seq), n_max)
+        honesty = self.tree_honesty(self.key(seq))
+        expected, nodes = [1.0], [0.0]
+        for i in range(n_max):
+            c, p = (mine[i], 1.0) if i < len(mine) else (conf[i], present[i])
+            expected.append(expected[-1] + honesty * c)
+            nodes.append(nodes[-1] + p)
+        return expected, nodes
+
+    @staticmethod
+    def parents(seq: Sequence) -> list[int]:
+        """The row's draft tree (a chain when the proposer gave none)."""
+        return list(seq.tree) if seq.tree is not None else list(range(-1, len(seq.drafts) - 1))
+
+    @staticmethod
+    def trim_tree(seq: Sequence, n: int) -> None:
+        """Keep only the row's n most confident draft nodes (`top_nodes`, what the policy priced), parents
+        re-indexed; the decoding loop itself would keep the first n by index. Still lossless."""
+        if not seq.strategy.is_tree or len(seq.drafts) <= n:
+            return
+        parents = AdaptiveK.parents(seq)
+        g = Guesses(seq.drafts, seq.draft_confidences, seq.draft_probs, parents, seq.draft_sources)
+        g = g.select(top_nodes(parents, seq.draft_confidences, n))
+        seq.drafts, seq.draft_confidences, seq.draft_probs = g.tokens, g.confidences, g.probs
+        seq.tree, seq.draft_sources = g.parents, g.sources
+
+    def tree_honesty(self, key: str) -> float:
+        """Drafts the trees of strategy|proposer `key` had accepted per unit of confidence they promised
+        (1 + sum of a tree's confidences is what it expects to confirm; uncalibrated confidences, e.g. a
+        merge served without `mtp tune`'s maps, over-promise). Starts at 1 with weight `prior_weight`;
+        `tree_expected` scales every node's confidence by it."""
+        accepted, promised = self.tree_truth.get(key, (0.0, 0.0))
+        return (accepted + self.w) / (promised + self.w)
+
+    def observe_tree_outcome(self, seq: Sequence, promised: float, accepted: int) -> None:
+        """A tree row's pass checked nodes whose confidences summed to `promised` and accepted
+        `accepted` of them (the tokens it emitted minus the model's own)."""
+        if not seq.strategy.is_tree or promised <= 0:
+            return
+        truth = self.tree_truth.setdefault(self.key(seq), [0.0, 0.0])
+        truth[0] += max(0, accepted)
+        truth[1] += promised
+        if truth[1] > self.window:  # forget slowly: halve the sums
+            truth[0], truth[1] = truth[0] / 2, truth[1] / 2
+
+    def observe_tree(self, seq: Sequence, budget: int) -> None:
+        """A tree row drafted its next tree (seq.drafts, seq.tree, seq.draft_confidences) with room for
+        `budget` nodes: count, per confidence rank below the budget, whether it had a node there and
+        that node's confidence (`tree_profile`). `tree:auto`'s own pruning counts as not drafted."""
+        if budget <= 0 or not seq.strategy.is_tree:
+            return
+        mine = ranked_confidences(self.parents(seq), seq.draft_confidences[: len(seq.drafts)]) if seq.drafts else []
+        seen = self.ranks.setdefault(self.key(seq), [])
+        while len(seen) < budget:
+            seen.append([0.0, 0.0, 0.0])
+        for i in range(budget):
+            seen[i][0] += 1
+            if i < len(mine):
+                seen[i][1] += 1
+                seen[i][2] += mine[i]
+        if seen[0][0] > self.window:  # forget slowly: halve the counts
+            self.ranks[self.key(seq)] = [[x / 2 for x in r] for r in seen]
 
     def observe(self, seq: Sequence, attempted: int, emitted: int) -> None:
         """A pass offered `attempted` positions (1 = only the model's own token) and emitted `emitted`."""

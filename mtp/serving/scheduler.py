@@ -8,8 +8,8 @@ One iteration of the engine thread:
      request waits; nobody is dropped, the rest wait;
   3. `Batch.step`: newcomers are prefilled in a pass of their own (FIFO, up to PREFILL_TOKENS padded
      tokens), then one `decode_step` over every active row; before each pass the adaptive policy
-     (`mtp.serving.adaptive.AdaptiveK`) caps K for it, after it each row's tokens go to its request's
-     callback and finished rows leave.
+     (`mtp.serving.adaptive.AdaptiveK`) caps K for it (a token tree keeps its K - 1 most confident
+     nodes), after it each row's tokens go to its request's callback and finished rows leave.
 A request with `adaptive=False` is never capped (a lossy strategy then emits exactly what `mtp
 generate` does). `drain(timeout)` stops admitting; once `timeout` seconds have passed, whatever still
 runs or waits is cancelled (finish_reason `cancelled`).
@@ -130,7 +130,8 @@ class Scheduler:
         self.capped_passes = 0
         self.chunks: dict[str, collections.deque] = {}  # strategy.metric_label -> tokens per pass, recent passes
         self.k_caps: collections.Counter = collections.Counter()  # cap chosen -> passes
-        self.proposing_s: dict[str, float] = {}  # this pass's time in proposers (TimedProposer)
+        self.proposing_s: dict[str, float] = {}  # this pass's time in chain rows' proposers (TimedProposer)
+        self.tree_proposing_s: dict[str, float] = {}  # ... and in tree rows' (priced per row and node, not depth)
 
     # ---- HTTP side ---------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -255,7 +256,8 @@ class Scheduler:
                 q.popleft()
                 used += r.budget
                 if not isinstance(r.seq.proposer, TimedProposer):
-                    r.seq.proposer = TimedProposer(r.seq.proposer, self.proposing_s)
+                    clock = self.tree_proposing_s if r.seq.strategy.is_tree else self.proposing_s
+                    r.seq.proposer = TimedProposer(r.seq.proposer, clock)
                 self.batch.add(r.seq)
                 self.requests[id(r.seq)] = r
                 r.t_admitted = time.perf_counter()
@@ -279,30 +281,39 @@ class Scheduler:
                 if r.adaptive:
                     r.seq.k_override = k
                     r.capped_passes += k < r.seq.strategy.k
+                    AdaptiveK.trim_tree(r.seq, r.seq.k - 1)  # the nodes the policy priced: the most confident
             if any(r.adaptive and k < r.seq.strategy.k for r in rows):
                 self.capped_passes += 1
         # what each row can emit at most: the model's own token + drafts (verify) or guesses
         self._offered = [s.strategy.offered(s.k, len(s.drafts)) for s in seqs]
+        # what each tree row's checked nodes promise (1 + this = expected tokens; AdaptiveK.tree_honesty)
+        self._promised = [sum(s.draft_confidences[: len(s.drafts)]) if s.strategy.is_tree else 0.0 for s in seqs]
         self._q = len(seqs) * max(AdaptiveK.block(s, s.k) for s in seqs)
         self._masks = any(s.n_appended() > 0 for s in seqs)
         self._proposals = AdaptiveK.proposals(seqs)
+        self._tree_requests = AdaptiveK.tree_requests(seqs)
         self.proposing_s.clear()
+        self.tree_proposing_s.clear()
 
     def _after_pass(self, seqs: list[Sequence], emitted: list[list[int]], seconds: float, prefill: bool) -> None:
         if self.policy is not None and not prefill:  # a prompt pass (1 row, a long block) would skew
             # the times of the decoding passes the policy decides on
-            self.policy.observe_time(self._q, self._proposals, seconds, self.proposing_s, self._masks)
+            self.policy.observe_time(self._q, self._proposals, seconds, self.proposing_s, self._masks,
+                                     self._tree_requests, self.tree_proposing_s)
         self.passes += 1
         self.prefill_passes += prefill
         self.row_passes += len(seqs)
         now = time.perf_counter()
-        for s, toks, att in zip(seqs, emitted, self._offered):
+        for s, toks, att, promised in zip(seqs, emitted, self._offered, self._promised):
             r = self.requests[id(s)]
+            if self.policy is not None:  # the tree it drafted for the next pass, with room for K - 1 nodes
+                self.policy.observe_tree(s, s.k - 1)
             s.k_override = None
             chunk = s.stats.chunks[-1]
             self.chunks.setdefault(s.strategy.metric_label, collections.deque(maxlen=20000)).append(chunk)
             if self.policy is not None and s.stats.forward_passes > 1:
                 self.policy.observe(s, att, chunk)
+                self.policy.observe_tree_outcome(s, promised, chunk - 1)
             if toks and r.t_first is None:
                 r.t_first = now
             if s.finished:
