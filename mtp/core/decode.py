@@ -14,7 +14,8 @@ One step, for a batch of sequences (ragged rows, right-padded):
   3. accept: check the drafts against the model's own predictions (sampling.verify_drafts) ->
      a accepted drafts and the model's own token after them
   4. propose: the proposer's guesses for the tokens after that one (heads, lookup; mask logits: the
-     group that followed where acceptance stopped, if one did)
+     group that followed where acceptance stopped, if one did); every row is accepted first and
+     announces its drafting (`Proposer.prepare`), so rows sharing the heads draft in one batched call
   5. emit by strategy: ntp -> the model's token; static -> it + all guesses; conf_adapt -> the
      confident prefix of [it, guesses...]; verify -> accepted drafts + it, guesses become next drafts
   6. commit pending + accepted drafts to the cache (rejected drafts and masks are simply not
@@ -31,7 +32,7 @@ import torch
 from mtp.core import tree
 from mtp.core.cache import KVCache
 from mtp.core.metrics import DecodeStats, tree_expected_tokens
-from mtp.core.proposers import Guesses, MaskProposer, PassView, Proposer, max_appended
+from mtp.core.proposers import DraftRequest, Guesses, MaskProposer, PassView, Proposer, max_appended
 from mtp.core.sampling import SamplingParams, verify_drafts
 from mtp.core.strategy import Strategy
 
@@ -176,7 +177,7 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
     if hidden is not None:
         hidden = hidden.cpu()
 
-    emitted_all = []
+    rows = []  # per row: what step 3 decided and the view step 4 drafts from
     for i, s in enumerate(seqs):
         D = len(s.drafts)
         lg = logits[i]  # [N, V]: row j predicts the token after block position first+j
@@ -214,18 +215,32 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
                         hidden=hidden[i, row] if hidden is not None else None, masks_valid=has_group,
                         aux=aux[i, committed] if aux is not None and s.proposer.aux_layers else None,
                         start=starts[i], state=s.proposer_state)
-        # (a proposer with its own state, EAGLE-3, sees every pass: it must follow the committed prefix)
+        rows.append((a, path, accepted, own, own_conf, drafted_by, expected, view))
+    # 4a. every row announces its drafting, then proposers shared by rows draft them all at once (the
+    # heads: one call per depth for the batch); the rows' own calls below then return their answers
+    drafting = [s.k > 1 or bool(s.proposer.aux_layers) for s in seqs]
+    batchers: dict[int, Proposer] = {}
+    for s, (*_, view), go in zip(seqs, rows, drafting):
+        if go:
+            request = DraftRequest(view, s.k - 1, True) if s.strategy.is_tree else \
+                DraftRequest(view, s.k, False, s.params, s.gen)
+            batchers.update((id(p), p) for p in s.proposer.prepare(request))
+    for p in batchers.values():
+        p.draft_prepared()
+
+    emitted_all = []
+    for i, (s, (a, path, accepted, own, own_conf, drafted_by, expected, view)) in enumerate(zip(seqs, rows)):
+        # 4b. this row's guesses (a proposer with its own state, EAGLE-3, sees every pass: it must
+        # follow the committed prefix)
         if s.strategy.is_tree:
-            guesses = s.proposer.propose_tree(view, s.k - 1) if s.k > 1 or s.proposer.aux_layers \
-                else Guesses.none()
+            guesses = s.proposer.propose_tree(view, s.k - 1) if drafting[i] else Guesses.none()
             if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows (and their masks) here
                 parents = guesses.parents or list(range(-1, len(guesses.tokens) - 1))
                 appended = lambda n: s.proposer.n_appended(s.strategy.guess_k(s.k), n)  # noqa: E731
                 guesses = replace(guesses, parents=parents).select(tree.keep(parents, guesses.confidences,
                                                                              s.pass_time, appended=appended))
         else:
-            guesses = s.proposer.propose(view, s.k, s.params, s.gen) if s.k > 1 or s.proposer.aux_layers \
-                else Guesses.none()
+            guesses = s.proposer.propose(view, s.k, s.params, s.gen) if drafting[i] else Guesses.none()
         guesses = finite_prefix(guesses)
         # 5. emit by strategy
         preds, confs = [own] + guesses.tokens, [own_conf] + guesses.confidences

@@ -150,33 +150,56 @@ def grow(n: int, max_depth: int, expand: Callable[[list[int], list[int]], torch.
     expand(rows, tokens) -> log-probabilities [F, V] of the token after each of the F frontier nodes,
     called once per depth: rows[i] is the row of the previous call's result that frontier node i was
     drawn from, tokens[i] its token (first call: rows [0], tokens [root_token], the root). Column v
-    stands for token v, or for vocab[v] when a vocabulary [V] is given (the heads' draft vocabulary)."""
-    width = -(-n // max_depth) if max_depth > 0 else 0
-    tokens: list[int] = []
-    parents: list[int] = []
-    confs: list[float] = []
-    frontier, rows, toks = [-1], [0], [root_token]  # frontier nodes (-1: the root), where they came from
-    score = torch.zeros(1)  # [F] the frontier's cumulative log-probabilities
-    for _ in range(max_depth):
-        room = min(width, n - len(tokens))
-        if room <= 0 or not frontier:
-            break
-        logp = expand(rows, toks)  # [F, V]
-        val, idx = logp.topk(min(top_k, logp.shape[-1]), -1)  # [F, top_k]
-        cum = score.view(-1, 1) + val  # [F, top_k]
+    stands for token v, or for vocab[v] when a vocabulary [V] is given (the heads' draft vocabulary).
+    (`Grower` is the same, one depth at a time, for callers that grow many trees together.)"""
+    g = Grower(n, max_depth, root_token, top_k, vocab)
+    while not g.done:
+        g.step(expand(g.rows, g.toks))
+    return g.tokens, g.parents, g.confs
+
+
+class Grower:
+    """`grow`'s state between depths, for a caller that expands many trees' frontiers in one call
+    (the heads drafting every row of a pass at once): while not `done`, feed `step` the
+    log-probabilities [F, V] after the F frontier nodes (`rows` / `toks`, as `grow`'s expand gets
+    them); then `tokens`, `parents`, `confs` are `grow`'s result, identical to it."""
+
+    def __init__(self, n: int, max_depth: int, root_token: int, top_k: int = 4, vocab: torch.Tensor | None = None):
+        self.n, self.max_depth, self.top_k, self.vocab = n, max_depth, top_k, vocab
+        self.width = -(-n // max_depth) if max_depth > 0 else 0
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.confs: list[float] = []
+        self.frontier, self.rows, self.toks = [-1], [0], [root_token]  # frontier nodes (-1: the root), sources
+        self.score = torch.zeros(1)  # [F] the frontier's cumulative log-probabilities
+        self.depth = 0
+
+    @property
+    def room(self) -> int:
+        return min(self.width, self.n - len(self.tokens))
+
+    @property
+    def done(self) -> bool:
+        return self.depth >= self.max_depth or self.room <= 0 or not self.frontier
+
+    def step(self, logp: torch.Tensor) -> None:
+        """Place the next depth's nodes from logp [F, V], one row per frontier node (in `rows` order)."""
+        room = self.room
+        val, idx = logp.topk(min(self.top_k, logp.shape[-1]), -1)  # [F, top_k]
+        cum = self.score.view(-1, 1) + val  # [F, top_k]
         order = cum.flatten().argsort(descending=True)[:room].tolist()
         nxt, rows, toks = [], [], []
         for o in order:
             f, r = divmod(o, val.shape[1])
-            tok = int(idx[f, r]) if vocab is None else int(vocab[idx[f, r]])
-            nxt.append(len(tokens))
+            tok = int(idx[f, r]) if self.vocab is None else int(self.vocab[idx[f, r]])
+            nxt.append(len(self.tokens))
             rows.append(f)
             toks.append(tok)
-            tokens.append(tok)
-            parents.append(frontier[f])
-            confs.append(float(cum[f, r].exp()))  # the path's probability (what a merge compares)
-        frontier, score = nxt, cum.flatten()[order]
-    return tokens, parents, confs
+            self.tokens.append(tok)
+            self.parents.append(self.frontier[f])
+            self.confs.append(float(cum[f, r].exp()))  # the path's probability (what a merge compares)
+        self.frontier, self.rows, self.toks, self.score = nxt, rows, toks, cum.flatten()[order]
+        self.depth += 1
 
 
 def build(candidates: list[list[int]], budget: int) -> tuple[list[int], list[int]]:

@@ -6,13 +6,18 @@ A proposer answers two questions for the decoding loop (mtp.core.decode):
    number of accepted drafts; heads and prompt lookup append nothing);
 2. `propose(...)`: after the pass, the guesses for the tokens that follow the model's own token,
    with a confidence each (top-1 probability) and, under sampling, the distribution they came from.
+   Before any row's `propose`, every row announces its call (`prepare`, a `DraftRequest`); a proposer
+   shared by rows (the heads) may then draft them all at once (`draft_prepared`) and hand each row its
+   answer when asked, what it would draft alone (up to the last bits of a matmul over more rows: CPU
+   kernels are not batch-invariant); the default does nothing (drafting per row).
 The strategy decides what to do with the guesses: emit them unverified (`static`, `conf_adapt`) or
 send them as drafts to be checked by the next pass (`verify`).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -64,6 +69,19 @@ class PassView:
     state: dict | None = None  # the sequence's proposer state (Sequence.proposer_state), kept across passes
 
 
+@dataclass
+class DraftRequest:
+    """One row's coming `propose_tree(view, n)` (tree) or `propose(view, n, params, gen)` (chain: n is
+    the block size k), announced to `Proposer.prepare` before any row of the pass drafts."""
+    view: PassView
+    n: int
+    tree: bool
+    params: SamplingParams = field(default_factory=lambda: GREEDY)
+    gen: torch.Generator | None = None
+    # wrappers' clocks (TimedProposer): each is called with this row's share of a batched draft's seconds
+    charges: list[Callable[[float], None]] = field(default_factory=list)
+
+
 class Proposer:
     name = "base"
     needs_hidden = False
@@ -73,6 +91,18 @@ class Proposer:
     def n_appended(self, k: int, drafts: int = 0) -> int:
         """Tokens appended to a pass of block size k that checks `drafts` drafts."""
         return 0
+
+    def prepare(self, request: DraftRequest) -> list["Proposer"]:
+        """Announce one row's drafting for this pass (before any row drafts). Returns the proposers
+        that took it and must `draft_prepared()` before the rows' `propose` calls (the decoding loop
+        calls each once per pass, however many rows they took). Default: none (drafting per row).
+        Wrappers forward it; a merge forwards what each part will be asked."""
+        return []
+
+    def draft_prepared(self) -> None:
+        """Draft every request taken since the last call, so that the announced `propose` /
+        `propose_tree` calls return at once, with the guesses they would have drafted alone (up to float
+        rounding where the arithmetic is not batch-invariant: `HeadsProposer._draft`)."""
 
     def propose(self, view: PassView, k: int, params, gen) -> Guesses:
         raise NotImplementedError
@@ -97,6 +127,9 @@ class WrappedProposer(Proposer):
     def n_appended(self, k: int, drafts: int = 0) -> int:
         return self.inner.n_appended(k, drafts)
 
+    def prepare(self, request: DraftRequest) -> list[Proposer]:
+        return self.inner.prepare(request)
+
     def propose(self, view, k, params, gen):
         return self.inner.propose(view, k, params, gen)
 
@@ -107,11 +140,21 @@ class WrappedProposer(Proposer):
 class TimedProposer(WrappedProposer):
     """A row's proposer with its `propose` calls timed into a shared clock (proposer name -> seconds)
     and, given `guesses`, its guesses counted there (name -> count), so a policy can price proposing
-    apart from the forward pass (the server's adaptive K; `mtp bench`'s best K: seconds per guess)."""
+    apart from the forward pass (the server's adaptive K; `mtp bench`'s best K: seconds per guess).
+    Drafting done for many rows at once (`prepare` / `draft_prepared`, the heads) is charged split
+    evenly over the rows it served: each row's clock gets batch seconds / rows, beside the time of
+    its own `propose` call (which then only hands out the answer and runs the parts that draft alone)."""
 
     def __init__(self, inner: Proposer, clock: dict[str, float], guesses: dict[str, int] | None = None):
         super().__init__(inner)
         self.clock, self.guesses = clock, guesses
+
+    def prepare(self, request: DraftRequest) -> list[Proposer]:
+        request.charges.append(self._charge)
+        return self.inner.prepare(request)
+
+    def _charge(self, seconds: float) -> None:
+        self.clock[self.name] = self.clock.get(self.name, 0.0) + seconds
 
     def propose_tree(self, view, n):
         t0 = time.perf_counter()

@@ -31,13 +31,14 @@ from torch import nn
 from mtp.core import tree
 from mtp.core.artifacts import base_hash, check_finite, check_trained_on, load_safetensors, read_json
 from mtp.core.model import Block, Linear, ModelConfig, RMSNorm, Transformer
-from mtp.core.proposers.base import Guesses, PassView, Proposer
+from mtp.core.proposers.base import DraftRequest, Guesses, PassView, Proposer
 from mtp.core.sampling import pick
 
 FORMAT = "mtp-heads"
 WEIGHTS = "heads.safetensors"
 CONFIG = "config.json"
 MAX_AHEAD = 8  # the feature cache stores this many tokens ahead of each row (so depths <= 8)
+TOP_K = 4  # a tree's candidates under each frontier node (HeadsProposer.propose_tree)
 
 
 @dataclass
@@ -164,7 +165,9 @@ class HeadsProposer(Proposer):
     the readout scores only those rows of the output head: drafting gets ~V/N times cheaper, and
     `verify` stays lossless (a draft outside it is simply never proposed; under sampling the
     proposal distribution is zero there, which rejection sampling handles exactly).
-    `draft_s` / `draft_calls` accumulate the drafting time, for the benchmarks."""
+    Rows of a pass that share this proposer draft together (`prepare` / `draft_prepared`): one head
+    and readout call per depth for all of them, instead of one per row.
+    `draft_s` / `draft_calls` accumulate the drafting time and the rows drafted, for the benchmarks."""
     name = "heads"
     needs_hidden = True
     has_confidence = True
@@ -184,69 +187,131 @@ class HeadsProposer(Proposer):
             w = model.lm_head.weight if vocab is None else model.lm_head.weight[vocab.to(model.device)]
             self.readout = lambda h: F.linear(model.norm(h), w).float()
         self.draft_s, self.draft_calls = 0.0, 0
+        self._pending: list[DraftRequest] = []  # taken by `prepare`, drafted by `draft_prepared`
+        self._ready: dict[tuple, tuple[DraftRequest, Guesses]] = {}  # (id(view), tree, n) -> its answer
 
     @property
     def depths(self) -> int:
         return self.heads.config.depths
 
-    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
-        n = min(k - 1, self.depths)
-        if n <= 0 or view.hidden is None:
-            return Guesses.none()
+    def prepare(self, request: DraftRequest) -> list[Proposer]:
+        """Take the row's request for the next `draft_prepared` (not: nothing to draft, a tree asked
+        with another top_k, or sampling whose random draws a batch could reorder: no generator of
+        its own, or one already taken)."""
+        if request.view.hidden is None or (min(request.n - 1, self.depths) if not request.tree else request.n) <= 0:
+            return []
+        if not request.tree and not request.params.greedy and (
+                request.gen is None or any(r.gen is request.gen for r in self._pending)):
+            return []
+        self._pending.append(request)
+        return [self]
+
+    def draft_prepared(self) -> None:
+        """Draft every taken request in one `_draft` (each depth's head and readout once over all the
+        rows' frontiers); the time is split evenly over the requests' `charges`."""
+        requests, self._pending = self._pending, []
+        self._ready = {}
+        if not requests:
+            return
         t0 = time.perf_counter()
-        dev = self.model.device
-        mid = self.model.config.mask_token_id
-        h = view.hidden.to(dev, self.model.embed_tokens.weight.dtype).view(1, -1)  # [1, dim]
-        tok = torch.tensor([view.context[-1]], device=dev)  # [1]
-        tokens, confs, dists = [], [], []
-        with torch.inference_mode():
-            for head in self.heads.depths[:n]:
-                h = head(h, self.model.embed_tokens(tok))
-                logits = self.readout(h).cpu()  # [1, V], or [1, Vd] over the draft vocabulary
-                if self.vocab is None and mid is not None and mid < logits.shape[-1]:
-                    logits[:, mid] = float("-inf")
-                t, probs = pick(logits, params, gen)
-                if self.vocab is not None:  # back to token ids / full-vocabulary distributions
-                    t = self.vocab[t]
-                    if probs is not None:
-                        full = probs.new_zeros(1, self.model.lm_head.weight.shape[0])
-                        probs = full.index_copy_(1, self.vocab, probs)
-                tokens.append(int(t[0]))
-                confs.append(float(torch.softmax(logits, -1).max()))
-                if probs is not None:
-                    dists.append(probs)
-                tok = t.to(dev)
+        out = self._draft(requests)
+        seconds = time.perf_counter() - t0
+        for r, g in zip(requests, out):
+            self._ready[(id(r.view), r.tree, r.n)] = (r, g)
+            for charge in r.charges:
+                charge(seconds / len(requests))
+        self.draft_s += seconds
+        self.draft_calls += len(requests)
+
+    def _prepared(self, view: PassView, tree_: bool, n: int, params=None, gen=None) -> Guesses | None:
+        """The answer `draft_prepared` drafted for this call, if it did (each handed out once)."""
+        hit = self._ready.pop((id(view), tree_, n), None)
+        if hit is None or hit[0].view is not view or (not tree_ and (hit[0].params != params or hit[0].gen is not gen)):
+            return None
+        return hit[1]
+
+    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
+        """Up to k-1 guesses, a chain: depth d's head on depth d-1's state and guess (`_draft`)."""
+        if min(k - 1, self.depths) <= 0 or view.hidden is None:
+            return Guesses.none()
+        hit = self._prepared(view, False, k, params, gen)
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        out = self._draft([DraftRequest(view, k, False, params, gen)])[0]
         self.draft_s += time.perf_counter() - t0
         self.draft_calls += 1
-        return Guesses(tokens, confs, torch.cat(dists) if dists else None)
+        return out
 
-
-    def propose_tree(self, view: PassView, n: int, top_k: int = 4) -> Guesses:
+    def propose_tree(self, view: PassView, n: int, top_k: int = TOP_K) -> Guesses:
         """At most n nodes, depth by depth (`mtp.core.tree.grow`, EAGLE-2's idea): depth d's head runs on
         every frontier node (its parent's head state and its own token) and gives its top_k next tokens;
         the candidates with the highest path probability are kept, ceil(n / depths) per depth.
         Deterministic (top-k, never sampled), so `tree:N` stays exact under sampling too."""
         if n <= 0 or view.hidden is None:
             return Guesses.none()
+        hit = self._prepared(view, True, n) if top_k == TOP_K else None
+        if hit is not None:
+            return hit
         t0 = time.perf_counter()
-        dev = self.model.device
-        mid = self.model.config.mask_token_id
-        heads = iter(self.heads.depths)
-        h = view.hidden.to(dev, self.model.embed_tokens.weight.dtype).view(1, -1)  # [1, dim]: the root's state
-
-        def expand(rows: list[int], tokens: list[int]) -> torch.Tensor:
-            nonlocal h
-            h = next(heads)(h[rows], self.model.embed_tokens(torch.tensor(tokens, device=dev)))  # [F, dim]
-            logits = self.readout(h).cpu()  # [F, V] or [F, Vd]
-            if self.vocab is None and mid is not None and mid < logits.shape[-1]:
-                logits[:, mid] = float("-inf")
-            return torch.log_softmax(logits.float(), -1)
-
-        with torch.inference_mode():
-            tokens, parents, confs = tree.grow(n, self.depths, expand, view.context[-1], top_k, self.vocab)
+        out = self._draft([DraftRequest(view, n, True)], top_k)[0]
         self.draft_s += time.perf_counter() - t0
         self.draft_calls += 1
-        return Guesses(tokens, confs, None, parents)
+        return out
+
+    def _draft(self, requests: list[DraftRequest], top_k: int = TOP_K) -> list[Guesses]:
+        """Every request's guesses (trees by `tree.Grower`, chains by `pick`), each depth's head and
+        readout run once over the frontier nodes of all requests still growing, concatenated in request
+        order. E.g. a tree whose frontier holds 3 nodes and a chain (1 node): depth d runs on 4 rows,
+        rows 0-2 the tree's, row 3 the chain's. Per request the result is what drafting it alone gives,
+        up to the rounding of a matmul over more rows (CPU GEMM kernels may sum a [1, dim] row in
+        another order than a [4, dim] block; tests/test_draft_batching.py)."""
+        dev = self.model.device
+        mid = self.model.config.mask_token_id
+        R = len(requests)
+        growers = [tree.Grower(r.n, self.depths, r.view.context[-1], top_k, self.vocab) if r.tree else None
+                   for r in requests]
+        depth = [self.depths if r.tree else min(r.n - 1, self.depths) for r in requests]  # chains: k-1 at most
+        chain_tok = [r.view.context[-1] for r in requests]  # a chain's last token (its next depth's input)
+        chains: list[tuple[list, list, list]] = [([], [], []) for _ in requests]  # tokens, confidences, dists
+        h = torch.stack([r.view.hidden for r in requests]).to(dev, self.model.embed_tokens.weight.dtype)  # [R, dim]
+        first = list(range(R))  # where each request's rows start in h
+        with torch.inference_mode():
+            for d, head in enumerate(self.heads.depths):
+                live = [i for i in range(R) if (not growers[i].done if growers[i] else d < depth[i])]
+                if not live:
+                    break
+                index, toks, spans = [], [], []  # spans: (request, first row, rows) in this depth's h
+                for i in live:
+                    rows, tk = (growers[i].rows, growers[i].toks) if growers[i] else ([0], [chain_tok[i]])
+                    spans.append((i, len(index), len(rows)))
+                    index += [first[i] + r for r in rows]
+                    toks += tk
+                h = head(h[index], self.model.embed_tokens(torch.tensor(toks, device=dev)))  # [F, dim]
+                logits = self.readout(h).cpu()  # [F, V], or [F, Vd] over the draft vocabulary
+                if self.vocab is None and mid is not None and mid < logits.shape[-1]:
+                    logits[:, mid] = float("-inf")
+                for i, start, rows in spans:
+                    first[i] = start
+                    lg = logits[start: start + rows]  # [rows, V]
+                    if growers[i] is not None:
+                        growers[i].step(torch.log_softmax(lg.float(), -1))
+                        continue
+                    r = requests[i]
+                    t, probs = pick(lg, r.params, r.gen)
+                    if self.vocab is not None:  # back to token ids / full-vocabulary distributions
+                        t = self.vocab[t]
+                        if probs is not None:
+                            full = probs.new_zeros(1, self.model.lm_head.weight.shape[0])
+                            probs = full.index_copy_(1, self.vocab, probs)
+                    chains[i][0].append(int(t[0]))
+                    chains[i][1].append(float(torch.softmax(lg, -1).max()))
+                    if probs is not None:
+                        chains[i][2].append(probs)
+                    chain_tok[i] = int(t[0])
+        return [Guesses(g.tokens, g.confs, None, g.parents) if g is not None
+                else Guesses(c[0], c[1], torch.cat(c[2]) if c[2] else None)
+                for g, c in zip(growers, chains)]
 
 
 def heads_files(heads: MTPHeads, model: Transformer, meta: dict | None = None) -> dict:

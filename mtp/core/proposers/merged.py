@@ -18,7 +18,9 @@ too, and the shares of a row may sum to more than 1 (`metrics.accepted_shares`).
 """
 from __future__ import annotations
 
-from mtp.core.proposers.base import Guesses, PassView, Proposer
+from dataclasses import replace
+
+from mtp.core.proposers.base import GREEDY, DraftRequest, Guesses, PassView, Proposer
 
 WEIGHTS = {"heads": 1.0, "suffix": 0.8, "lookup": 0.5}  # prior trust in each part's confidences
 
@@ -35,6 +37,12 @@ class MergedProposer(Proposer):
         self.parts = parts
         self.name = "+".join(p.name for p in parts)
         self.needs_hidden = any(p.needs_hidden for p in parts)
+
+    def prepare(self, request: DraftRequest) -> list[Proposer]:
+        """Each part is asked for a tree: of n nodes, or of 4 (k-1) for a chain of block size k (`propose`)."""
+        n = request.n if request.tree else 4 * (request.n - 1)
+        part_request = replace(request, n=n, tree=True, params=GREEDY, gen=None)  # the same `charges` list
+        return [p for part in self.parts for p in part.prepare(part_request)]
 
     def propose_tree(self, view: PassView, n: int) -> Guesses:
         score: dict[tuple, float] = {}
