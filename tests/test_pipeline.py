@@ -17,6 +17,7 @@ from mtp.core.cache import KVCache
 from mtp.cli import main as cli_main
 from mtp.core.decode import Sequence, decode_step, generate, stream
 from mtp.core.model import Transformer
+from mtp.core.artifacts import base_hash
 from mtp.pipeline.launch import launch_local
 from mtp.pipeline.stages import PipelineModel, keep_slice, layer_ranges, run_stage
 from mtp.pipeline.transport import PipelineConfig
@@ -98,6 +99,8 @@ def _run_jobs(pipe, jobs, outdir, check=("verify:3", "mask")):
             pass
         results.append({"output": seq.output, "chunks": seq.stats.chunks, "wall_s": seq.stats.wall_s})
     results.append({"batch": _run_batch(pipe, pipe.config.mask_token_id)})
+    with open(os.path.join(outdir, "base_hash"), "w") as f:  # what assets loaded at stage 0 are checked against
+        f.write(base_hash(pipe))
     # the last sequence's cache, for the rollback check (mask drafts: branched groups write beyond the block)
     seq = _job(pipe, *check, 0.0, None, max_new=20)
     cache = KVCache.for_model(pipe, 1, 64)
@@ -195,6 +198,8 @@ def test_pipeline_matches_single_process(tmp_path, one_thread):
     assert any(c > 1 for r in got[:len(JOBS)] for c in r["chunks"])  # proposals were really used
     # the batch job, single process
     assert got[len(JOBS)]["batch"] == _run_batch(model, mask_id)
+    # stage 0 holds a slice, but heads or a datastore made for the whole model still load there
+    assert (tmp_path / "base_hash").read_text() == base_hash(mtp_tiny(0))
 
 
 def _rejections(model, strategy, proposer, max_new):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mtp.core.artifacts import base_hash
 from mtp.core.cache import KVCache
 from mtp.core.model import Transformer
 from mtp.pipeline.transport import (F_CACHE, F_GATE, F_HIDDEN, F_LAYOUT, F_MOVES, F_OUT, F_SLOTS, HEADER,
@@ -244,8 +245,12 @@ def serve(model: Transformer, link: Link, watchdog: Watchdog | None = None) -> d
 def run_stage(rank: int, world: int, model: Transformer, config: PipelineConfig, stage0_fn=None):
     """Join the pipeline as stage `rank` of `world`, keeping only this stage's slice of `model`
     (pruned in place). Stage 0 runs `stage0_fn(pipeline_model)` and returns its result; the other
-    stages serve passes until stage 0 is done and return their final state."""
+    stages serve passes until stage 0 is done and return their final state. The whole model's
+    fingerprint (`base_hash`) is taken before pruning and carried by the pipeline model, so assets
+    loaded against it at stage 0 (heads, a suffix datastore) check the full weights, not the slice."""
+    whole = base_hash(model)
     keep_slice(model, rank, world)
+    model.base_weights_hash = whole
     dev = next(model.parameters()).device
     backend = config.backend
     if backend == "auto":
@@ -261,6 +266,7 @@ def run_stage(rank: int, world: int, model: Transformer, config: PipelineConfig,
     try:
         if rank == 0:
             pipe = PipelineModel(model, link)
+            pipe.base_weights_hash = whole
             try:
                 result = stage0_fn(pipe)
             finally:
