@@ -49,6 +49,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reference", default="shipped",
                     help="heads directory scored on the same held-out answers first ('shipped', 'none')")
+    ap.add_argument("--repeat", default="",
+                    help="SOURCE:N, e.g. gsm8k:2: every training row of answers from SOURCE seen N times as often "
+                         "(rows are independent: each carries its own targets); held-out rows are never repeated")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -102,6 +105,14 @@ def main() -> int:
         sub["example"] = torch.where(sub["example"] >= n_train_max, sub["example"] - n_train_max + n,
                                      sub["example"])
         train_only = {k: v[sub["example"] < n] for k, v in sub.items()}
+        if args.repeat:
+            source, times = args.repeat.rsplit(":", 1)
+            mine = torch.tensor([sources[order[int(e)]] == source for e in train_only["example"]])
+            again = mine.nonzero().squeeze(1).repeat(int(times) - 1)
+            index = torch.cat([torch.arange(len(mine)), again])
+            train_only = {k: v[index] for k, v in train_only.items()}
+            print(f"--repeat {args.repeat}: {int(mine.sum()):,} of {len(mine):,} training rows from {source}, "
+                  f"{len(index):,} rows after repeating", flush=True)
         cfg = TrainHeadsConfig(depths=args.depths, blocks=args.blocks, steps=args.steps, batch_size=args.batch_size,
                                lr=args.lr, save_every=args.steps, val_fraction=0.0, draft_vocab=args.draft_vocab)
         t0 = time.perf_counter()
