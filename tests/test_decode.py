@@ -20,23 +20,34 @@ MASK = 49
 TARGET = [(7 * p + 3) % 40 for p in range(200)]  # the stub model's "true" token at each position
 
 
-class StubModel:
-    """Fixed logits (litgpt-style): a real token at position p predicts TARGET[p+1]; the j-th mask
-    after it predicts TARGET[p+1] when j <= `good_depth` (else a wrong token), with confidence
-    `conf[j]`. Drafts are therefore accepted exactly up to `good_depth`."""
+class LogitStub:
+    """What the decoding loop needs of a model, for stubs that compute their logits by hand: a one-layer,
+    one-head config with the mask token, the device, and every call's tokens and positions recorded."""
 
-    def __init__(self, good_depth: int, conf=(0.99,) * 16):
-        self.good_depth, self.conf = good_depth, conf
+    def __init__(self):
         self.config = SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=1, mask_token_id=MASK)
         self.embed_tokens = SimpleNamespace(weight=torch.zeros(1))
         self.device = "cpu"
         self.calls, self.positions = [], []
 
-    def __call__(self, tokens, positions, cache=None, slots=None, out_index=None, return_hidden=False,
-                 attn_mask=None, cache_positions=None):
-        B, T = tokens.shape
+    def record(self, tokens, positions) -> tuple[int, int]:
         self.calls.append(tokens.clone())
         self.positions.append(positions.clone())
+        return tokens.shape
+
+
+class StubModel(LogitStub):
+    """Fixed logits (litgpt-style): a real token at position p predicts TARGET[p+1]; the j-th mask
+    after it predicts TARGET[p+1] when j <= `good_depth` (else a wrong token), with confidence
+    `conf[j]`. Drafts are therefore accepted exactly up to `good_depth`."""
+
+    def __init__(self, good_depth: int, conf=(0.99,) * 16):
+        super().__init__()
+        self.good_depth, self.conf = good_depth, conf
+
+    def __call__(self, tokens, positions, cache=None, slots=None, out_index=None, return_hidden=False,
+                 attn_mask=None, cache_positions=None):
+        B, T = self.record(tokens, positions)
         logits = torch.full((B, T, V), -20.0)
         for b in range(B):
             depth = 0

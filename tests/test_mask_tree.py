@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +19,8 @@ from mtp.core.proposers import MAX_MASK_GROUPS, MaskProposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.pipeline.launch import launch_local
-from mtp.pipeline.stages import layer_ranges
+from test_decode import LogitStub
+from test_pipeline import assert_stage_caches_equal_prefill
 from test_tree import SMALL_V, mask_model
 
 V, MASK, GARBAGE = 50, 49, 41
@@ -37,7 +37,7 @@ GUESSES = [lambda q: [(wrong(q), 0.6), (TARGET[q], 0.35)],
            lambda q: [(TARGET[q], 0.9), (wrong(q), 0.05)]]
 
 
-class TreeStub:
+class TreeStub(LogitStub):
     """Fixed logits that read the layout (litgpt-style stub): a real token at position p predicts
     TARGET[p+1] (certain). A mask finds its anchor (the last non-mask token it sees, at position pa) and
     its depth i (the masks it sees after the anchor), checks that its RoPE position is pa + 1 + i, and
@@ -45,17 +45,9 @@ class TreeStub:
     the anchor holds the true token, GARBAGE after a wrong one: drafts read from any other group than
     the one after the accepted node would differ."""
 
-    def __init__(self):
-        self.config = SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=1, mask_token_id=MASK)
-        self.embed_tokens = SimpleNamespace(weight=torch.zeros(1))
-        self.device = "cpu"
-        self.calls, self.positions = [], []
-
     def __call__(self, tokens, positions, cache=None, slots=None, out_index=None, return_hidden=False,
                  attn_mask=None, cache_positions=None):
-        B, T = tokens.shape
-        self.calls.append(tokens.clone())
-        self.positions.append(positions.clone())
+        B, T = self.record(tokens, positions)
         logits = torch.full((B, T, V), -30.0)
         for b in range(B):
             for t in range(T):
@@ -264,7 +256,6 @@ def test_tree_auto_prices_the_mask_groups():
 def test_mask_trees_through_the_pipeline_match_one_process_and_every_stages_cache(tmp_path):
     """3 stages: mask trees (greedy and sampled) give the single process's tokens and chunks, and
     after a tree run whose paths move every stage's cache holds a fresh prefill's keys and values."""
-    from safetensors.torch import load_file
     from test_pipeline import PROMPT, _stage, mtp_tiny
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -281,17 +272,8 @@ def test_mask_trees_through_the_pipeline_match_one_process_and_every_stages_cach
                                                                        seed=seed), MaskProposer(), mid)
             assert res["output"] == ref.output and res["chunks"] == ref.stats.chunks, strategy
         assert any(c > 1 for r in got[:len(jobs)] for c in r["chunks"])
-        committed = got[-1]["committed"]
         ref = generate(ref_model, PROMPT, "tree:8", SamplingParams(max_new_tokens=20), MaskProposer(), mid)
         assert max(ref.stats.chunks) >= 3  # the checked run accepted paths of 2+ nodes
-        L = len(committed)
-        ref_cache = KVCache.for_model(ref_model, 1, 64)
-        with torch.inference_mode():
-            ref_model(torch.tensor([committed]), torch.arange(L).view(1, L), cache=ref_cache)
-        for rank, r in enumerate(layer_ranges(3, 3)):
-            cache = load_file(str(tmp_path / f"cache{rank}.safetensors"))
-            for name in ("k", "v"):
-                want = getattr(ref_cache, name)[r.start:r.stop, 0, :, :L]
-                torch.testing.assert_close(cache[name][:, 0, :, :L], want, atol=1e-4, rtol=1e-4)
+        assert_stage_caches_equal_prefill(ref_model, got[-1]["committed"], tmp_path, 3)
     finally:
         torch.set_num_threads(threads)

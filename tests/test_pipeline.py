@@ -234,7 +234,6 @@ def test_rollback_consistency_across_stages(tmp_path, one_thread, check, monkeyp
     """3 stages, verify with rejected drafts, or trees whose accepted paths move: after decoding,
     every stage's cache holds exactly what a fresh prefill of the committed tokens writes (rejected
     entries were overwritten everywhere, accepted tree paths moved on every stage)."""
-    from safetensors.torch import load_file
     model = mtp_tiny(1, n_layers=3)
     ref_model = mtp_tiny(1, n_layers=3)
     assert _rejections(ref_model, *check, 20) > 0  # the run does roll back
@@ -242,12 +241,19 @@ def test_rollback_consistency_across_stages(tmp_path, one_thread, check, monkeyp
         assert _moves(ref_model, *check, 20, monkeypatch) > 0  # and moves paths off the diagonal
     assert launch_local(3, _stage, (model, [], str(tmp_path), 0.0, 20.0, check)) == 0
     committed = json.loads((tmp_path / "stage0.json").read_text())[-1]["committed"]
+    assert_stage_caches_equal_prefill(ref_model, committed, tmp_path, 3)
+
+
+def assert_stage_caches_equal_prefill(ref_model, committed: list[int], folder, world: int) -> None:
+    """Every stage's saved cache (`cache{rank}.safetensors` in `folder`) holds, over the committed
+    positions, what one fresh prefill of `committed` writes for that stage's layers."""
+    from safetensors.torch import load_file
     L = len(committed)
     ref_cache = KVCache.for_model(ref_model, 1, 64)
     with torch.inference_mode():
         ref_model(torch.tensor([committed]), torch.arange(L).view(1, L), cache=ref_cache)
-    for rank, r in enumerate(layer_ranges(3, 3)):
-        got = load_file(str(tmp_path / f"cache{rank}.safetensors"))
+    for rank, r in enumerate(layer_ranges(ref_model.config.n_layers, world)):
+        got = load_file(str(folder / f"cache{rank}.safetensors"))
         for name in ("k", "v"):
             want = getattr(ref_cache, name)[r.start:r.stop, 0, :, :L]
             torch.testing.assert_close(got[name][:, 0, :, :L], want, atol=1e-4, rtol=1e-4)
