@@ -2,7 +2,7 @@
 
 As for the heads (`mtp.training.heads_train`), the trunk is frozen: its residual streams at the
 drafter's `aux_layers` over every self-generated example are computed once and cached as
-safetensors (`cached_features`), and the drafter trains on the cache through the one optimisation
+safetensors, one file per block of examples (`cached_features`), and the drafter trains on the cache through the one optimisation
 loop of `mtp.training.trainer`. Targets are the answers themselves (the model's own greedy
 continuation: the "hard teacher"), restricted to the draft vocabulary.
 
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
 from mtp.core.model import Transformer
 from mtp.core.proposers.eagle3 import (CONFIG, FORMAT, WEIGHTS, Eagle3Config, Eagle3Drafter, drafter_files,
                                        exportable_layers)
+from mtp.training import feature_cache
 from mtp.training.heads_train import split_rows
 from mtp.training.trainer import CHECKPOINT, Trainer, TrainerConfig, check_lr, run_dir_kinds
 
@@ -77,17 +77,18 @@ def extract_features(model: Transformer, examples, aux_layers, max_len: int = 51
 
 def cached_features(model: Transformer, examples, aux_layers, cache_dir, max_len: int = 512,
                     dtype: str = "bfloat16", progress=None) -> tuple[dict, Path]:
-    """extract_features, computed once per (base model, examples, layers) and kept as safetensors."""
-    path = Path(cache_dir) / "eagle3-features" / f"{features_key(model, examples, aux_layers, max_len, dtype)}.safetensors"
-    if path.exists():
-        return load_safetensors(path), path
-    feats = extract_features(model, examples, aux_layers, max_len, getattr(torch, dtype), progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{id(feats)}")
-    save_file({k: v.contiguous() for k, v in feats.items()}, str(tmp),
-              metadata={"examples": str(len(examples)), "base_hash": base_hash(model)})
-    tmp.replace(path)
-    return load_file(str(path)), path
+    """extract_features, computed once per (base model, layers, block of examples) and kept as safetensors
+    (`mtp.training.feature_cache`: resumable, and a grown data set recomputes only its new examples).
+    Returns the features and the cache's index file; a whole-set file of the earlier layout is still read."""
+    whole = Path(cache_dir) / "eagle3-features" / f"{features_key(model, examples, aux_layers, max_len, dtype)}.safetensors"
+    if whole.exists():
+        return load_safetensors(whole), whole
+    index = feature_cache.cached_blocks(
+        Path(cache_dir) / "eagle3-features" / "blocks", f"{base_hash(model)}:{list(aux_layers)}:{max_len}:{dtype}",
+        examples, lambda part, progress: extract_features(model, part, aux_layers, max_len, getattr(torch, dtype),
+                                                          progress=progress),
+        progress=progress, metadata={"base_hash": base_hash(model)})
+    return feature_cache.join_blocks(index, offset_fields=("offsets",)), index
 
 
 # ---- configuration -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Training DeepSeek-style MTP heads (`mtp train-heads`) on the frozen model's own hidden states.
 
 The trunk is frozen, so its hidden states over the self-generated answers are computed once and
-cached (one safetensors file per data set, `cached_features`); the heads then train on that cache
+cached (one safetensors file per block of examples, `cached_features`); the heads then train on that cache
 with cross-entropy against the model's own greedy continuation (the "hard teacher"), through the
 one optimisation loop of `mtp.training.trainer`. No trunk pass per step: far cheaper per example
 than mask-token training. The network and its proposer are `mtp.core.proposers.heads`.
@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
 from mtp.core.model import Transformer
 from mtp.core.proposers.heads import (CONFIG, FORMAT, MAX_AHEAD, WEIGHTS, HeadsConfig, MTPHeads, bf16_readout,
                                       heads_files)
+from mtp.training import feature_cache
 from mtp.training.trainer import CHECKPOINT, Trainer, TrainerConfig, batch_indices, check_lr, run_dir_kinds
 
 # settings that must match when resuming (they shape the heads, the data or the optimisation)
@@ -91,19 +92,19 @@ def extract_features(model: Transformer, examples, batch_size: int = 8, progress
 
 
 def cached_features(model: Transformer, examples, cache_dir, batch_size: int = 8, progress=None) -> tuple[dict, Path]:
-    """extract_features, computed once per (base model, examples) and kept as safetensors."""
-    path = Path(cache_dir) / "heads-features" / f"{features_key(model, examples)}.safetensors"
-    if path.exists():
-        feats = load_file(str(path))
+    """extract_features, computed once per (base model, block of examples) and kept as safetensors
+    (`mtp.training.feature_cache`: resumable, and a grown data set recomputes only its new examples).
+    Returns the features and the cache's index file; a whole-set file of the earlier layout is still read."""
+    whole = Path(cache_dir) / "heads-features" / f"{features_key(model, examples)}.safetensors"
+    if whole.exists():
+        feats = load_file(str(whole))
         feats["agree"] = feats["agree"].bool()
-        return feats, path
-    feats = extract_features(model, examples, batch_size, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{id(feats)}")
-    save_file({k: v.contiguous() for k, v in feats.items()}, str(tmp),
-              metadata={"examples": str(len(examples)), "base_hash": base_hash(model)})
-    tmp.replace(path)
-    return feats, path
+        return feats, whole
+    index = feature_cache.cached_blocks(
+        Path(cache_dir) / "heads-features" / "blocks", f"{base_hash(model)}:{MAX_AHEAD}", examples,
+        lambda part, progress: extract_features(model, part, batch_size, progress), progress=progress,
+        metadata={"base_hash": base_hash(model)})
+    return feature_cache.join_blocks(index, example_fields=("example",), dtypes={"agree": torch.bool}), index
 
 
 # ---- training ----------------------------------------------------------------------------------

@@ -1,0 +1,112 @@
+"""The frozen trunk's features over a list of examples, cached in blocks: computed once, resumable, grown.
+
+A trainer that reads the trunk's states (heads, EAGLE-3) computes them once per example. This cache
+cuts the example list into blocks of `block` consecutive examples and keeps each block's features
+as one safetensors file named by a hash of (what the features depend on, the block's examples):
+
+- an extraction stopped at any moment (kill -9 included) loses at most the block in flight; the
+  next call reuses every finished block (files are written to a temporary name, then renamed);
+- the data set grows by appending shards, so a longer list keeps its earlier blocks' keys: only the
+  new examples (and the one partial block at the old end) are computed again.
+
+`extract(examples)` returns a dict of tensors in one of three kinds, named by the caller:
+- per row (concatenated across blocks): e.g. "hidden", "aux", "tokens";
+- `example_fields`: per row, the index of its example within the block (shifted by the examples of
+  the earlier blocks when joined);
+- `offset_fields`: [E+1] row offsets of the block's examples (joined into one [N_examples+1] offset
+  table over all rows).
+Everything else is per example or per row and is concatenated as is.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mtp.core.artifacts import ArtifactError, write_text_atomic
+
+BLOCK = 256  # examples per cached file (~5 min of one core for SmolLM2-135M, 256-token answers)
+
+
+def block_key(depends_on: str, examples) -> str:
+    h = hashlib.sha256(f"{depends_on}:".encode())
+    for ex in examples:
+        h.update(json.dumps([list(ex.prompt_ids), list(ex.response_ids)]).encode())
+    return h.hexdigest()[:16]
+
+
+def cached_blocks(folder: Path, depends_on: str, examples, extract: Callable, block: int = BLOCK,
+                  progress=None, metadata: dict | None = None) -> Path:
+    """Compute (or reuse) every block's features under `folder`; returns the index file naming them.
+
+    `progress(done, total)` counts examples over the whole list, cached blocks included."""
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = []
+    for start in range(0, len(examples), block):
+        part = examples[start:start + block]
+        path = folder / f"{block_key(depends_on, part)}.safetensors"
+        if not path.exists():
+            inner = (lambda i, n, _s=start: progress(_s + i, len(examples))) if progress else None
+            feats = extract(part, progress=inner)
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            save_file({k: v.contiguous() for k, v in feats.items()}, str(tmp),
+                      metadata={**(metadata or {}), "examples": str(len(part))})
+            tmp.replace(path)
+        elif progress:
+            progress(start + len(part), len(examples))
+        files.append(path.name)
+    index = folder / f"{block_key(depends_on + ':index', examples)}.json"
+    if not index.exists():
+        write_text_atomic(index, json.dumps({"depends_on": depends_on, "examples": len(examples),
+                                             "blocks": files}, indent=1) + "\n")
+    return index
+
+
+def join_blocks(index: Path, example_fields=(), offset_fields=(), dtypes: dict | None = None) -> dict:
+    """The blocks named by `index` as one dict (one allocation per tensor, filled block by block).
+
+    `dtypes` converts a field while joining (e.g. {"agree": torch.bool})."""
+    index = Path(index)
+    try:
+        names = json.loads(index.read_text())["blocks"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ArtifactError(f"{index}: not a feature-cache index ({e})") from None
+    paths = [index.parent / n for n in names]
+    shapes: dict[str, list] = {}
+    for p in paths:
+        if not p.exists():
+            raise ArtifactError(f"{p}: a block named by {index.name} is missing; rerun to compute it again")
+        with safe_open(str(p), "pt") as f:
+            for k in f.keys():
+                shapes.setdefault(k, []).append(f.get_slice(k).get_shape())
+    out: dict[str, torch.Tensor] = {}
+    fill = {k: 0 for k in shapes}
+    examples_before = rows_before = 0
+    for p in paths:
+        with safe_open(str(p), "pt") as f:
+            n_examples = int(f.metadata()["examples"])
+            block_rows = 0
+            for k in f.keys():
+                t = f.get_tensor(k)
+                if k in offset_fields:
+                    block_rows = int(t[-1])
+                    t = t[1:] + rows_before if fill[k] else t + rows_before
+                elif k in example_fields:
+                    t = t + examples_before
+                if k not in out:
+                    rows = sum(s[0] for s in shapes[k]) - (len(paths) - 1 if k in offset_fields else 0)
+                    out[k] = torch.empty((rows, *t.shape[1:]), dtype=(dtypes or {}).get(k, t.dtype))
+                out[k][fill[k]:fill[k] + len(t)] = t
+                fill[k] += len(t)
+        examples_before += n_examples
+        rows_before += block_rows
+    return out
