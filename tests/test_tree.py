@@ -141,6 +141,18 @@ def test_prune_keeps_the_prefix_with_the_most_tokens_per_second():
     assert tree.prune([], [], [], line) == ([], [], [])
 
 
+def test_ranked_orders_by_confidence_and_stops_where_a_prefix_would_not_be_a_tree():
+    # root children 0 (0.6) and 1 (0.6, a tie: index order), grandchildren 2 under 0 (0.3), 3 under 1 (0.5)
+    assert tree.ranked([-1, -1, 0, 1], [0.6, 0.6, 0.3, 0.5]) == [0, 1, 3, 2]
+    # a tie across depths: the shallower first; confidences above 1 count as 1, zero or less end the list
+    assert tree.ranked([-1, 0, -1, 2], [1.4, 0.5, 0.5, 0.0]) == [0, 2, 1]
+    # a child more confident than its parent (a proposer breaking the rule): cut before it
+    assert tree.ranked([-1, 0, -1], [0.6, 0.9, 0.95]) == [2]
+    assert tree.ranked([], []) == []
+    # keep takes a prefix of that order: a flat pass time takes every positive node, ascending
+    assert tree.keep([-1, -1, 0, 1], [0.6, 0.6, 0.3, 0.5], lambda q: 1.0) == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("cost, fewer_passes", [(lambda q: 1.0, True), (lambda q: 1.0 + q, False)])
 def test_auto_tree_sizes_itself_by_the_pass_time_and_stays_exact(cost, fewer_passes):
     model = tiny_model(0)

@@ -231,29 +231,34 @@ def prune(tokens: list[int], parents: list[int], confidences: list[float], pass_
             [confidences[j] for j in kept])
 
 
-def keep(parents: list[int], confidences: list[float], pass_time, pending: int = 1,
-         appended: Callable[[int], int] | None = None) -> list[int]:
-    """Indices (ascending, so parents still precede children) of the prefix, by confidence (ties:
-    shallower first), that maximises (1 + sum of its confidences) / t(pending + n + appended(n)),
-    appended(n) being the tokens a pass of n nodes appends besides them (mask groups; default none).
-    A confidence never exceeds its parent's in the proposers' trees, so every such prefix is a tree."""
-    extra = appended or (lambda n: 0)
-    if not parents:
-        return []
+def ranked(parents: list[int], confidences: list[float]) -> list[int]:
+    """Node indices by confidence, most confident first (ties: shallower first, then by index), cut
+    before the first node whose parent is not yet in it (a proposer breaking the rule that a confidence
+    never exceeds its parent's) and before nodes of confidence <= 0: every prefix of it is a tree, and
+    its first n nodes are the tree's n-node subtree of the largest total confidence."""
     d = depths(parents)
     p = [min(max(float(c), 0.0), 1.0) for c in confidences]
-    order = sorted(range(len(parents)), key=lambda j: (-p[j], d[j], j))
+    out: list[int] = []
     kept: set[int] = set()
-    best_n, best_rate, expected, n = 0, 1.0 / pass_time(pending + extra(0)), 1.0, 0
-    chosen: list[int] = []
-    for j in order:
-        if parents[j] >= 0 and parents[j] not in kept:
-            break  # a child ranked above its parent (a proposer breaking the rule): stop the prefix here
+    for j in sorted(range(len(parents)), key=lambda j: (-p[j], d[j], j)):
+        if p[j] <= 0 or (parents[j] >= 0 and parents[j] not in kept):
+            break
         kept.add(j)
-        chosen.append(j)
-        n += 1
-        expected += p[j]
+        out.append(j)
+    return out
+
+
+def keep(parents: list[int], confidences: list[float], pass_time, pending: int = 1,
+         appended: Callable[[int], int] | None = None) -> list[int]:
+    """Indices (ascending, so parents still precede children) of the prefix of `ranked`'s order that
+    maximises (1 + sum of its confidences) / t(pending + n + appended(n)), appended(n) being the tokens
+    a pass of n nodes appends besides them (mask groups; default none)."""
+    extra = appended or (lambda n: 0)
+    order = ranked(parents, confidences)
+    best_n, best_rate, expected = 0, 1.0 / pass_time(pending + extra(0)), 1.0
+    for n, j in enumerate(order, 1):
+        expected += min(float(confidences[j]), 1.0)
         rate = expected / pass_time(pending + n + extra(n))
         if rate > best_rate:
             best_n, best_rate = n, rate
-    return sorted(chosen[:best_n])
+    return sorted(order[:best_n])

@@ -16,18 +16,15 @@ from mtp.core.proposers import Guesses
 
 
 def ranked_confidences(parents: list[int], confidences: list[float]) -> list[float]:
-    """A tree's node confidences in `tree.keep`'s order, most confident first, each at most 1: the
-    nodes keep takes when rows cost nothing (its confidence-ranked prefix, cut where a child outranks
-    its parent and at zero confidence). keep ranks by confidence, so the first n of them sum to what
-    its best n-node prefix adds to the expected tokens: a budget of n nodes expects 1 + their sum."""
-    kept = tree.keep(parents, confidences, lambda q: 1.0)
-    return sorted((min(float(confidences[j]), 1.0) for j in kept), reverse=True)
+    """A tree's node confidences in `tree.ranked`'s order, most confident first, each at most 1: the
+    first n of them sum to what its best n-node subtree adds to the expected tokens, so a budget of
+    n nodes expects 1 + their sum."""
+    return [min(float(confidences[j]), 1.0) for j in tree.ranked(parents, confidences)]
 
 
 def top_nodes(parents: list[int], confidences: list[float], n: int) -> list[int]:
-    """Indices (ascending) of a tree's n most confident nodes, by `tree.keep`'s rule: keep under a pass
-    time that is flat up to n nodes and infinite beyond (fewer when keep's prefix is shorter)."""
-    return tree.keep(parents, confidences, lambda q: 1.0 if q <= 1 + n else math.inf)
+    """Indices (ascending) of a tree's n most confident nodes (`tree.ranked`; fewer when it is shorter)."""
+    return sorted(tree.ranked(parents, confidences)[:n])
 
 
 class AdaptiveK:
@@ -285,7 +282,7 @@ class AdaptiveK:
         `tree:N`; `fixed` rows keep N): one budget for all tree rows, since right padding makes the
         longest block set the pass's rows anyway. A tree row with budget n
         - expects 1 + the sum of its n most confident nodes' confidences (`ranked_confidences`,
-          `tree.keep`'s rule; `trim_tree` keeps exactly those nodes): the nodes it has in hand, and
+          `tree.ranked`'s order; `trim_tree` keeps exactly those nodes): the nodes it has in hand, and
           beyond them (a row without a tree yet, or budgets above its tree's size) the average tree
           of its strategy and proposer (`tree_profile`);
         - feeds 1 pending token + its nodes (steady state: the tree it checks is the size of the
