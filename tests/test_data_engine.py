@@ -59,6 +59,11 @@ def test_answers_are_greedy_and_held_out_prompts_are_never_answered(tiny_engine,
     assert {r["source"] for r in recs} >= {"gsm8k", "self_instruct"}
     assert card["by_source"]["gsm8k"]["answers"] == 6
     assert (out / "card.md").read_text().startswith("# Data card")
+    written = {r["id"]: r["text"] for r in records(out, "instructions")}
+    firsts = [E.first_word(written[r["id"]]) for r in recs if r["source"] == "self_written"]
+    assert firsts and sum(c for _, c in card["self_written_first_words"]["top"]) == len(firsts)
+    assert card["self_written_first_words"]["distinct"] == len(set(firsts))
+    assert E.first_word('  "Write, then: explain!') == "write" and E.first_word("...") == ""
     assert len(load_examples(out)) == len(recs)  # what `mtp train --examples` reads
     assert len(load_examples(out / "train-00001.jsonl.gz")) == len(recs)
     with pytest.raises(ValueError, match="held-out split neither"):

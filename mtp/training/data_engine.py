@@ -429,6 +429,12 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
     return write_card(out, cfg, skipped)
 
 
+def first_word(text: str) -> str:
+    """The request's first word, lower-cased, without punctuation ("" for none)."""
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return words[0] if words else ""
+
+
 def write_card(out: Path, cfg: DataConfig | None = None, skipped: dict | None = None) -> dict:
     """card.json and card.md: answers and tokens per source and category, length histogram, answers cut
     short. Reads the folder only (shards and working file; a torn line is not cut); refuses a folder
@@ -454,6 +460,8 @@ def write_card(out: Path, cfg: DataConfig | None = None, skipped: dict | None = 
     for f in sorted((out / HELDOUT).glob("*.jsonl")) if (out / HELDOUT).exists() else []:
         heldout[f.stem] = sum(1 for line in f.read_text(encoding="utf-8").splitlines() if line.strip())
     written, _ = shards.read(out, "instructions", repair=False)
+    firsts = collections.Counter(first_word(r.get("text", "")) for k, r in written.items()
+                                 if done.get(k, {}).get("source") == "self_written")
     total = sum(s["answers"] for s in per.values())
     card = {"answers": total,
             "response_tokens": sum(s["response_tokens"] for s in per.values()),
@@ -463,6 +471,7 @@ def write_card(out: Path, cfg: DataConfig | None = None, skipped: dict | None = 
             "length_histogram": {f"{edges[i]}-{edges[i + 1] - 1 if edges[i + 1] < 1 << 30 else ''}": c
                                  for i, c in enumerate(hist) if c or i < len(hist) - 1},
             "heldout_prompts": heldout, "self_written_requests": len(written),
+            "self_written_first_words": {"distinct": len(firsts), "top": firsts.most_common(15)},
             "skipped_prompts_too_long": dict(skipped or {}), "corrupt_lines_skipped": bad}
     shards.write_text_atomic(out / "card.json", json.dumps(card, indent=1))
     lines = [f"# Data card: {out.name}", "",
@@ -476,6 +485,9 @@ def write_card(out: Path, cfg: DataConfig | None = None, skipped: dict | None = 
     lines += ["", "| source: category | answers | response tokens |", "| --- | --- | --- |"]
     lines += [f"| {k} | {v['answers']:,} | {v['response_tokens']:,} |"
               for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1]["answers"])]
+    if firsts:  # self-written requests have no category: their first word shows what kinds they span
+        lines += ["", f"Self-written requests answered, by first word: {len(firsts):,} distinct; the most common: "
+                  + ", ".join(f"{w or '(empty)'} {c:,}" for w, c in firsts.most_common(15)) + "."]
     lines += ["", "| response length | answers |", "| --- | --- |"]
     lines += [f"| {k} | {v:,} |" for k, v in card["length_histogram"].items()]
     lines += ["", "Held out (prompts only, never trained on): "
