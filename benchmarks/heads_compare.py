@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -27,6 +28,19 @@ from mtp.core.strategy import Strategy
 from mtp.eval.bench import load_data
 from mtp.tune.offline import decode_all
 from mtp.tune.simulate import replay
+
+
+def portable(path) -> str:
+    """A path as the results record it: `$MTP_DATA_DIR/...` for the data folder, else relative to the
+    working folder where it lies under it (no machine's absolute paths in committed results)."""
+    text = str(path)
+    data_dir = os.environ.get("MTP_DATA_DIR")
+    if data_dir and data_dir.rstrip("/") and data_dir.rstrip("/") in text:
+        return text.replace(data_dir.rstrip("/"), "$MTP_DATA_DIR")
+    try:
+        return str(Path(text).resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return text
 
 
 def main(argv=None) -> None:
@@ -58,7 +72,7 @@ def main(argv=None) -> None:
         for s in strategies:
             stats = replay(engine, prompts, ref, s, "heads", hidden_cache=hidden, memo={})
             chunks = [c for o in stats.outputs for c in o.chunks]
-            row = {"heads": h, "heads_dir": str(engine.heads_dir), "strategy": str(s), "data": args.data,
+            row = {"heads": h, "heads_dir": portable(engine.heads_dir), "strategy": str(s), "data": portable(args.data),
                    "n_prompts": len(prompts), "tokens_per_forward": metrics.tokens_per_forward(chunks),
                    "acceptance_by_position": metrics.acceptance_by_position(chunks, s.k)}
             rows.append(row)
