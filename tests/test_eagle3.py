@@ -22,8 +22,8 @@ from mtp.core.artifacts import write_dir_atomic
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.training.data import Example
-from mtp.training.eagle3_train import (TrainEagle3Config, draft_vocab_from, extract_features, init_drafter,
-                                       make_batch, train_eagle3, ttt_logits)
+from mtp.training.eagle3_train import (TrainEagle3Config, batch_examples, draft_vocab_from, extract_features,
+                                       init_drafter, make_batch, train_eagle3, ttt_logits)
 
 AUX = (0, 1, 2)
 
@@ -249,6 +249,26 @@ def test_resume_after_kill_equals_uninterrupted(tmp_path):
         assert n1 == n2 and torch.equal(t1, t2), n1
     with pytest.raises(ValueError, match="already holds"):
         small_run(model, feats, tmp_path / "full", 6)
+
+
+def test_length_grouped_batches_cover_the_epoch_and_pad_less():
+    g = torch.Generator().manual_seed(0)
+    n, bs = 1003, 8
+    lengths = torch.randint(20, 500, (n + 7,), generator=g)  # indexed by example id
+    train = torch.randperm(n + 7, generator=g)[:n]  # the training ids: not 0..n-1
+    per_epoch = n // bs
+    epoch0 = [batch_examples(train, s, bs, seed=1, lengths=lengths) for s in range(per_epoch)]
+    seen = torch.cat(epoch0)
+    assert len(seen) == len(set(seen.tolist())) == per_epoch * bs and set(seen.tolist()) <= set(train.tolist())
+    epoch1 = torch.cat([batch_examples(train, per_epoch + s, bs, seed=1, lengths=lengths) for s in range(per_epoch)])
+    assert len(set(epoch1.tolist())) == per_epoch * bs and not torch.equal(epoch1, seen)  # a new order each epoch
+    assert torch.equal(batch_examples(train, 5, bs, 1, lengths), epoch0[5])  # resume sees the same batch
+
+    def padded_share(batches):
+        return sum(int(lengths[b].sum()) for b in batches) / sum(int(lengths[b].max()) * len(b) for b in batches)
+
+    plain = [batch_examples(train, s, bs, seed=1) for s in range(per_epoch)]
+    assert padded_share(plain) < 0.75 < 0.95 < padded_share(epoch0)
 
 
 def test_draft_vocabulary_counts_answers_only(tiny):

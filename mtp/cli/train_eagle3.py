@@ -1,6 +1,8 @@
 """`mtp train-eagle3`: train an EAGLE-3 drafter on the frozen model's cached residual streams."""
 from __future__ import annotations
 
+import argparse
+
 import sys
 import time
 from pathlib import Path
@@ -42,6 +44,8 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="batches of examples of similar lengths (less padding; default on)")
     p.add_argument("--cache-dir", default=None, help="answers and feature cache (default $MTP_CACHE_DIR or ~/.cache/mtp)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cpu")
@@ -61,7 +65,8 @@ def run_train_eagle3(args) -> int:
     cfg = TrainEagle3Config(aux_layers=parse_layers(args.aux_layers), draft_vocab=args.draft_vocab,
                             ttt_steps=args.ttt_steps, steps=args.steps, batch_size=args.batch_size,
                             max_len=args.max_len, lr=args.lr, save_every=args.save_every,
-                            val_fraction=args.val_fraction, seed=args.seed)
+                            val_fraction=args.val_fraction, seed=args.seed,
+                            group_by_length=args.group_by_length)
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     out = Path(args.out)
