@@ -64,10 +64,7 @@ def main() -> int:
             ax.plot([p[xkey] for p in pts], [p[src] for p in pts], "o-", color=color, label=label)
             if ref is not None and src in ref:
                 ax.axhline(ref[src], color=color, ls="--", lw=1, label=f"shipped {label.split(' (')[0]}")
-        ax.set_xscale("log")
-        ax.set_title(title)
-        ax.set_xlabel("training answers")
-        ax.grid(alpha=0.3)
+        style(ax, title)
     axes[0].set_ylabel("held-out tokens per pass (verify:4)")
     axes[0].legend(fontsize=7)
     if bench:
@@ -78,12 +75,19 @@ def main() -> int:
     return 0
 
 
+def style(ax, title: str) -> None:
+    ax.set_xscale("log")
+    ax.set_title(title)
+    ax.set_xlabel("training answers")
+    ax.grid(alpha=0.3)
+
+
 def plot_bench(axes, bench: list[dict]) -> None:
-    points = [b for b in bench if "target" not in b]
-    for ax, (key, title) in zip(axes, BENCH.items()):
-        series: dict[tuple, list] = {}
-        for b in points:
+    series: dict[tuple, list] = {}
+    for b in bench:
+        if "target" not in b:
             series.setdefault((b["proposer"], b["recipe"]), []).append(b)
+    for ax, (key, title) in zip(axes, BENCH.items()):
         markers = iter("os^Dv<>px" * 3)
         for (proposer, recipe), pts in series.items():
             pts = sorted(pts, key=lambda b: b["answers"])
@@ -92,10 +96,7 @@ def plot_bench(axes, bench: list[dict]) -> None:
         for t in (b for b in bench if "target" in b):
             ax.axhline(t[key], color=COLORS.get(t["target"], "tab:gray"), ls=":", lw=1,
                        label=f"target {t['target']}")
-        ax.set_xscale("log")
-        ax.set_title(title)
-        ax.set_xlabel("training answers")
-        ax.grid(alpha=0.3)
+        style(ax, title)
     axes[0].set_ylabel("tokens per pass, identical to ntp")
     axes[0].legend(fontsize=6)
 

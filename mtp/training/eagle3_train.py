@@ -2,9 +2,10 @@
 
 As for the heads (`mtp.training.heads_train`), the trunk is frozen: its residual streams at the
 drafter's `aux_layers` over every self-generated example are computed once and cached as
-safetensors, one file per block of examples (`cached_features`), and the drafter trains on the cache through the one optimisation
-loop of `mtp.training.trainer`. Targets are the answers themselves (the model's own greedy
-continuation: the "hard teacher"), restricted to the draft vocabulary.
+safetensors, one file per block of examples (`cached_features`), and the drafter trains on the
+cache through the one optimisation loop of `mtp.training.trainer`. Targets are the answers
+themselves (the model's own greedy continuation: the "hard teacher"), restricted to the draft
+vocabulary.
 
 Training-time test (EAGLE-3): the drafter is unrolled `ttt_steps` steps, as it runs when drafting.
 Step 0 at anchor p reads the trunk's fused features at p and the token p+1 and predicts p+2; step j
@@ -14,7 +15,6 @@ and its own chain's keys of steps 1..j: exactly what it sees while drafting toke
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -36,13 +36,6 @@ RESUME_KEYS = ("aux_layers", "draft_vocab", "ttt_steps", "batch_size", "max_len"
 
 
 # ---- the feature cache -------------------------------------------------------------------------
-
-def features_key(model: Transformer, examples, aux_layers, max_len: int, dtype: str) -> str:
-    h = hashlib.sha256(f"{base_hash(model)}:{list(aux_layers)}:{max_len}:{dtype}:".encode())
-    for ex in examples:
-        h.update(json.dumps([list(ex.prompt_ids), list(ex.response_ids)]).encode())
-    return h.hexdigest()[:16]
-
 
 def extract_features(model: Transformer, examples, aux_layers, max_len: int = 512, dtype=torch.bfloat16,
                      batch_size: int = 4, progress=None) -> dict:
@@ -77,17 +70,20 @@ def extract_features(model: Transformer, examples, aux_layers, max_len: int = 51
 
 def cached_features(model: Transformer, examples, aux_layers, cache_dir, max_len: int = 512,
                     dtype: str = "bfloat16", progress=None) -> tuple[dict, Path]:
-    """extract_features, computed once per (base model, layers, block of examples) and kept as safetensors
-    (`mtp.training.feature_cache`: resumable, and a grown data set recomputes only its new examples).
-    Returns the features and the cache's index file; a whole-set file of the earlier layout is still read."""
-    whole = Path(cache_dir) / "eagle3-features" / f"{features_key(model, examples, aux_layers, max_len, dtype)}.safetensors"
+    """extract_features, computed once per (base model, layers, block of examples) and kept as
+    safetensors (`mtp.training.feature_cache`: resumable, and a grown data set recomputes only its new
+    examples). Returns the features and the cache's index file; a whole-set file of the earlier layout
+    is still read."""
+    depends_on = f"{base_hash(model)}:{list(aux_layers)}:{max_len}:{dtype}"
+    whole = Path(cache_dir) / "eagle3-features" / f"{feature_cache.block_key(depends_on, examples)}.safetensors"
     if whole.exists():
         return load_safetensors(whole), whole
-    index = feature_cache.cached_blocks(
-        Path(cache_dir) / "eagle3-features" / "blocks", f"{base_hash(model)}:{list(aux_layers)}:{max_len}:{dtype}",
-        examples, lambda part, progress: extract_features(model, part, aux_layers, max_len, getattr(torch, dtype),
-                                                          progress=progress),
-        progress=progress, metadata={"base_hash": base_hash(model)})
+
+    def extract(part, progress):
+        return extract_features(model, part, aux_layers, max_len, getattr(torch, dtype), progress=progress)
+
+    index = feature_cache.cached_blocks(Path(cache_dir) / "eagle3-features" / "blocks", depends_on, examples,
+                                        extract, progress=progress, metadata={"base_hash": base_hash(model)})
     return feature_cache.join_blocks(index, offset_fields=("offsets",)), index
 
 

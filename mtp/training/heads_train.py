@@ -8,7 +8,6 @@ than mask-token training. The network and its proposer are `mtp.core.proposers.h
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
 from mtp.core.model import Transformer
@@ -30,13 +28,6 @@ RESUME_KEYS = ("depths", "blocks", "width", "batch_size", "seed", "lr", "warmup"
 
 
 # ---- the hidden-state cache --------------------------------------------------------------------
-
-def features_key(model: Transformer, examples) -> str:
-    h = hashlib.sha256(f"{base_hash(model)}:{MAX_AHEAD}:".encode())
-    for ex in examples:
-        h.update(json.dumps([list(ex.prompt_ids), list(ex.response_ids)]).encode())
-    return h.hexdigest()[:16]
-
 
 def extract_features(model: Transformer, examples, batch_size: int = 8, progress=None) -> dict:
     """Run the frozen trunk once over prompt + response of every example.
@@ -95,13 +86,14 @@ def cached_features(model: Transformer, examples, cache_dir, batch_size: int = 8
     """extract_features, computed once per (base model, block of examples) and kept as safetensors
     (`mtp.training.feature_cache`: resumable, and a grown data set recomputes only its new examples).
     Returns the features and the cache's index file; a whole-set file of the earlier layout is still read."""
-    whole = Path(cache_dir) / "heads-features" / f"{features_key(model, examples)}.safetensors"
+    depends_on = f"{base_hash(model)}:{MAX_AHEAD}"
+    whole = Path(cache_dir) / "heads-features" / f"{feature_cache.block_key(depends_on, examples)}.safetensors"
     if whole.exists():
-        feats = load_file(str(whole))
+        feats = load_safetensors(whole)
         feats["agree"] = feats["agree"].bool()
         return feats, whole
     index = feature_cache.cached_blocks(
-        Path(cache_dir) / "heads-features" / "blocks", f"{base_hash(model)}:{MAX_AHEAD}", examples,
+        Path(cache_dir) / "heads-features" / "blocks", depends_on, examples,
         lambda part, progress: extract_features(model, part, batch_size, progress), progress=progress,
         metadata={"base_hash": base_hash(model)})
     return feature_cache.join_blocks(index, example_fields=("example",), dtypes={"agree": torch.bool}), index
