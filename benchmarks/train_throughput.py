@@ -11,8 +11,8 @@ entries (the model's own next token, which gated LoRA leaves untouched) are not 
         --config upper-half=.:48:8:ground-truth@15:30
 
 TREE is a checkout of mtp (its `mtp/` package is imported from there), SPANS:K_MAX:TEACHER the step,
-and an optional @FROM:TO puts the LoRA on layers FROM..TO-1 only (`mtp train --lora-layers`; trees
-that have it).
+an optional @FROM:TO puts the LoRA on layers FROM..TO-1 only (`mtp train --lora-layers`; trees
+that have it), and a final +amp runs the forward under bf16 autocast (`mtp train --amp on`).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ for step in range({steps} + 1):
     batch = D.make_batch([examples[({seed} * 7919 + step * B + i) % len(examples)] for i in range(B)],
                          model.config.mask_token_id, {spans}, {k_max}, {seq_len}, gen)
     t0 = time.perf_counter()
-    s, p, t = D.forward_pair(model, model, None, batch, {teacher!r}, True, False)
+    s, p, t = D.forward_pair(model, model, None, batch, {teacher!r}, True, {amp})
     loss, agree = D.distill_loss(s, t, batch, {teacher!r}, p)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -65,7 +65,7 @@ print(json.dumps({{"seconds": total_s, "mask_predictions": masks}}))
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", required=True, help="JSONL of token ids (e.g. `mtp data`'s train.jsonl)")
-    ap.add_argument("--config", action="append", required=True, help="LABEL=TREE:SPANS:K_MAX:TEACHER[@FROM:TO]")
+    ap.add_argument("--config", action="append", required=True, help="LABEL=TREE:SPANS:K_MAX:TEACHER[@FROM:TO][+amp]")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per config and round")
     ap.add_argument("--batch", type=int, default=4)
@@ -77,17 +77,19 @@ def main() -> int:
     configs = []
     for spec in args.config:
         label, _, rest = spec.partition("=")
+        amp = rest.endswith("+amp")
+        rest = rest.removesuffix("+amp")
         rest, _, layers = rest.partition("@")
         tree, spans, k_max, teacher = rest.rsplit(":", 3)
         layers = tuple(int(x) for x in layers.split(":")) if layers else None
-        configs.append((label, Path(tree).resolve(), int(spans), int(k_max), teacher, layers))
+        configs.append((label, Path(tree).resolve(), int(spans), int(k_max), teacher, layers, amp))
     totals = {c[0]: [0.0, 0] for c in configs}
     for r in range(args.rounds):
         order = configs[r % len(configs):] + configs[: r % len(configs)]
-        for label, tree, spans, k_max, teacher, layers in order:
+        for label, tree, spans, k_max, teacher, layers, amp in order:
             code = STEP.format(threads=args.threads, examples=str(Path(args.examples).resolve()),
                                n_examples=args.n_examples, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
-                               seed=r, spans=spans, k_max=k_max, teacher=teacher,
+                               seed=r, spans=spans, k_max=k_max, teacher=teacher, amp=amp,
                                layers_arg=f", layers={layers}" if layers else "")
             env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tree)
@@ -97,7 +99,8 @@ def main() -> int:
             rec = json.loads(out.stdout.strip().splitlines()[-1])
             totals[label][0] += rec["seconds"]
             totals[label][1] += rec["mask_predictions"]
-            rec.update(label=label, round=r, spans=spans, k_max=k_max, teacher=teacher, layers=layers, batch=args.batch,
+            rec.update(label=label, round=r, spans=spans, k_max=k_max, teacher=teacher, layers=layers, amp=amp,
+                       batch=args.batch,
                        threads=args.threads, rate=rec["mask_predictions"] / rec["seconds"], time=time.time())
             print(json.dumps(rec), flush=True)
             if args.out:

@@ -23,7 +23,8 @@ from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.training.data import Example
 from mtp.training.eagle3_train import (TrainEagle3Config, batch_examples, draft_vocab_from, extract_features,
-                                       init_drafter, make_batch, train_eagle3, ttt_logits)
+                                       init_drafter, make_batch, train_eagle3, ttt_logits, ttt_loss)
+from mtp.training.trainer import use_bf16
 
 AUX = (0, 1, 2)
 
@@ -231,6 +232,37 @@ def small_run(model, feats, out, steps, on_step=None, resume=False):
     return train_eagle3(model, feats, cfg, out, resume=resume, log=lambda m: None, on_step=on_step)
 
 
+def test_bf16_autocast_step_is_the_fp32_step_in_bf16():
+    """--amp: under autocast the drafter's matmuls run in bf16 and give the fp32 loss and gradient
+    to bf16 precision (the weights stay fp32)."""
+    model = tiny_model(3)
+    model.requires_grad_(False)
+    exs = examples_of(model, n=4, new=20)
+    feats = extract_features(model, exs, AUX, dtype=torch.float32)
+    d = init_drafter(model, Eagle3Config.for_model(model.config, 97, AUX), torch.arange(97), 0)
+    batch = make_batch(feats, torch.arange(4), model.device)
+    grads, losses = [], []
+    for amp in (False, True):
+        d.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            assert ttt_logits(d, model.embed_tokens, batch, 2)[0].dtype == (torch.bfloat16 if amp else torch.float32)
+            loss, _ = ttt_loss(d, model.embed_tokens, batch, 3)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(torch.cat([p.grad.flatten() for p in d.parameters()]))
+    assert all(p.dtype == torch.float32 for p in d.parameters())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+    assert float(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)) > 0.99
+
+
+def test_amp_choice():
+    assert use_bf16("on", "cpu") and not use_bf16("off", "cuda")
+    assert use_bf16("auto", "cuda")
+    assert use_bf16("auto", "cpu") == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    with pytest.raises(ValueError, match="--amp must be one of auto, on, off"):
+        use_bf16("bf16", "cpu")
+
+
 def test_resume_after_kill_equals_uninterrupted(tmp_path):
     model = tiny_model(3)
     feats = extract_features(model, examples_of(model, n=8, new=12), AUX, dtype=torch.float32)
@@ -390,7 +422,8 @@ def test_cli_train_export_generate(tiny_hf_dir, tmp_path, capsys):
     out = tmp_path / "drafter"
     assert main(["train-eagle3", "--model", str(tiny_hf_dir), "--examples", str(tmp_path / "ex.jsonl"),
                  "--steps", "3", "--batch-size", "2", "--draft-vocab", "16", "--val-fraction", "0",
-                 "--cache-dir", str(tmp_path / "cache"), "--threads", "1", "--out", str(out)]) == 0
+                 "--cache-dir", str(tmp_path / "cache"), "--threads", "1", "--amp", "on", "--out", str(out)]) == 0
+    assert json.loads((out / CONFIG).read_text())["meta"]["train"]["amp"] is True  # the run records its compute
     assert main(["generate", "--model", str(tiny_hf_dir), "--adapter", "none", "--proposer", "eagle3",
                  "--eagle3", str(out), "--strategy", "verify:3", "--max-new-tokens", "6",
                  "--threads", "1", "hi"]) == 0

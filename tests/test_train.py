@@ -59,7 +59,7 @@ def test_batch_columns():
         assert b.gt_target[i, 0] == b.tokens[i, d1 + 1]
 
 
-def _step(split, teacher, seed=0):
+def _step(split, teacher, seed=0, amp=False):
     model = tiny_model(0)
     torch.manual_seed(seed)
     params = add_adapters(model, rank=4, alpha=8)
@@ -67,7 +67,7 @@ def _step(split, teacher, seed=0):
         for p in params:
             p.add_(torch.randn_like(p) * 0.1)
     batch = make_batch(examples(3), model.config.mask_token_id, 3, 6, 64, torch.Generator().manual_seed(1))
-    s, proposals, t = forward_pair(model, model, None, batch, teacher, split, False)
+    s, proposals, t = forward_pair(model, model, None, batch, teacher, split, amp)
     loss, agree = distill_loss(s, t, batch, teacher, proposals)
     loss.backward()
     return loss.detach(), [p.grad for p in params], proposals[batch.valid]
@@ -82,6 +82,17 @@ def test_split_forward_equals_one_pass_layout(teacher):
     for ga, gb in zip(grads_a, grads_b):
         torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-4)
     assert grads_a[0].abs().sum() > 0  # the mask embedding row is trained
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_bf16_autocast_step_is_the_fp32_step_in_bf16(split):
+    """`mtp train --amp on`: the forward in bf16 gives the fp32 loss and gradients to bf16 precision."""
+    loss_a, grads_a, _ = _step(split, "ground-truth")
+    loss_b, grads_b, _ = _step(split, "ground-truth", amp=True)
+    assert float(loss_b) == pytest.approx(float(loss_a), rel=2e-2)
+    ga, gb = torch.cat([g.flatten() for g in grads_a]), torch.cat([g.flatten() for g in grads_b])
+    assert not torch.equal(ga, gb)  # it did run in bf16
+    assert float(torch.nn.functional.cosine_similarity(ga, gb, dim=0)) > 0.98
 
 
 def test_loss_variants_differ():
@@ -194,12 +205,14 @@ def test_cli_end_to_end(tmp_path):
     out = tmp_path / "adapter"
     cmd = [sys.executable, "-m", "mtp.cli", "train", "--model", str(model_dir), "--data", str(data),
            "--self-generate", "--max-new-tokens", "12", "--steps", "3", "--batch-size", "2", "--k-max", "4",
-           "--spans", "2", "--seq-len", "64", "--out", str(out), "--export", str(tmp_path / "ship"), "--threads", "1"]
+           "--spans", "2", "--seq-len", "64", "--out", str(out), "--export", str(tmp_path / "ship"), "--threads", "1",
+           "--amp", "on"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
     assert "trained 3 steps" in r.stderr
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["meta"]["step"] == 3 and cfg["meta"]["training"]["teacher"] == "hard"
+    assert cfg["meta"]["training"]["amp"] is True
     ship = load_file(str(tmp_path / "ship" / "adapter.safetensors"))
     assert all(v.dtype == torch.float16 for v in ship.values())
     assert sorted(p.name for p in (tmp_path / "ship").iterdir()) == ["adapter.safetensors", "config.json"]
@@ -209,7 +222,7 @@ def test_cli_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["strategy"] == "conf_adapt:0.5:4"
     # bad input: one line, exit 2, nothing written
-    bad = cmd[:7] + [str(tmp_path / "test.jsonl")] + cmd[8:-6] + ["--out", str(tmp_path / "bad")]
+    bad = cmd[:7] + [str(tmp_path / "test.jsonl")] + cmd[8:-8] + ["--out", str(tmp_path / "bad")]
     r = subprocess.run(bad, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "test split" in r.stderr
     assert not (tmp_path / "bad").exists()

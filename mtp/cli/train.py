@@ -20,7 +20,7 @@ from mtp.core.engine import SHIPPED, Engine, EngineConfig
 from mtp.core.loading import model_layers
 from mtp.training.data import build_examples, check_examples_for, load_examples, load_prompts
 from mtp.training.distill import TEACHERS, TrainConfig, check_export, describe, shape_conflict, train
-from mtp.training.trainer import check_lr, distributed
+from mtp.training.trainer import AMP_CHOICES, check_lr, distributed, use_bf16
 
 # the adapter-shape flags left unset without --init-adapter take TrainConfig's defaults
 DEFAULT_SHAPE = {f.name: f.default for f in fields(TrainConfig) if f.name in ("mode", "rank", "alpha", "targets")}
@@ -64,6 +64,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu | cuda (under torchrun: each process its own GPU)")
+    p.add_argument("--amp", choices=AMP_CHOICES, default="auto",
+                   help="bf16 autocast for the forward passes (auto: on where bf16 is native: CUDA, "
+                        "AVX-512 BF16 / AMX CPUs)")
     p.set_defaults(func=run)
 
 
@@ -113,7 +116,7 @@ def run(args) -> int:
             out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, **shape,
             k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,
             save_every=args.save_every, seed=args.seed, resume=args.resume, device=device,
-            log_every=args.log_every, export=args.export,
+            log_every=args.log_every, export=args.export, amp=use_bf16(args.amp, device),
             meta={"model": args.model, "data": Path(args.data or args.examples).name,
                   "self_generate": bool(args.self_generate), "limit": args.limit})
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from mtp.core.engine import Engine, EngineConfig
 from mtp.core.proposers.eagle3 import Eagle3Config
 from mtp.training import data
 from mtp.training.eagle3_train import TrainEagle3Config, cached_features, is_drafter_dir, train_eagle3
-from mtp.training.trainer import check_run_out
+from mtp.training.trainer import AMP_CHOICES, check_run_out, use_bf16
 
 
 def add_parser(sub) -> None:
@@ -48,6 +48,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cache-dir", default=None, help="answers and feature cache (default $MTP_CACHE_DIR or ~/.cache/mtp)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--amp", choices=AMP_CHOICES, default="auto",
+                   help="bf16 autocast for the drafter's steps (auto: on where bf16 is native: CUDA, "
+                        "AVX-512 BF16 / AMX CPUs)")
     p.set_defaults(func=run_train_eagle3)
 
 
@@ -73,6 +76,7 @@ def run_train_eagle3(args) -> int:
     check_threads(args.threads)
     check_batch_size(args.gen_batch_size, "--gen-batch-size")
     check_device(args.device)
+    cfg.amp = use_bf16(args.amp, args.device)
     if args.examples:
         examples = data.load_examples(args.examples)[: args.limit]
     else:

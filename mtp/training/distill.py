@@ -64,6 +64,7 @@ class TrainConfig:
     export: str | None = None  # also write a float16 adapter-only copy here at the end
     lora_layers: tuple | None = None  # (FROM, TO): LoRA on layers FROM..TO-1 only (None: all); FROM > 0 freezes the mask row
     init_adapter: str | None = None  # start from this adapter's weights (fresh optimizer); its shape must match
+    amp: bool = False  # forward under bf16 autocast (`trainer.use_bf16`; `mtp train --amp`); weights stay fp32
     meta: dict = field(default_factory=dict)  # data provenance, written into the adapter config
 
 
@@ -441,7 +442,7 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
     if dist is not None:
         student = DistributedDataParallel(model, device_ids=None if cfg.device == "cpu" else [model.device])
     dev = model.device
-    use_amp = dev.type == "cuda"
+    use_amp = cfg.amp
     split = cfg.mode == "gated" and not cfg.full_layout
 
     def step_fn(step: int):

@@ -104,6 +104,7 @@ class TrainEagle3Config:
     seed: int = 0
     step_decay: float = 0.8  # loss weight of TTT step j: decay ** j (EAGLE-3's weighting)
     group_by_length: bool = True  # batches of similar lengths (`batch_examples`)
+    amp: bool = False  # forward under bf16 autocast (`trainer.use_bf16`); weights and AdamW stay fp32
 
     def __post_init__(self):
         self.aux_layers = tuple(self.aux_layers)
@@ -340,7 +341,8 @@ def train_eagle3(model: Transformer, feats: dict, cfg: TrainEagle3Config, out, r
 
     def step_fn(step: int):
         batch = make_batch(feats, batch_examples(train, step, cfg.batch_size, cfg.seed, lengths), model.device)
-        loss, accs = ttt_loss(drafter, embed, batch, cfg.ttt_steps, cfg.step_decay)
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=cfg.amp):
+            loss, accs = ttt_loss(drafter, embed, batch, cfg.ttt_steps, cfg.step_decay)
         return loss, {"acc": [round(a, 4) for a in accs], "tokens": int(batch["length"].sum())}
 
     def load_fn(path: Path):

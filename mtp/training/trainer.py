@@ -72,6 +72,22 @@ def check_run_out(out: Path, kind: Callable[[Path], bool], what: str, resume: bo
         raise ValueError(f"{out} already holds {what}; pass --resume to continue or choose another --out")
 
 
+AMP_CHOICES = ("auto", "on", "off")
+
+
+def use_bf16(choice: str, device) -> bool:
+    """--amp: whether a trainer's forward runs under bf16 autocast (weights and optimizer stay fp32).
+    auto = where bf16 matmuls are native: CUDA, or a CPU oneDNN runs bf16 on (AVX-512 BF16/AMX; an
+    EPYC with AVX512-BF16 steps an EAGLE-3 drafter ~2.3x faster: benchmarks/results/train_amp/)."""
+    if choice not in AMP_CHOICES:
+        raise ValueError(f"--amp must be one of {', '.join(AMP_CHOICES)}, got {choice!r}")
+    if choice != "auto":
+        return choice == "on"
+    if torch.device(device).type == "cuda":
+        return True
+    return torch.device(device).type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def lr_at(step: int, lr: float, warmup: int, steps: int) -> float:
     """Linear warm-up over `warmup` steps, then cosine decay to 10 % of `lr` at the last step."""
     if step < warmup:
