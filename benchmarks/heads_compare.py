@@ -1,4 +1,5 @@
-"""Two or more sets of MTP heads on the same prompts, by replay: which one accepts more per pass.
+"""Two or more sets of MTP heads (or EAGLE-3 drafters) on the same prompts, by replay: which one
+accepts more per pass.
 
 The rule for shipping retrained heads is "beat the shipped ones on both test sets" (GSM8K test 0-99,
 the 60 diverse held-out prompts; greedy, 256 tokens). Decoding every set of heads on every prompt
@@ -7,6 +8,8 @@ costs a full `mtp bench` run per set; under greedy decoding a lossless strategy 
 on them (`mtp.tune.simulate.replay`: one teacher-forced pass per prompt, then the heads alone, pass by
 pass, the same drafts and acceptances a decode makes up to float near-ties). Tokens per pass comes
 from `mtp.core.metrics.tokens_per_forward` over all passes of all prompts, as `mtp bench` reports it.
+`--eagle3 auto,DIR` replays EAGLE-3 drafters the same way (the teacher-forced pass also returns the
+trunk streams they read), beside or instead of heads.
 
     python benchmarks/heads_compare.py --data gsm8k:$MTP_DATA_DIR/gsm8k/test.jsonl --limit 100 \\
         --heads auto,runs/heads6-1600/heads-5000 --strategies verify:4,tree:16 --out runs/heads_compare/gsm8k100
@@ -47,7 +50,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="gsm8k:PATH or prompts:PATH (as mtp bench)")
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--heads", required=True, help="comma list of heads directories; 'auto' = the shipped heads")
+    ap.add_argument("--heads", default="", help="comma list of heads directories; 'auto' = the shipped heads")
+    ap.add_argument("--eagle3", default="", help="comma list of EAGLE-3 drafter directories; 'auto' = the shipped one")
     ap.add_argument("--strategies", default="verify:4", help="comma list of lossless strategies (verify:K, tree:N)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16, help="rows of the batched reference decode")
@@ -57,22 +61,28 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kind, items = load_data(args.data, args.limit)
-    heads = [h.strip() for h in args.heads.split(",") if h.strip()]
+    heads = [("heads", h.strip()) for h in args.heads.split(",") if h.strip()]
+    heads += [("eagle3", h.strip()) for h in args.eagle3.split(",") if h.strip()]
+    if not heads:
+        ap.error("give --heads and/or --eagle3")
     strategies = [Strategy.parse(s) for s in args.strategies.split(",")]
     t0 = time.perf_counter()
     hidden: dict = {}  # teacher-forced hidden states per prompt: the trunk's, shared by every set of heads
     ref, rows = None, []
-    for h in heads:
-        engine = Engine.load(EngineConfig(adapter="none", proposer="heads", heads=h, threads=args.threads))
+    for proposer, h in heads:
+        engine = Engine.load(EngineConfig(adapter="none", proposer=proposer, threads=args.threads,
+                                          **{proposer: h}))
         prompts = [engine.encode(it["prompt"], chat=True) for it in items]
         if ref is None:
             ref = decode_all(engine, prompts, Strategy(), None, args.max_new_tokens, args.batch).outputs
             print(f"reference: {len(ref)} ntp answers, {sum(len(o.ids) for o in ref):,} tokens "
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
         for s in strategies:
-            stats = replay(engine, prompts, ref, s, "heads", hidden_cache=hidden, memo={})
+            stats = replay(engine, prompts, ref, s, proposer, hidden_cache=hidden, memo={})
             chunks = [c for o in stats.outputs for c in o.chunks]
-            row = {"heads": h, "heads_dir": portable(engine.heads_dir), "strategy": str(s), "data": portable(args.data),
+            where = engine.asset_dirs.get(proposer)
+            row = {"proposer": proposer, proposer: h, f"{proposer}_dir": portable(where), "strategy": str(s),
+                   "data": portable(args.data),
                    "n_prompts": len(prompts), "tokens_per_forward": metrics.tokens_per_forward(chunks),
                    "acceptance_by_position": metrics.acceptance_by_position(chunks, s.k)}
             rows.append(row)

@@ -82,8 +82,36 @@ def test_replayed_passes_are_the_decoded_ones(strategy, which):
         assert again.proposing_s >= 0.9 * first.proposing_s > 0
 
 
-def test_only_context_and_hidden_proposers_replay():
-    assert can_replay("heads") and can_replay("lookup") and can_replay("heads+suffix+lookup")
-    assert not can_replay("mask") and not can_replay("eagle3") and not can_replay("mask-single")
+@pytest.mark.parametrize("strategy", ["verify:4", "tree:8"])
+def test_replayed_eagle3_passes_are_the_decoded_ones(strategy, tmp_path):
+    """EAGLE-3 reads the trunk's streams of what each pass committed: the teacher-forced pass's rows of
+    those positions give it the same drafts, so the replay records the decode's chunks and blocks."""
+    from test_eagle3 import AUX, examples_of
+    from mtp.core.proposers.eagle3 import Eagle3Proposer, load_drafter
+    from mtp.training.eagle3_train import TrainEagle3Config, extract_features, train_eagle3
+    model = tiny_model(3)
+    feats = extract_features(model, examples_of(model, n=12, new=30), AUX, dtype=torch.float32)
+    cfg = TrainEagle3Config(aux_layers=AUX, draft_vocab=97, steps=40, batch_size=4, lr=3e-3, val_fraction=0.0)
+    train_eagle3(model, feats, cfg, tmp_path / "d", log=lambda m: None)
+    drafter = load_drafter(model, tmp_path / "d")
+    prop = Eagle3Proposer(model, drafter)
+    engine = FakeEngine(model, {"eagle3": prop})
+    prompts = [ex.prompt_ids for ex in examples_of(model, n=4, new=1, seed=0)]
+    refs, real = [], []
+    for p in prompts:
+        ntp = decoded(model, p, "ntp", PromptLookupProposer())
+        refs.append(Output(list(ntp.output), "", [], [], ntp.finish_reason))
+        real.append(decoded(model, p, strategy, prop))
+    stats = replay(engine, prompts, refs, Strategy.parse(strategy), "eagle3", hidden_cache={})
+    for out, seq in zip(stats.outputs, real):
+        assert seq.output == out.ids
+        assert out.chunks == seq.stats.chunks and out.blocks == seq.stats.blocks
+    chunks = [c for o in stats.outputs for c in o.chunks[1:]]
+    assert max(chunks) > 1 and min(chunks) == 1  # drafts accepted and rejected: the test can tell
+
+
+def test_only_context_hidden_and_stream_proposers_replay():
+    assert can_replay("heads") and can_replay("lookup") and can_replay("heads+suffix+lookup") and can_replay("eagle3")
+    assert not can_replay("mask") and not can_replay("mask-single")
     with pytest.raises(ValueError, match="only lossless"):
         replay(FakeEngine(tiny_model(0), {}), [], [], Strategy.parse("static:2"), "lookup")

@@ -9,8 +9,11 @@ one forward pass over prompt + answer per prompt, then the proposer alone, pass 
 pass's drafts, how many of them the model would accept (the longest matching prefix, or the tree path
 of the answer's tokens) and the block it fed: the same chunks and blocks a real decode records (up
 to the floating-point differences between a full pass and incremental passes, which may flip a
-near-tie of a draft). Mask proposers (their guesses come from mask tokens inside the pass) and
-EAGLE-3 (its own KV cache of the trunk's layers) cannot be replayed this way: those are decoded.
+near-tie of a draft). EAGLE-3 reads, besides the context, the trunk's residual streams at the
+positions each pass committed: the same teacher-forced pass returns them at every position, and each
+replayed pass hands the drafter the rows of the positions its predecessor committed, as a decode does.
+Mask proposers (their guesses come from mask tokens inside the pass) cannot be replayed this way:
+those are decoded.
 
 The proposer's calls are timed (`TimedProposer`), so pricing includes its cost, as for a decode.
 A proposer that reads the hidden state (the heads) answers the same question at the same position
@@ -24,6 +27,7 @@ import time
 import torch
 
 from mtp.core import tree
+from mtp.core.cache import KVCache
 from mtp.core.proposers import Guesses, PassView, TimedProposer, check_proposer
 from mtp.core.proposers.base import GREEDY, WrappedProposer
 from mtp.core.strategy import Strategy
@@ -50,18 +54,20 @@ class MemoProposer(WrappedProposer):
         return hit[0]
 
     def propose_tree(self, view, n):
-        return self._kept((self.key, view.start, "tree", n), lambda: self.inner.propose_tree(view, n))
+        return self._kept((self.key, len(view.context), "tree", n), lambda: self.inner.propose_tree(view, n))
 
     def propose(self, view, k, params, gen):
         if params is not GREEDY:
             return self.inner.propose(view, k, params, gen)
-        return self._kept((self.key, view.start, "chain", k), lambda: self.inner.propose(view, k, params, gen))
+        return self._kept((self.key, len(view.context), "chain", k),
+                          lambda: self.inner.propose(view, k, params, gen))
 
 
 def can_replay(proposer: str) -> bool:
-    """Whether `proposer` drafts from the context and hidden state alone (heads, lookup, suffix, merges)."""
+    """Whether `proposer` drafts from the context, hidden state and trunk streams alone (heads, lookup,
+    suffix, merges of them, EAGLE-3): not from mask tokens inside the pass."""
     spec = check_proposer(proposer)
-    return all(not check_proposer(p).needs_mask_token and p != "eagle3" for p in (spec.parts or (proposer,)))
+    return all(not check_proposer(p).needs_mask_token for p in (spec.parts or (proposer,)))
 
 
 def accepted(guesses: Guesses, truth: list[int], is_tree: bool) -> int:
@@ -87,8 +93,8 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
     answer (an `Output` of the `ntp` run: ids, and finish 'stop' when it ended in EOS). Returns
     outputs with the reference ids and the replayed chunks, blocks (and with `record`, the drafts'
     confidences and trees, as `offline.decode_all` records them). `hidden_cache` (prompt index ->
-    hidden states) spares repeated teacher-forced passes; `memo` (prompt index -> kept answers) the
-    heads' repeated answers across replays."""
+    hidden states, and (index, layers) -> trunk streams for EAGLE-3) spares repeated teacher-forced
+    passes; `memo` (prompt index -> kept answers) the heads' repeated answers across replays."""
     if not strategy.verifies:
         raise ValueError(f"only lossless strategies can be replayed, not {strategy}")
     clock: dict[str, float] = {}
@@ -114,16 +120,19 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
             return memos[-1]
 
         base = engine.proposer(proposer, wrap=keep)
+        aux = trunk_streams(engine.model, prompt, ref.ids, base.aux_layers, hidden_cache, j)
         logs, trees = [], []
         inner = RecordingProposer(base, logs, trees) if record else base
         timed = TimedProposer(inner, clock, counts)
         P = len(prompt)
         chunks, blocks = [1], [P]  # the prompt's pass emits the first token
-        e, state = 1, {}
+        e, state, start = 1, {}, 0  # start: the cache length before the pass that emitted seq[e - 1]
         with torch.inference_mode():
             while e < len(seq):
+                # that pass committed positions start .. P + e - 2 (the prompt's pass: the whole prompt)
                 view = PassView(context=list(prompt) + seq[:e], mask_logits=torch.empty(0), hidden=hidden[P + e - 2],
-                                masks_valid=False, start=P + e - 1, state=state)
+                                masks_valid=False, aux=None if aux is None else aux[start: P + e - 1],
+                                start=start, state=state)
                 if strategy.is_tree:
                     g = timed.propose_tree(view, strategy.k - 1)
                     if strategy.auto and g.tokens:
@@ -137,7 +146,28 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
                 n = min(a + 1, len(seq) - e)
                 chunks.append(n)
                 blocks.append(1 + len(g.tokens))
+                start = P + e - 1
                 e += n
         outs.append(Output(list(ref.ids), ref.text, chunks, blocks, ref.finish, logs, trees))
         saved += sum(m.saved for m in memos)
     return RunStats(outs, sum(clock.values()) + saved, sum(counts.values()))
+
+
+def trunk_streams(model, prompt: list[int], answer: list[int], aux_layers: tuple[int, ...],
+                  cache: dict | None, j: int) -> torch.Tensor | None:
+    """The residual streams of `aux_layers` at every position of prompt + answer ([P + A, len * dim]), from
+    one teacher-forced pass (kept in `cache` under (j, aux_layers)); None for a proposer without them."""
+    if not aux_layers:
+        return None
+    key = (j, tuple(aux_layers))
+    if cache is not None and key in cache:
+        return cache[key]
+    ids = list(prompt) + list(answer)
+    n = len(ids)
+    with torch.inference_mode():
+        out = model(torch.tensor([ids], device=model.device), torch.arange(n, device=model.device).view(1, n),
+                    cache=KVCache.for_model(model, 1, n), aux_layers=tuple(aux_layers))
+    aux = out[2][0].cpu()
+    if cache is not None:
+        cache[key] = aux
+    return aux
