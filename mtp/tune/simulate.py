@@ -5,7 +5,8 @@ Under greedy decoding a lossless strategy emits exactly the reference (`ntp`) an
 that reads only the context and the last layer's hidden state (heads, lookup, suffix, and merges of
 them) drafts from the same inputs at every pass: the hidden state that predicted the model's own
 token at answer position e is the teacher-forced pass's hidden state at prompt length + e - 1. So
-one forward pass over prompt + answer per prompt, then the proposer alone, pass by pass, gives every
+one forward pass over prompt + answer per prompt (none for a proposer that reads only the context:
+lookup, suffix), then the proposer alone, pass by pass, gives every
 pass's drafts, how many of them the model would accept (the longest matching prefix, or the tree path
 of the answer's tokens) and the block it fed: the same chunks and blocks a real decode records (up
 to the floating-point differences between a full pass and incremental passes, which may flip a
@@ -103,13 +104,6 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
     outs, saved = [], 0.0
     for j, (prompt, ref) in enumerate(zip(prompts, answers)):
         seq = ref.ids + (eos if ref.finish == "stop" and eos else [])  # what the passes produce, EOS included
-        # pass e reads the hidden state at P + e - 2 < P + len(ref.ids): the answer without its EOS is enough
-        if hidden_cache is not None and j in hidden_cache:
-            hidden = hidden_cache[j]
-        else:
-            hidden = teacher_forced(engine.model, prompt, ref.ids)[1] if ref.ids else torch.empty(0)
-            if hidden_cache is not None:
-                hidden_cache[j] = hidden
         kept = memo.setdefault(j, {}) if memo is not None else None
         memos: list[MemoProposer] = []
 
@@ -120,6 +114,14 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
             return memos[-1]
 
         base = engine.proposer(proposer, wrap=keep)
+        # pass e reads the hidden state at P + e - 2 < P + len(ref.ids): the answer without its EOS is enough
+        hidden = None
+        if base.needs_hidden and hidden_cache is not None and j in hidden_cache:
+            hidden = hidden_cache[j]
+        elif base.needs_hidden:
+            hidden = teacher_forced(engine.model, prompt, ref.ids)[1] if ref.ids else torch.empty(0)
+            if hidden_cache is not None:
+                hidden_cache[j] = hidden
         aux = trunk_streams(engine.model, prompt, ref.ids, base.aux_layers, hidden_cache, j)
         logs, trees = [], []
         inner = RecordingProposer(base, logs, trees) if record else base
@@ -130,7 +132,7 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
         with torch.inference_mode():
             while e < len(seq):
                 # that pass committed positions start .. P + e - 2 (the prompt's pass: the whole prompt)
-                view = PassView(context=list(prompt) + seq[:e], mask_logits=torch.empty(0), hidden=hidden[P + e - 2],
+                view = PassView(context=list(prompt) + seq[:e], mask_logits=torch.empty(0), hidden=None if hidden is None else hidden[P + e - 2],
                                 masks_valid=False, aux=None if aux is None else aux[start: P + e - 1],
                                 start=start, state=state)
                 if strategy.is_tree:
