@@ -29,7 +29,7 @@ from mtp.core import metrics
 from mtp.core.engine import Engine, EngineConfig
 from mtp.core.strategy import Strategy
 from mtp.eval.bench import load_data
-from mtp.tune.offline import decode_all
+from mtp.tune.offline import Output, decode_all
 from mtp.tune.simulate import replay
 
 
@@ -46,6 +46,26 @@ def portable(path) -> str:
         return text
 
 
+def reference(engine, prompts: list[list[int]], args) -> list[Output]:
+    """The greedy ntp answers the replays run on: from --reference when it holds these prompts at this
+    length, else decoded (batched) and written there."""
+    path = Path(args.reference) if args.reference else None
+    if path is not None and path.exists():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if [r["prompt_ids"] for r in rows] != prompts or any(r["max_new_tokens"] != args.max_new_tokens for r in rows):
+            raise SystemExit(f"{path}: not the ntp answers of these prompts at --max-new-tokens "
+                             f"{args.max_new_tokens}; remove it or pass another --reference")
+        return [Output(r["ids"], r["text"], [], [], r["finish"]) for r in rows]
+    ref = decode_all(engine, prompts, Strategy(), None, args.max_new_tokens, args.batch).outputs
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": args.max_new_tokens, "ids": o.ids,
+                                           "text": o.text, "finish": o.finish}) + "\n" for p, o in zip(prompts, ref)))
+        tmp.replace(path)
+    return ref
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="gsm8k:PATH or prompts:PATH (as mtp bench)")
@@ -56,6 +76,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16, help="rows of the batched reference decode")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reference", default=None,
+                    help="JSONL of the ntp answers: read when it exists (its prompts and length must match), "
+                         "else decoded and written there")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -74,7 +97,7 @@ def main(argv=None) -> None:
                                           **{proposer: h}))
         prompts = [engine.encode(it["prompt"], chat=True) for it in items]
         if ref is None:
-            ref = decode_all(engine, prompts, Strategy(), None, args.max_new_tokens, args.batch).outputs
+            ref = reference(engine, prompts, args)
             print(f"reference: {len(ref)} ntp answers, {sum(len(o.ids) for o in ref):,} tokens "
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
         for s in strategies:
