@@ -412,6 +412,11 @@ def test_cli_bad_input_is_one_line(tiny_hf_dir, tmp_path, capsys):
                  "--out", str(tmp_path / "mine")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(e.startswith("mtp: error:") for e in err)
+    # --resume with nothing to resume fails before the examples are read (a feature pass can take hours)
+    assert main(["train-eagle3", "--model", str(tiny_hf_dir), "--examples", str(tmp_path / "x.jsonl"),
+                 "--out", str(tmp_path / "new"), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--resume: no checkpoint in" in err and "drop --resume" in err, err
 
 
 def test_cli_train_export_generate(tiny_hf_dir, tmp_path, capsys):

@@ -66,10 +66,14 @@ def run_dir_kinds(fmt: str, weights: str) -> tuple[Callable[[Path], bool], Calla
 def check_run_out(out: Path, kind: Callable[[Path], bool], what: str, resume: bool) -> None:
     """Before any work (a trunk-feature pass can take hours): --out is not a folder mtp did not write
     (`artifacts.replaceable` with the run's `kind`), and one that holds a finished run (config.json)
-    or a checkpoint is continued only with --resume."""
+    or a checkpoint is continued only with --resume, and --resume finds a checkpoint to continue."""
     replaceable(out, kind)
     if not resume and ((out / "config.json").exists() or (out / CHECKPOINT).exists()):
         raise ValueError(f"{out} already holds {what}; pass --resume to continue or choose another --out")
+    if resume:
+        recover_interrupted(out / CHECKPOINT)  # a save a kill interrupted: the previous checkpoint back
+        if not (out / CHECKPOINT / STATE).exists():
+            raise ValueError(f"--resume: no checkpoint in {out / CHECKPOINT}; drop --resume to start a new run")
 
 
 AMP_CHOICES = ("auto", "on", "off")
