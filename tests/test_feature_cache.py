@@ -37,6 +37,8 @@ class Counting:
 
 def assert_same(a: dict, b: dict):
     assert a.keys() == b.keys()
+    a = {k: v[0:len(v)] if isinstance(v, feature_cache.BlockRows) else v for k, v in a.items()}
+    b = {k: v[0:len(v)] if isinstance(v, feature_cache.BlockRows) else v for k, v in b.items()}
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-4), k  # batches pad differently
@@ -65,6 +67,28 @@ def test_eagle3_blocks_join_to_one_extraction(tmp_path):
     a, b = int(joined["offsets"][e]), int(joined["offsets"][e + 1])
     seq = (exs[e].prompt_ids + exs[e].response_ids)[:20]
     assert joined["tokens"][a:b].tolist() == seq
+
+
+def test_rows_left_on_disk_read_back_like_the_joined_tensor(tmp_path):
+    model, exs = tiny_model(), examples()
+    extract = lambda part, progress: E.extract_features(model, part, (0, 1, 2), 20, torch.bfloat16, progress=progress)
+    index = feature_cache.cached_blocks(tmp_path, "eagle3", exs, extract, block=3)
+    loaded = feature_cache.join_blocks(index, offset_fields=("offsets",))
+    lazy = feature_cache.join_blocks(index, offset_fields=("offsets",), on_disk=("aux",))
+    rows = lazy["aux"]
+    assert isinstance(rows, feature_cache.BlockRows) and not isinstance(loaded["aux"], feature_cache.BlockRows)
+    assert rows.shape == loaded["aux"].shape and rows.dtype == torch.bfloat16 and len(rows) == len(loaded["aux"])
+    assert torch.equal(lazy["tokens"], loaded["tokens"]) and torch.equal(lazy["offsets"], loaded["offsets"])
+    off = loaded["offsets"].tolist()
+    for e in range(len(exs)):  # every example's rows, from whichever block holds them
+        assert torch.equal(rows[off[e]:off[e + 1]], loaded["aux"][off[e]:off[e + 1]]), e
+    a, b = off[2] - 3, off[8] + 2  # a range across four blocks, and the edges
+    assert torch.equal(rows[a:b], loaded["aux"][a:b])
+    assert torch.equal(rows[0:len(rows)], loaded["aux"]) and rows[5:5].shape == (0, rows.shape[1])
+    with pytest.raises(TypeError, match="contiguous"):
+        rows[0:10:2]
+    with pytest.raises(ArtifactError, match="no field"):
+        feature_cache.join_blocks(index, offset_fields=("offsets",), on_disk=("hidden",))
 
 
 def test_killed_extraction_keeps_finished_blocks_and_growth_reuses_them(tmp_path):

@@ -73,7 +73,8 @@ def cached_features(model: Transformer, examples, aux_layers, cache_dir, max_len
     """extract_features, computed once per (base model, layers, block of examples) and kept as
     safetensors (`mtp.training.feature_cache`: resumable, and a grown data set recomputes only its new
     examples). Returns the features and the cache's index file; a whole-set file of the earlier layout
-    is still read."""
+    is still read. The streams ("aux") stay in the memory-mapped block files (`BlockRows`), read per
+    batch: the trainer's memory does not grow with the data set."""
     depends_on = f"{base_hash(model)}:{list(aux_layers)}:{max_len}:{dtype}"
     whole = Path(cache_dir) / "eagle3-features" / f"{feature_cache.block_key(depends_on, examples)}.safetensors"
     if whole.exists():
@@ -84,7 +85,7 @@ def cached_features(model: Transformer, examples, aux_layers, cache_dir, max_len
 
     index = feature_cache.cached_blocks(Path(cache_dir) / "eagle3-features" / "blocks", depends_on, examples,
                                         extract, progress=progress, metadata={"base_hash": base_hash(model)})
-    return feature_cache.join_blocks(index, offset_fields=("offsets",)), index
+    return feature_cache.join_blocks(index, offset_fields=("offsets",), on_disk=("aux",)), index
 
 
 # ---- configuration -----------------------------------------------------------------------------

@@ -17,16 +17,22 @@ from mtp.core.cache import KVCache
 TAUS = (0.5, 0.8, 0.9, 0.95, 0.99)
 
 
+def forward_over(model, ids: list[int], **outputs):
+    """One forward pass over `ids` from an empty cache, as a prefill computes it; `outputs` asks the
+    model for more (return_hidden=True, aux_layers=...). Returns the model's outputs, batch of one."""
+    n = len(ids)
+    with torch.inference_mode():
+        return model(torch.tensor([ids], device=model.device), torch.arange(n, device=model.device).view(1, n),
+                     cache=KVCache.for_model(model, 1, n), **outputs)
+
+
 def teacher_forced(model, prompt_ids: list[int], answer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass over prompt + answer: (logits [A, V] of the distributions that predicted the A
     answer tokens, the mask token excluded as in decoding; the last layer's hidden states [P + A, dim])."""
     ids = list(prompt_ids) + list(answer_ids)
-    n = len(ids)
-    cache = KVCache.for_model(model, 1, n)
+    logits, hidden = forward_over(model, ids, return_hidden=True)
     with torch.inference_mode():
-        logits, hidden = model(torch.tensor([ids], device=model.device),
-                               torch.arange(n, device=model.device).view(1, n), cache=cache, return_hidden=True)
-        logits = logits.float()[0, len(prompt_ids) - 1: n - 1]
+        logits = logits.float()[0, len(prompt_ids) - 1: len(ids) - 1]
         mask_id = model.config.mask_token_id
         if mask_id is not None and mask_id < logits.shape[-1]:
             logits[:, mask_id] = float("-inf")  # never a prediction, as in decoding

@@ -28,12 +28,11 @@ import time
 import torch
 
 from mtp.core import tree
-from mtp.core.cache import KVCache
 from mtp.core.proposers import Guesses, PassView, TimedProposer, check_proposer
 from mtp.core.proposers.base import GREEDY, WrappedProposer
 from mtp.core.strategy import Strategy
 from mtp.tune.offline import Output, RecordingProposer, RunStats
-from mtp.tune.predictability import teacher_forced
+from mtp.tune.predictability import forward_over, teacher_forced
 
 
 class MemoProposer(WrappedProposer):
@@ -164,12 +163,7 @@ def trunk_streams(model, prompt: list[int], answer: list[int], aux_layers: tuple
     key = (j, tuple(aux_layers))
     if cache is not None and key in cache:
         return cache[key]
-    ids = list(prompt) + list(answer)
-    n = len(ids)
-    with torch.inference_mode():
-        out = model(torch.tensor([ids], device=model.device), torch.arange(n, device=model.device).view(1, n),
-                    cache=KVCache.for_model(model, 1, n), aux_layers=tuple(aux_layers))
-    aux = out[2][0].cpu()
+    aux = forward_over(model, list(prompt) + list(answer), aux_layers=tuple(aux_layers))[2][0].cpu()
     if cache is not None:
         cache[key] = aux
     return aux
