@@ -10,7 +10,7 @@ prompts, decoded or replayed) against training answers, per proposer and recipe,
         --out benchmarks/results/scaling/scaling.png
 
 A `--bench` line is {"proposer", "recipe", "answers", "gsm8k100", "diverse60", "source"} (a measured point;
-"source" names the results file it comes from) or {"target": proposer, "gsm8k100", "diverse60"}.
+"source" names the results file it comes from) or {"target": proposer, "gsm8k100", "diverse60"} (optional "label": the legend's text).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def plot_bench(axes, bench: list[dict]) -> None:
                     color=COLORS.get(proposer, "tab:gray"), label=f"{proposer}: {recipe}")
         for t in (b for b in bench if "target" in b):
             ax.axhline(t[key], color=COLORS.get(t["target"], "tab:gray"), ls=":", lw=1,
-                       label=f"target {t['target']}")
+                       label=t.get("label", f"target {t['target']}"))
         style(ax, title)
     axes[0].set_ylabel("tokens per pass, identical to ntp")
     axes[0].legend(fontsize=6)
