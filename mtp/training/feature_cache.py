@@ -129,6 +129,9 @@ def join_blocks(index: Path, example_fields=(), offset_fields=(), dtypes: dict |
         with safe_open(str(p), "pt") as f:
             for k in f.keys():
                 shapes.setdefault(k, []).append(f.get_slice(k).get_shape())
+    missing = [k for k in on_disk if k not in shapes]
+    if missing:
+        raise ArtifactError(f"{index}: the blocks hold no field {missing[0]!r}")
     out: dict[str, torch.Tensor] = {}
     fill = {k: 0 for k in shapes}
     examples_before = rows_before = 0
@@ -152,8 +155,5 @@ def join_blocks(index: Path, example_fields=(), offset_fields=(), dtypes: dict |
                 fill[k] += len(t)
         examples_before += n_examples
         rows_before += block_rows
-    for k in on_disk:
-        if k not in shapes:
-            raise ArtifactError(f"{index}: the blocks hold no field {k!r}")
-        out[k] = BlockRows(paths, k)
+    out.update({k: BlockRows(paths, k) for k in on_disk})
     return out
