@@ -23,7 +23,8 @@ from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.training.data import Example
 from mtp.training.eagle3_train import (TrainEagle3Config, batch_examples, draft_vocab_from, extract_features,
-                                       init_drafter, make_batch, train_eagle3, ttt_logits, ttt_loss)
+                                       evaluate, init_drafter, make_batch, train_eagle3, ttt_logits,
+                                       ttt_loss)
 from mtp.training.trainer import use_bf16
 
 AUX = (0, 1, 2)
@@ -309,8 +310,37 @@ def test_draft_vocabulary_counts_answers_only(tiny):
     assert draft_vocab_from(feats, torch.tensor([0, 1]), 2).tolist() == [2, 3]
     d = init_drafter(tiny, Eagle3Config.for_model(tiny.config, 2, AUX), torch.tensor([2, 3]), 0)
     assert d.draft_ids().tolist() == [2, 3] and d.d2t.tolist() == [2, 2] and d.t2d.sum() == 2
-    b = make_batch({**feats, "aux": torch.zeros(9, 3)}, torch.tensor([1, 0]), "cpu")
+    b = make_batch({**feats, "aux": torch.zeros(9, 3)}, torch.tensor([1, 0]), "cpu", bucket=1)
     assert b["tokens"].tolist() == [[9, 3, 3, 3, 0], [9, 9, 1, 2, 2]] and b["length"].tolist() == [4, 5]
+    b = make_batch({**feats, "aux": torch.zeros(9, 3)}, torch.tensor([1, 0]), "cpu", bucket=4)
+    assert b["tokens"].tolist() == [[9, 3, 3, 3, 0, 0, 0, 0], [9, 9, 1, 2, 2, 0, 0, 0]]
+    assert b["length"].tolist() == [4, 5] and b["aux"].shape == (2, 8, 3)
+
+
+def test_shape_bucket_padding_changes_neither_loss_nor_gradient():
+    """Batches are padded to a multiple of SHAPE_BUCKET (few shapes for the bf16 kernels' caches);
+    the padded tail is past every length, so the loss, the accuracies and the gradient are those of
+    the tight batch."""
+    model = tiny_model(3)
+    model.requires_grad_(False)
+    exs = examples_of(model, n=3, new=11)
+    feats = extract_features(model, exs, AUX, dtype=torch.float32)
+    d = init_drafter(model, Eagle3Config.for_model(model.config, 97, AUX), torch.arange(97), 0)
+    results = []
+    for bucket in (1, 16):
+        batch = make_batch(feats, torch.arange(3), model.device, bucket=bucket)
+        d.zero_grad()
+        loss, accs = ttt_loss(d, model.embed_tokens, batch, 3)
+        loss.backward()
+        results.append((batch["tokens"].shape[1], float(loss.detach()), accs,
+                        torch.cat([p.grad.flatten() for p in d.parameters()])))
+    (t1, l1, a1, g1), (t16, l16, a16, g16) = results
+    assert t1 % 16 != 0 and t16 % 16 == 0 and t16 > t1
+    assert l16 == pytest.approx(l1, rel=1e-5) and a16 == a1
+    torch.testing.assert_close(g16, g1, rtol=1e-4, atol=1e-6)
+    # held-out numbers do not depend on how much padding a batch carries
+    one, three = (evaluate(d, model.embed_tokens, feats, torch.arange(3), 3, batch_size=b) for b in (1, 3))
+    assert one == three
 
 
 def save_drafter(model, path, d=None):

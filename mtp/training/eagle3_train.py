@@ -176,10 +176,18 @@ def draft_vocab_from(feats: dict, examples: torch.Tensor, size: int) -> torch.Te
     return torch.tensor(sorted(ids[:size]), dtype=torch.long)
 
 
-def make_batch(feats: dict, examples: torch.Tensor, device) -> dict:
-    """Right-padded tensors of these examples: tokens [B, T], aux [B, T, A*dim], length, prompt_len [B]."""
+# Batch lengths are padded up to a multiple of this. Every distinct [B, T] makes the bf16 CPU kernels
+# (oneDNN) build and keep new primitives: with ~500 distinct T the trainer grew ~2 MB a step; with
+# buckets of 32 there are at most max_len / 32 shapes (benchmarks/results/eagle3/shape_buckets/).
+SHAPE_BUCKET = 32
+
+
+def make_batch(feats: dict, examples: torch.Tensor, device, bucket: int = SHAPE_BUCKET) -> dict:
+    """Right-padded tensors of these examples: tokens [B, T], aux [B, T, A*dim], length, prompt_len [B].
+    T is the longest example rounded up to a multiple of `bucket`; the padding (token 0, aux 0) lies
+    past every example's length, so causal attention and the loss never see it."""
     spans = [(int(feats["offsets"][e]), int(feats["offsets"][e + 1])) for e in examples.tolist()]
-    T = max(b - a for a, b in spans)
+    T = -(-max(b - a for a, b in spans) // bucket) * bucket
     A = feats["aux"].shape[1]
     tokens = torch.zeros(len(spans), T, dtype=torch.long)
     aux = torch.zeros(len(spans), T, A, dtype=torch.float32)
