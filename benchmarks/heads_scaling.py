@@ -29,6 +29,7 @@ from mtp.core.proposers.heads import bf16_readout, load_heads
 from mtp.training import shards
 from mtp.training.data import load_examples
 from mtp.training.heads_train import TrainHeadsConfig, cached_features, evaluate, train_heads
+from mtp.training.trainer import AMP_CHOICES, use_bf16
 
 
 def held_out(key: str, fraction: float) -> bool:
@@ -47,6 +48,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--amp", choices=AMP_CHOICES, default="auto",
+                    help="extract the trunk's states under bf16 autocast (auto: on a CPU with native bf16)")
     ap.add_argument("--reference", default="shipped",
                     help="heads directory scored on the same held-out answers first ('shipped', 'none')")
     ap.add_argument("--repeat", default="",
@@ -72,7 +75,8 @@ def main() -> int:
     model = engine.model
     order = train[: max(sizes)] + val  # one feature file: the largest training set, then the held-out answers
     t0 = time.perf_counter()
-    feats, path = cached_features(model, [examples[i] for i in order], cache_root())
+    feats, path = cached_features(model, [examples[i] for i in order], cache_root(),
+                                  amp=use_bf16(args.amp, model.device))
     print(f"features of {len(order)} answers ({len(feats['hidden']):,} rows) in {time.perf_counter() - t0:.0f} s: {path}",
           flush=True)
     n_train_max = max(sizes)
@@ -99,30 +103,26 @@ def main() -> int:
         ref_dir = SHIPPED["smollm2-135m"] / "heads" if args.reference == "shipped" else Path(args.reference)
         emit({"reference": args.reference, **by_source(load_heads(model, ref_dir), feats, val_rows)})
     for n in sizes:
-        keep = (example < n) | (example >= n_train_max)
-        sub = {k: v[keep] for k, v in feats.items()}
-        # renumber: training answers 0..n-1, the held-out ones after them; split_rows then holds out none
-        sub["example"] = torch.where(sub["example"] >= n_train_max, sub["example"] - n_train_max + n,
-                                     sub["example"])
-        train_only = {k: v[sub["example"] < n] for k, v in sub.items()}
+        # row indices, never copies: the whole-set features are ~2.3 KB per row
+        rows = (example < n).nonzero().squeeze(1)
         if args.repeat:
             source, times = args.repeat.rsplit(":", 1)
-            mine = torch.tensor([sources[order[int(e)]] == source for e in train_only["example"]])
+            mine = torch.tensor([sources[order[int(e)]] == source for e in example[rows]])
             again = mine.nonzero().squeeze(1).repeat(int(times) - 1)
-            index = torch.cat([torch.arange(len(mine)), again])
-            train_only = {k: v[index] for k, v in train_only.items()}
-            print(f"--repeat {args.repeat}: {int(mine.sum()):,} of {len(mine):,} training rows from {source}, "
-                  f"{len(index):,} rows after repeating", flush=True)
+            n_rows = len(rows)
+            rows = rows[torch.cat([torch.arange(n_rows), again])]
+            print(f"--repeat {args.repeat}: {int(mine.sum()):,} of {n_rows:,} training rows from {source}, "
+                  f"{len(rows):,} rows after repeating", flush=True)
         cfg = TrainHeadsConfig(depths=args.depths, blocks=args.blocks, steps=args.steps, batch_size=args.batch_size,
                                lr=args.lr, save_every=args.steps, val_fraction=0.0, draft_vocab=args.draft_vocab)
         t0 = time.perf_counter()
         run = out / f"heads-{n}"
         if run.exists():
             shutil.rmtree(run)
-        train_heads(model, train_only, cfg, run, log=lambda m: None)
-        rec = {"answers": n, "train_rows": int((sub["example"] < n).sum()), "steps": args.steps,
+        train_heads(model, feats, cfg, run, log=lambda m: None, rows=rows)
+        rec = {"answers": n, "train_rows": int((example < n).sum()), "steps": args.steps,
                "train_s": round(time.perf_counter() - t0, 1)}
-        emit({**rec, **by_source(load_heads(model, run), sub, (sub["example"] >= n).nonzero().squeeze(1))})
+        emit({**rec, **by_source(load_heads(model, run), feats, val_rows)})
     return 0
 
 

@@ -234,6 +234,19 @@ def test_hidden_state_cache_round_trip(tiny, tmp_path):
     assert path3 != path
 
 
+def test_bf16_features_are_cached_apart_and_stay_close(tiny, tmp_path):
+    """--amp extracts under bf16 autocast: its own cache key (never mixed with fp32 blocks), the same
+    rows and targets, hidden states within bf16 rounding of the fp32 ones."""
+    exs = examples()
+    fp32, path = H.cached_features(tiny, exs, tmp_path)
+    bf16, path_bf16 = H.cached_features(tiny, exs, tmp_path, amp=True)
+    assert path_bf16 != path
+    assert torch.equal(bf16["ahead"], fp32["ahead"]) and torch.equal(bf16["example"], fp32["example"])
+    assert bf16["hidden"].dtype == torch.float32 and not torch.equal(bf16["hidden"], fp32["hidden"])
+    rel = (bf16["hidden"] - fp32["hidden"]).norm() / fp32["hidden"].norm()
+    assert rel < 0.05
+
+
 def train_cfg(**kw):
     return H.TrainHeadsConfig(**{**dict(depths=2, blocks=1, width=32, steps=8, batch_size=16, lr=3e-3,
                                         save_every=3, val_fraction=0.2, warmup=2), **kw})
@@ -261,6 +274,25 @@ def test_resume_after_interruption_matches_uninterrupted_run(tiny, tmp_path):
     assert not (tmp_path / "b" / H.CHECKPOINT).exists()  # finished: only config + weights remain
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [N.CONFIG, N.WEIGHTS]
     assert len(metrics["val_acc_by_depth"]) == 2 and metrics["val_tokens_per_pass"] >= 1
+
+
+def test_training_on_given_rows_equals_training_on_a_copy_of_them(tiny, tmp_path):
+    """train_heads(rows=...) trains on those rows of the features (repeats included) without copying
+    them: the same weights as training on a materialised copy that holds out nothing."""
+    feats = H.extract_features(tiny, examples())
+    rows = (feats["example"] != 2).nonzero().squeeze(1)
+    rows = torch.cat([rows, rows[feats["example"][rows] == 4]])  # answer 4 seen twice as often
+    copy = {k: v[rows] for k, v in feats.items()}
+    cfg = train_cfg(val_fraction=0.0, draft_vocab=20)
+    H.train_heads(tiny, copy, cfg, tmp_path / "copy", log=lambda m: None)
+    H.train_heads(tiny, feats, cfg, tmp_path / "rows", log=lambda m: None, rows=rows)
+    a, b = N.load_heads(tiny, tmp_path / "copy"), N.load_heads(tiny, tmp_path / "rows")
+    assert torch.equal(a.draft_vocab, b.draft_vocab)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    other = train_cfg(val_fraction=0.0, draft_vocab=20, seed=1)
+    H.train_heads(tiny, feats, other, tmp_path / "seed1", log=lambda m: None, rows=rows)
+    c = N.load_heads(tiny, tmp_path / "seed1")
+    assert not all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values()))
 
 
 def test_draft_vocabulary_loss_is_the_softmax_over_it(tiny):

@@ -11,7 +11,7 @@ from mtp.core.engine import Engine, EngineConfig
 from mtp.core.proposers.heads import HeadsConfig
 from mtp.training import data
 from mtp.training.heads_train import TrainHeadsConfig, cached_features, is_heads_dir, train_heads
-from mtp.training.trainer import check_run_out
+from mtp.training.trainer import AMP_CHOICES, check_run_out, use_bf16
 
 
 def add_parser(sub) -> None:
@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
                                                      "~/.cache/mtp)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--amp", choices=AMP_CHOICES, default="auto",
+                   help="compute the hidden-state cache under bf16 autocast: auto = CUDA or a CPU with native bf16 "
+                        "(~2.6x faster there; cached apart from fp32 states)")
     p.set_defaults(func=run_train_heads)
 
 
@@ -81,12 +84,13 @@ def run_train_heads(args) -> int:
     def progress(i, n):
         print(f"\rhidden states {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
-    feats, path = cached_features(engine.model, examples, cache_dir, progress=progress)
+    amp = use_bf16(args.amp, args.device)
+    feats, path = cached_features(engine.model, examples, cache_dir, progress=progress, amp=amp)
     agree = feats["agree"].float().mean().item()
     print(f"{len(feats['hidden']):,} rows of hidden states in {time.perf_counter() - t0:.0f}s ({path}); "
           f"trunk agrees with the targets on {agree:.1%} of rows", file=sys.stderr)
     meta = {"model": args.model, "data": Path(args.data or args.examples).name, "self_generate": args.self_generate,
-            "limit": args.limit, "max_new_tokens": args.max_new_tokens}
+            "limit": args.limit, "max_new_tokens": args.max_new_tokens, "amp_features": amp}
     train_heads(engine.model, feats, cfg, out, resume=args.resume, meta=meta,
                 log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"heads written to {out}")

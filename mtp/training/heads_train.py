@@ -29,8 +29,9 @@ RESUME_KEYS = ("depths", "blocks", "width", "batch_size", "seed", "lr", "warmup"
 
 # ---- the hidden-state cache --------------------------------------------------------------------
 
-def extract_features(model: Transformer, examples, batch_size: int = 8, progress=None) -> dict:
-    """Run the frozen trunk once over prompt + response of every example.
+def extract_features(model: Transformer, examples, batch_size: int = 8, progress=None, amp: bool = False) -> dict:
+    """Run the frozen trunk once over prompt + response of every example (amp: under bf16 autocast,
+    2.6x faster on a CPU with native bf16; the hidden states differ by ~1 % relative norm).
 
     Returns {"hidden": [N, dim] float32, "ahead": [N, MAX_AHEAD + 1] int64, "example": [N] int64,
     "agree": [N] bool}: one row per response position i - 1 (the last prompt token up to the last
@@ -55,7 +56,8 @@ def extract_features(model: Transformer, examples, batch_size: int = 8, progress
                 tokens[j, :len(s)] = torch.tensor(s)
             # rows f .. len-2 of each sequence (right padding never affects earlier positions)
             out_index = torch.tensor([[min(f + r, max(len(s) - 2, f)) for r in range(N)] for s, f in zip(seqs, firsts)])
-            logits, h = model(tokens.to(dev), out_index=out_index.to(dev), return_hidden=True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+                logits, h = model(tokens.to(dev), out_index=out_index.to(dev), return_hidden=True)
             pred = logits.argmax(-1).cpu()  # [B, N]
             h = h.float().cpu()
             for j, (i, s, f) in enumerate(zip(idx, seqs, firsts)):
@@ -82,11 +84,12 @@ def extract_features(model: Transformer, examples, batch_size: int = 8, progress
             "agree": torch.cat(agree)}
 
 
-def cached_features(model: Transformer, examples, cache_dir, batch_size: int = 8, progress=None) -> tuple[dict, Path]:
-    """extract_features, computed once per (base model, block of examples) and kept as safetensors
+def cached_features(model: Transformer, examples, cache_dir, batch_size: int = 8, progress=None,
+                    amp: bool = False) -> tuple[dict, Path]:
+    """extract_features, computed once per (base model, amp, block of examples) and kept as safetensors
     (`mtp.training.feature_cache`: resumable, and a grown data set recomputes only its new examples).
     Returns the features and the cache's index file; a whole-set file of the earlier layout is still read."""
-    depends_on = f"{base_hash(model)}:{MAX_AHEAD}"
+    depends_on = f"{base_hash(model)}:{MAX_AHEAD}" + (":bf16" if amp else "")
     whole = Path(cache_dir) / "heads-features" / f"{feature_cache.block_key(depends_on, examples)}.safetensors"
     if whole.exists():
         feats = load_safetensors(whole)
@@ -94,7 +97,7 @@ def cached_features(model: Transformer, examples, cache_dir, batch_size: int = 8
         return feats, whole
     index = feature_cache.cached_blocks(
         Path(cache_dir) / "heads-features" / "blocks", depends_on, examples,
-        lambda part, progress: extract_features(model, part, batch_size, progress), progress=progress,
+        lambda part, progress: extract_features(model, part, batch_size, progress, amp), progress=progress,
         metadata={"base_hash": base_hash(model)})
     return feature_cache.join_blocks(index, example_fields=("example",), dtypes={"agree": torch.bool}), index
 
@@ -241,10 +244,15 @@ def evaluate(heads: MTPHeads, model, feats: dict, rows: torch.Tensor, readout, b
 
 
 def train_heads(model: Transformer, feats: dict, cfg: TrainHeadsConfig, out, resume: bool = False,
-                meta: dict | None = None, log=print, on_step=None, progress: bool = False) -> dict:
+                meta: dict | None = None, log=print, on_step=None, progress: bool = False,
+                rows: torch.Tensor | None = None) -> dict:
     """Train heads on cached trunk features; write `out` (config.json + heads.safetensors) at the end
     and a resumable `out/checkpoint` (`mtp.training.trainer`) every `save_every` steps and on Ctrl-C.
-    Returns the final held-out metrics. on_step(step): see `Trainer.run`."""
+    Returns the final held-out metrics. on_step(step): see `Trainer.run`.
+
+    rows: the training rows of `feats` (an index tensor; a row may repeat) instead of the
+    `val_fraction` split; nothing is held out, and `feats` is never copied (a whole-set cache is
+    ~2.3 KB per row: 10 GB for 26,000 answers)."""
     out = Path(out)
     replaceable(out, is_heads_dir)  # before any work: never overwrite what mtp did not write
     ckpt = out / CHECKPOINT
@@ -256,7 +264,10 @@ def train_heads(model: Transformer, feats: dict, cfg: TrainHeadsConfig, out, res
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     if not resume and (out / CONFIG).exists():
         raise ValueError(f"{out} already holds heads; pass --resume to continue or choose another --out")
-    train_rows, val_rows = split_rows(feats, cfg.val_fraction, cfg.seed)
+    if rows is None:
+        train_rows, val_rows = split_rows(feats, cfg.val_fraction, cfg.seed)
+    else:
+        train_rows, val_rows = rows, rows[:0]
     if len(train_rows) == 0:
         raise ValueError("no training rows after the validation split; use more --limit or less --val-fraction")
     readout = bf16_readout(model) if model.device.type == "cpu" else None
