@@ -295,6 +295,31 @@ def test_training_on_given_rows_equals_training_on_a_copy_of_them(tiny, tmp_path
     assert not all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values()))
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_evaluate_with_a_draft_vocabulary_equals_masking_the_full_logits(tiny, bf16):
+    """evaluate scores only the draft vocabulary's rows of the output head; the result equals scoring
+    the full logits with every other token masked out (what the proposer can draft)."""
+    feats = H.extract_features(tiny, examples())
+    rows = torch.arange(len(feats["hidden"]))
+    heads = random_heads(tiny, depths=3)
+    heads.draft_vocab = H.draft_vocab_from(feats, rows, 12)
+    full = N.bf16_readout(tiny) if bf16 else (lambda h: tiny.lm_head(tiny.norm(h)))  # noqa: E731
+    got = H.evaluate(heads, tiny, feats, rows, N.bf16_readout(tiny) if bf16 else None, batch_size=7)
+    with torch.no_grad():
+        logits = heads(tiny, feats["hidden"], feats["ahead"][:, :3], full)
+    outside = torch.ones(tiny.config.vocab_size, dtype=torch.bool)
+    outside[heads.draft_vocab] = False
+    ok = torch.stack([lg.masked_fill(outside, float("-inf")).argmax(-1) == feats["ahead"][:, d + 1]
+                      for d, lg in enumerate(logits)], 1)
+    valid = feats["ahead"][:, 1:4] >= 0
+    acc = ((ok & valid).sum(0).float() / valid.sum(0).clamp(min=1)).tolist()
+    full_rows = valid.all(1)
+    lead = torch.cumprod((ok & valid).long(), 1).sum(1)[full_rows].float().mean()
+    assert got["val_acc_by_depth"] == [round(a, 4) for a in acc]
+    assert got["val_tokens_per_pass"] == round(1 + float(lead), 4)
+    assert 0 < sum(acc) and got["val_rows"] == len(rows)
+
+
 def test_draft_vocabulary_loss_is_the_softmax_over_it(tiny):
     """Training on a draft vocabulary: with every token in it, the same loss as the full readout; with
     a smaller one, the cross-entropy over just its rows, targets outside it left out."""

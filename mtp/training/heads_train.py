@@ -212,16 +212,22 @@ def heads_loss(heads: MTPHeads, model, feats: dict, rows: torch.Tensor, readout,
 
 def evaluate(heads: MTPHeads, model, feats: dict, rows: torch.Tensor, readout, batch_size: int = 512) -> dict:
     """Held-out acceptance: per-depth accuracy given the earlier tokens right, and the leading
-    run of correct depths (= drafts `verify:D+1` would accept, on greedy self-generated text)."""
-    D = heads.config.depths
-    if heads.draft_vocab is not None:  # score as the proposer will: only draft-vocabulary tokens
-        base_readout = readout or (lambda h: model.lm_head(model.norm(h)))
+    run of correct depths (= drafts `verify:D+1` would accept, on greedy self-generated text).
 
-        def readout(h, _r=base_readout):
-            lg = _r(h)
-            allowed = torch.zeros(lg.shape[-1], dtype=torch.bool, device=lg.device)
-            allowed[heads.draft_vocab.to(lg.device)] = True
-            return lg.masked_fill(~allowed, float("-inf"))
+    readout: None (fp32 final norm + output head) or `bf16_readout(model)`. With a draft vocabulary the
+    heads are scored as the proposer drafts, from its tokens only, and only its rows of the output head
+    are computed (in the same precision): ~V/Vd times cheaper than masking the full logits."""
+    D = heads.config.depths
+    to_id = None
+    if heads.draft_vocab is not None:
+        to_id = heads.draft_vocab.to(model.device)  # draft index -> token id (sorted ids)
+        if readout is not None:
+            readout = bf16_readout(model, to_id)
+        else:
+            w = model.lm_head.weight.detach()[to_id]
+
+            def readout(h):
+                return F.linear(model.norm(h), w)
     correct = torch.zeros(D)
     counted = torch.zeros(D)
     lead_sum, lead_n = 0.0, 0
@@ -230,7 +236,8 @@ def evaluate(heads: MTPHeads, model, feats: dict, rows: torch.Tensor, readout, b
             r = rows[b:b + batch_size]
             ahead = feats["ahead"][r].to(model.device)
             logits = heads(model, feats["hidden"][r].to(model.device), ahead[:, :D], readout)
-            ok = torch.stack([lg.argmax(-1) == ahead[:, d + 1] for d, lg in enumerate(logits)], 1)  # [B, D]
+            guess = [lg.argmax(-1) if to_id is None else to_id[lg.argmax(-1)] for lg in logits]
+            ok = torch.stack([g == ahead[:, d + 1] for d, g in enumerate(guess)], 1)  # [B, D]
             valid = ahead[:, 1:D + 1] >= 0
             correct += (ok & valid).sum(0).cpu().float()
             counted += valid.sum(0).cpu().float()
