@@ -55,7 +55,8 @@ def main() -> int:
             raise SystemExit(f"--heads-more {spec!r}: give LABEL=PATH")
         curves[f"MTP heads: {label}"] = ([r for r in read(path) if "answers" in r], "answers",
                                          ["tab:purple", "tab:cyan", "tab:olive"][i % 3], None)
-    fig, grid = plt.subplots(rows, len(SOURCES), figsize=(10, 3.8 * rows), squeeze=False)
+    legend_h = 1.4 if bench else 0.0  # the bench row's legend sits below the plots, never over the points
+    fig, grid = plt.subplots(rows, len(SOURCES), figsize=(10, 3.8 * rows + legend_h), squeeze=False)
     axes = grid[0]
     for ax, (src, title) in zip(axes, SOURCES.items()):
         for label, (pts, xkey, color, ref) in curves.items():
@@ -69,7 +70,9 @@ def main() -> int:
     axes[0].legend(fontsize=7)
     if bench:
         plot_bench(grid[1], bench)
-    fig.tight_layout()
+        handles, labels = grid[1][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, legend_h / (3.8 * rows + legend_h), 1, 1))
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
     return 0
@@ -98,7 +101,6 @@ def plot_bench(axes, bench: list[dict]) -> None:
                        label=t.get("label", f"target {t['target']}"))
         style(ax, title)
     axes[0].set_ylabel("tokens per pass, identical to ntp")
-    axes[0].legend(fontsize=6)
 
 
 if __name__ == "__main__":
