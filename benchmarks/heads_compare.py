@@ -66,20 +66,36 @@ def reference(engine, prompts: list[list[int]], args) -> list[Output]:
     return ref
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def protocol_parser(doc: str, strategies_help: str, batch_help: str) -> argparse.ArgumentParser:
+    """The options every proposer comparison on the test sets takes (this script, `mask_compare.py`)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--data", required=True, help="gsm8k:PATH or prompts:PATH (as mtp bench)")
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--heads", default="", help="comma list of heads directories; 'auto' = the shipped heads")
-    ap.add_argument("--eagle3", default="", help="comma list of EAGLE-3 drafter directories; 'auto' = the shipped one")
-    ap.add_argument("--strategies", default="verify:4", help="comma list of lossless strategies (verify:K, tree:N)")
+    ap.add_argument("--strategies", default="verify:4", help=strategies_help)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16, help="rows of the batched reference decode")
+    ap.add_argument("--batch", type=int, default=16, help=batch_help)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reference", default=None,
                     help="JSONL of the ntp answers: read when it exists (its prompts and length must match), "
                          "else decoded and written there")
     ap.add_argument("--out", required=True)
+    return ap
+
+
+def write_rows(out: Path, rows: list[dict], **env) -> None:
+    """OUT/results.jsonl: one line per row, each with the machine and run facts under "env"."""
+    env = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__, **env}
+    with open(out / "results.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "env": env}) + "\n")
+    print(f"wrote {out / 'results.jsonl'}")
+
+
+def main(argv=None) -> None:
+    ap = protocol_parser(__doc__, "comma list of lossless strategies (verify:K, tree:N)",
+                         "rows of the batched reference decode")
+    ap.add_argument("--heads", default="", help="comma list of heads directories; 'auto' = the shipped heads")
+    ap.add_argument("--eagle3", default="", help="comma list of EAGLE-3 drafter directories; 'auto' = the shipped one")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,12 +127,7 @@ def main(argv=None) -> None:
             rows.append(row)
             print(f"{h:40s} {str(s):10s} {row['tokens_per_forward']:.3f} tokens/pass "
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
-    env = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": args.threads,
-           "seconds": round(time.perf_counter() - t0, 1)}
-    with open(out / "results.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps({**r, "env": env}) + "\n")
-    print(f"wrote {out / 'results.jsonl'}")
+    write_rows(out, rows, threads=args.threads, seconds=round(time.perf_counter() - t0, 1))
 
 
 if __name__ == "__main__":

@@ -20,15 +20,10 @@ GSM8K, ROUGE-L otherwise).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import time
 from pathlib import Path
 
-import torch
-
-from heads_compare import portable, reference
+from heads_compare import portable, protocol_parser, reference, write_rows
 from mtp.core import metrics
 from mtp.core.engine import Engine, EngineConfig
 from mtp.core.strategy import Strategy
@@ -38,17 +33,8 @@ from mtp.tune.offline import decode_all
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", required=True, help="gsm8k:PATH or prompts:PATH (as mtp bench)")
-    ap.add_argument("--limit", type=int, default=None)
+    ap = protocol_parser(__doc__, "comma list (verify:K, conf_adapt:TAU:KMAX, ...)", "sequences decoded together")
     ap.add_argument("--adapters", default="auto", help="comma list of adapter directories; 'auto' = the shipped one")
-    ap.add_argument("--strategies", default="verify:4", help="comma list (verify:K, conf_adapt:TAU:KMAX, ...)")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16, help="sequences decoded together")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reference", default=None,
-                    help="JSONL of the ntp answers (read if it holds these prompts, else decoded and written)")
-    ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,13 +71,7 @@ def main(argv=None) -> None:
             print(f"{a:32s} {str(s):16s} {row['tokens_per_forward']:.3f} tokens/pass, identical "
                   f"{row['identical']}/{len(prompts)}, {metric} {row['same']:.3f} "
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
-    env = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": args.threads,
-           "batch": args.batch, "seconds": round(time.perf_counter() - t0, 1)}
-    with open(out / "results.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps({**r, "env": env}) + "\n")
-    print(f"wrote {out / 'results.jsonl'}")
-
+    write_rows(out, rows, threads=args.threads, batch=args.batch, seconds=round(time.perf_counter() - t0, 1))
 
 if __name__ == "__main__":
     main()
