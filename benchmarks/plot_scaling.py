@@ -1,7 +1,8 @@
 """One figure of both data-scaling curves: held-out tokens per pass (what `verify:4` accepts on the
 model's own greedy text) against training answers, for the MTP heads (`heads_scaling.py`: answers
-trained on) and the mask adapter (`mask_scaling.py`: answers seen in one pass from scratch), per
-held-out source, with the shipped proposers as dashed reference lines. With `--bench`, a second row
+trained on) and the mask adapter (`mask_scaling.py`: answers seen in one pass from scratch; `--mask-more`:
+another recipe, e.g. LoRA on the upper layers only), per held-out source, with the shipped proposers as
+dashed reference lines. With `--bench`, a second row
 shows the issue's own measure (`verify:4` tokens/pass on GSM8K test 0-99 and the 60 held-out diverse
 prompts, decoded or replayed) against training answers, per proposer and recipe, with the targets.
 
@@ -34,6 +35,8 @@ def main() -> int:
     ap.add_argument("--mask", help="mask_scaling.py's results.jsonl")
     ap.add_argument("--heads-more", action="append", default=[], metavar="LABEL=PATH",
                     help="another heads_scaling.py results.jsonl drawn as its own series (repeatable)")
+    ap.add_argument("--mask-more", action="append", default=[], metavar="LABEL=PATH",
+                    help="another mask_scaling.py results.jsonl drawn as its own series (repeatable)")
     ap.add_argument("--bench", help="JSONL of full-protocol points and targets (see above)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -49,12 +52,15 @@ def main() -> int:
                                                       "answers_seen", "tab:orange",
                                                       next((r for r in mask if r.get("point") != "from scratch"), None))}
     rows = 2 if bench else 1
-    for i, spec in enumerate(args.heads_more):
+    extra = [("--heads-more", spec, "MTP heads", "answers", ["tab:purple", "tab:cyan", "tab:olive"])
+             for spec in args.heads_more]
+    extra += [("--mask-more", spec, "mask adapter", "answers_seen", ["tab:red", "tab:brown", "tab:pink"])
+              for spec in args.mask_more]
+    for i, (flag, spec, kind, xkey, colors) in enumerate(extra):
         label, _, path = spec.partition("=")
         if not path:
-            raise SystemExit(f"--heads-more {spec!r}: give LABEL=PATH")
-        curves[f"MTP heads: {label}"] = ([r for r in read(path) if "answers" in r], "answers",
-                                         ["tab:purple", "tab:cyan", "tab:olive"][i % 3], None)
+            raise SystemExit(f"{flag} {spec!r}: give LABEL=PATH")
+        curves[f"{kind}: {label}"] = ([r for r in read(path) if xkey in r], xkey, colors[i % 3], None)
     legend_h = 1.4 if bench else 0.0  # the bench row's legend sits below the plots, never over the points
     fig, grid = plt.subplots(rows, len(SOURCES), figsize=(10, 3.8 * rows + legend_h), squeeze=False)
     axes = grid[0]
@@ -67,7 +73,9 @@ def main() -> int:
                 ax.axhline(ref[src], color=color, ls="--", lw=1, label=f"shipped {label.split(' (')[0]}")
         style(ax, title)
     axes[0].set_ylabel("held-out tokens per pass (verify:4)")
-    axes[0].legend(fontsize=7)
+    lo, hi = axes[0].get_ylim()
+    axes[0].set_ylim(lo - 0.55 * (hi - lo), hi)  # room under the curves, so the legend covers no point
+    axes[0].legend(fontsize=7, loc="lower right")
     if bench:
         plot_bench(grid[1], bench)
         handles, labels = grid[1][0].get_legend_handles_labels()
