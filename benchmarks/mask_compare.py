@@ -73,5 +73,6 @@ def main(argv=None) -> None:
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
     write_rows(out, rows, threads=args.threads, batch=args.batch, seconds=round(time.perf_counter() - t0, 1))
 
+
 if __name__ == "__main__":
     main()

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from heads_scaling import held_out
+from mtp.cli.train import parse_layers
 from mtp.core.engine import Engine, EngineConfig
 from mtp.training.data import load_examples
 from mtp.training.distill import TrainConfig, prepare_examples, train
@@ -57,11 +58,12 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4, help="verify:K scored (K-1 masks)")
     ap.add_argument("--stride", type=int, default=6, help="a span after every N-th response position")
     ap.add_argument("--lora-layers", metavar="FROM:TO", default=None,
-                    help="LoRA on layers FROM..TO-1 only, the mask embedding frozen (as `mtp train --lora-layers`)")
+                    help="LoRA on layers FROM..TO-1 only (FROM: = to the last layer), the mask embedding frozen "
+                         "(as `mtp train --lora-layers`)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    layers = tuple(int(x) for x in args.lora_layers.split(":")) if args.lora_layers else None
+    layers = parse_layers(args.lora_layers) if args.lora_layers else None
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,6 +91,8 @@ def main() -> int:
 
     engine = Engine.load(EngineConfig(adapter="none", pack=False))
     model = engine.model
+    if layers is not None and layers[1] is None:
+        layers = (layers[0], len(model.layers))
     eval_at = {int(s) for s in args.eval_at.split(",")}
     cfg = TrainConfig(out=str(out / "adapter"), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,
@@ -103,7 +107,8 @@ def main() -> int:
         rec = score(model, val, val_source, args.k, args.stride, args.seq_len)
         model.train()
         eval_total[0] += time.perf_counter() - t0
-        emit({"point": "from scratch", **({"lora_layers": args.lora_layers} if layers else {}), "steps": step, "answers_seen": step * args.batch_size,
+        emit({"point": "from scratch", **({"lora_layers": f"{layers[0]}:{layers[1]}"} if layers else {}),
+              "steps": step, "answers_seen": step * args.batch_size,
               "train_s": round(time.perf_counter() - t_start - eval_total[0], 1), **rec})
 
     train(cfg, model, train_ex, n_used_tokens=len(engine.tokenizer), progress=False, on_step=on_step)

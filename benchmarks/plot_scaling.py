@@ -2,9 +2,9 @@
 model's own greedy text) against training answers, for the MTP heads (`heads_scaling.py`: answers
 trained on) and the mask adapter (`mask_scaling.py`: answers seen in one pass from scratch; `--mask-more`:
 another recipe, e.g. LoRA on the upper layers only), per held-out source, with the shipped proposers as
-dashed reference lines. With `--bench`, a second row
-shows the issue's own measure (`verify:4` tokens/pass on GSM8K test 0-99 and the 60 held-out diverse
-prompts, decoded or replayed) against training answers, per proposer and recipe, with the targets.
+dashed reference lines. With `--bench`, a second row shows the issue's own measure (`verify:4` tokens/pass
+on GSM8K test 0-99 and the 60 held-out diverse prompts, decoded or replayed) against training answers, per
+proposer and recipe, with the targets.
 
     python benchmarks/plot_scaling.py --heads benchmarks/results/scaling/heads.jsonl \\
         --mask benchmarks/results/scaling/mask.jsonl --bench benchmarks/results/scaling/bench_points.jsonl \\
