@@ -23,7 +23,9 @@ import torch
 
 from heads_scaling import held_out
 from mtp.cli.train import parse_layers
+from mtp.core.adapter import check_layers
 from mtp.core.engine import Engine, EngineConfig
+from mtp.core.loading import DEFAULT_MODEL, model_layers
 from mtp.training.data import load_examples
 from mtp.training.distill import TrainConfig, prepare_examples, train
 from mtp.training.mask_eval import tokens_per_pass
@@ -63,7 +65,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    layers = parse_layers(args.lora_layers) if args.lora_layers else None
+    n_layers = model_layers(DEFAULT_MODEL)
+    try:
+        layers = check_layers(parse_layers(args.lora_layers, n_layers), n_layers) if args.lora_layers else None
+    except ValueError as e:
+        ap.error(str(e))
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,8 +97,6 @@ def main() -> int:
 
     engine = Engine.load(EngineConfig(adapter="none", pack=False))
     model = engine.model
-    if layers is not None and layers[1] is None:
-        layers = (layers[0], len(model.layers))
     eval_at = {int(s) for s in args.eval_at.split(",")}
     cfg = TrainConfig(out=str(out / "adapter"), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,

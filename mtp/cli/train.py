@@ -143,13 +143,13 @@ def run(args) -> int:
     return 0
 
 
-def parse_layers(text: str) -> tuple[int, int | None]:
-    """'FROM:TO' -> (FROM, TO); 'FROM:' -> (FROM, None): up to the last layer."""
+def parse_layers(text: str, n_layers: int | None = None) -> tuple[int, int | None]:
+    """'FROM:TO' -> (FROM, TO); 'FROM:' -> (FROM, n_layers): up to the last layer (None while it is unknown)."""
     lo, sep, hi = text.partition(":")
     try:
         if not sep:
             raise ValueError
-        return int(lo), (int(hi) if hi.strip() else None)
+        return int(lo), (int(hi) if hi.strip() else n_layers)
     except ValueError:
         raise ValueError(f"--lora-layers {text!r}: expected FROM:TO (e.g. 15:30) or FROM: (to the last layer)") from None
 
@@ -160,14 +160,12 @@ def adapter_shape(args) -> dict:
     contradicts the adapter, is one line. The layer count comes from the model's config alone."""
     given = {"mode": args.mode, "rank": args.rank, "alpha": args.alpha,
              "targets": tuple(args.targets.split(",")) if args.targets else None}
-    layers = parse_layers(args.lora_layers) if args.lora_layers else None
-    n_layers = model_layers(args.model) if layers is not None or args.init_adapter else None
+    n_layers = model_layers(args.model) if args.lora_layers or args.init_adapter else None
+    layers = parse_layers(args.lora_layers, n_layers) if args.lora_layers else None
     if layers is not None:
         if layers[1] is None:
-            if n_layers is None:
-                raise ValueError(f"--lora-layers {args.lora_layers}: give TO as well (the layer count of "
-                                 f"{args.model} is known only once it loads)")
-            layers = (layers[0], n_layers)
+            raise ValueError(f"--lora-layers {args.lora_layers}: give TO as well (the layer count of "
+                             f"{args.model} is known only once it loads)")
         check_layers(layers, n_layers)
         if (args.mode or DEFAULT_SHAPE["mode"]) == "full":
             raise ValueError("--lora-layers needs --mode gated or plain (full mode trains every weight)")
