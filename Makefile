@@ -41,10 +41,10 @@ vllm: $(VLLM_VENV)/.installed
 LLAMACPP_VERSION = 11434.0.0
 LLAMACPP_DIR ?= .llamacpp
 LLAMACPP_JOBS ?= 2
-$(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION):
+# Always asks the script: it returns at once when the build is there and was made for this CPU's
+# instruction sets, and rebuilds one made on another CPU kind (it would die of SIGILL here).
+llamacpp:
 	MTP_LLAMACPP_DIR=$(LLAMACPP_DIR) nice -n 10 $(PYTHON) mtp/eval/llamacpp_env.py build --jobs $(LLAMACPP_JOBS)
-
-llamacpp: $(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION)
 
 test-llamacpp: install llamacpp
 	$(BIN)/pytest -q -m llamacpp

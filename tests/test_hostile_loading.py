@@ -16,6 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from conftest import tiny_model
 from mtp.cli import main
@@ -353,3 +354,22 @@ def test_serve_reads_its_cost_model_and_demo_checks_threads_before_loading(tmp_p
     assert capsys.readouterr().err.count("\n") == 1
     with pytest.raises((ValueError, SystemExit)):
         demo.main(["--threads", "100000"])
+
+
+# ---- U2 (round 3): a corrupt cached conversion is converted again, never a dead end ------------------
+@pytest.mark.parametrize("damage", ["truncate weights", "empty config", "broken tokenizer"])
+def test_u2_a_corrupt_cached_conversion_is_rebuilt(tiny_gguf, capsys, damage):
+    converted = loading.gguf_to_hf_dir(tiny_gguf)
+    want = loading.load(str(tiny_gguf)).model.state_dict()
+    if damage == "truncate weights":
+        os.truncate(converted / "model.safetensors", (converted / "model.safetensors").stat().st_size // 2)
+    elif damage == "empty config":
+        (converted / "config.json").write_text("")
+    else:
+        (converted / "tokenizer.json").write_text("{not json")
+    got = loading.load(str(tiny_gguf))  # every later command loads again, without a hand-deleted cache
+    assert got.source == str(converted)
+    assert all(torch.equal(v, want[k]) for k, v in got.model.state_dict().items())
+    assert loading._converted(converted)
+    if damage == "broken tokenizer":  # only a load can tell: it says so and converts again
+        assert "converting tiny.gguf again" in capsys.readouterr().err

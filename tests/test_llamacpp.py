@@ -77,6 +77,22 @@ def test_no_repack_only_for_an_amx_build_the_kernel_refuses(tmp_path, monkeypatc
     assert llamacpp_env.run_flags() == []
 
 
+def test_a_build_made_for_another_cpu_kind_is_not_run_here(tmp_path, monkeypatch):
+    """A prefix kept from an AVX-512 machine on an AVX2-only one: its binaries would die of SIGILL, so
+    they count as missing (the reason names the instruction sets) and `build` makes them again."""
+    root = fake_build(tmp_path / "a", server="print('hi')")
+    info = json.loads((root / "build.json").read_text())
+    (root / "build.json").write_text(json.dumps({**info, "isa": ["avx", "avx2", "avx512f", "avx512bw"]}))
+    monkeypatch.setenv("MTP_LLAMACPP_DIR", str(root))
+    monkeypatch.setattr(llamacpp_env, "cpu_flags", lambda: {"fpu", "sse4_2", "avx", "avx2", "fma"})  # Zen 3
+    assert llamacpp_env.foreign_isa() == ["avx512bw", "avx512f"]
+    assert llamacpp_env.binary("llama-server") is None
+    assert "avx512bw, avx512f" in llamacpp_env.missing() and "rebuilds" in llamacpp_env.missing()
+    monkeypatch.setattr(llamacpp_env, "cpu_flags", lambda: {"avx", "avx2", "avx512f", "avx512bw", "avx512vl"})
+    assert llamacpp_env.foreign_isa() == [] and llamacpp_env.binary("llama-server") is not None
+    assert llamacpp_env.missing() is None
+
+
 def test_bench_environment_says_whether_amx_is_usable(tmp_path, monkeypatch):
     from mtp.eval.bench import environment
     monkeypatch.setenv("MTP_LLAMACPP_DIR", str(tmp_path / "none"))

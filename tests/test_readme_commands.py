@@ -238,3 +238,19 @@ def test_readme_block_runs(block, model, shipped, tmp_path, monkeypatch, capfd):
         stdout, err = capfd.readouterr()
         assert code == 0, (args, err[-2000:])
         check_outputs(args, stdout)
+
+
+def test_the_limits_table_states_the_strategy_limits_the_parser_enforces():
+    """The README's limits row for strategies names K's and tree N's largest values, each accepted by
+    `Strategy.parse` and the next one refused (the row once said 32 for both; `tree:32` is refused)."""
+    from mtp.core.strategy import Strategy, StrategyError
+    row = next(line for line in README.read_text().splitlines() if line.strip().startswith("| K of a strategy"))
+    k_max, n_max = (int(x) for x in re.search(r"\|\s*(\d+) / (\d+) \(every front end\)", row).groups())
+    assert "N of `tree:N`" in row
+    for text, largest in ((f"verify:{k_max}", True), (f"static:{k_max}", True), (f"conf_adapt:0.9:{k_max}", True),
+                          (f"tree:{n_max}", True), (f"verify:{k_max + 1}", False), (f"tree:{n_max + 1}", False)):
+        if largest:
+            Strategy.parse(text)
+        else:
+            with pytest.raises(StrategyError):
+                Strategy.parse(text)

@@ -22,6 +22,7 @@ import mmap
 import os
 import shutil
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from mtp.core.artifacts import atomic_dir, file_digest, load_safetensors, read_json
+from mtp.core.artifacts import ArtifactError, atomic_dir, file_digest, load_safetensors, read_json
 from mtp.core.model import ModelConfig, Transformer, UnsupportedModelError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -85,13 +86,18 @@ def resolve(name: str) -> Path:
 
 def load(name: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu") -> Loaded:
     path = resolve(name)
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"unsupported model file {path.name!r}: give a .gguf file or a HF directory")
-        path = gguf_to_hf_dir(path)
-    model = load_hf_dir(path, dtype, device)
-    tok = load_tokenizer(path)
-    return Loaded(model, tok, str(path), name)
+    if not path.is_file():
+        return Loaded(load_hf_dir(path, dtype, device), load_tokenizer(path), str(path), name)
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"unsupported model file {path.name!r}: give a .gguf file or a HF directory")
+    converted = gguf_to_hf_dir(path)
+    try:
+        return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name)
+    except (ModelLoadError, ArtifactError) as e:  # the cached conversion is ours and the GGUF is its source: build it again
+        print(f"mtp: the cached conversion {converted} does not load ({str(e).splitlines()[0]}); "
+              f"converting {path.name} again", file=sys.stderr)
+        converted = gguf_to_hf_dir(path, rebuild=True)
+        return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name)
 
 
 def load_tokenizer(path: Path):
@@ -370,23 +376,28 @@ GGUF_NAMES = {
 }
 
 
-def gguf_to_hf_dir(gguf_path: Path) -> Path:
+def gguf_to_hf_dir(gguf_path: Path, rebuild: bool = False) -> Path:
     """Convert a GGUF file once into a cached HF directory; return that directory.
 
     The file's structure is checked (`gguf_header`) before it is hashed. Concurrent conversions of
     one file (processes sharing a fresh cache) are serialised by a lock beside the target: one
-    converts, the others wait and then find the directory complete."""
+    converts, the others wait and then find the directory complete. A cached directory whose config
+    or weights no longer read (a truncated `model.safetensors`), or any with `rebuild` (its tokenizer
+    did not load), is converted again from the GGUF, tokenizer included: the cache is never a dead end."""
     meta, tensors = gguf_header(gguf_path)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
                              f"{', '.join(GGUF_ARCHS)}")
     out = cache_root() / f"{gguf_path.stem}-{file_digest(gguf_path)}-hf"
-    if _converted(out):
+    if not rebuild and _converted(out):
         return out
     with _conversion_lock(out):
-        if _converted(out):  # another process converted it while we waited
+        if not rebuild and _converted(out):  # another process converted it while we waited
             return out
+        broken = rebuild or any((out / f).exists() for f in ("config.json", "model.safetensors"))
+        if broken and out.is_dir() and _is_hf_dir(out):
+            shutil.rmtree(out)  # a broken conversion of ours: nothing in it is kept
         state, hf = read_gguf(gguf_path)
         with atomic_dir(out, _is_hf_dir) as tmp:  # under the lock: no one else's temp folder to remove
             save_file(hf_names(state), str(tmp / "model.safetensors"))
@@ -402,7 +413,15 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
 
 
 def _converted(out: Path) -> bool:
-    return (out / "config.json").exists() and (out / "model.safetensors").exists()
+    """A complete conversion: its config reads and matches the weights' headers (a truncated or
+    corrupt safetensors file fails here; only headers are read)."""
+    if not ((out / "config.json").exists() and (out / "model.safetensors").exists()):
+        return False
+    try:
+        check_sizes(read_hf_config(out / "config.json"), weight_shapes([out / "model.safetensors"]), out)
+    except (ModelLoadError, ArtifactError):
+        return False
+    return True
 
 
 @contextlib.contextmanager

@@ -145,9 +145,13 @@ class Linear(nn.Linear):
 
 
 def use_packed(x: torch.Tensor) -> bool:
-    """Whether a packed oneDNN weight should serve this call (see `Linear`)."""
-    return not torch.is_grad_enabled() and (x.numel() >= PACKED_MIN_ROWS_OFF_MAIN * x.shape[-1]
-                                            or threading.current_thread() is threading.main_thread())
+    """Whether a packed oneDNN weight should serve this call (see `Linear`).
+
+    Only float32 rows: the packed weights are float32, and a bf16 row (under `--amp` autocast) would
+    take oneDNN's bf16 path, which exists only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on an
+    AVX2-only CPU it raises. Such rows take the plain `F.linear`, which autocast serves on every CPU."""
+    return x.dtype == torch.float32 and not torch.is_grad_enabled() and (
+        x.numel() >= PACKED_MIN_ROWS_OFF_MAIN * x.shape[-1] or threading.current_thread() is threading.main_thread())
 
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -138,7 +138,8 @@ class Strategy:
             if kind == "tree" and len(args) == 1:
                 n = ascii_int(args[0])
                 if not 1 <= n <= K_LIMIT - 1:
-                    raise StrategyError(f"N (draft nodes) must be in 1..{K_LIMIT - 1} in {text!r}")
+                    raise StrategyError(f"N (draft nodes) must be in 1..{K_LIMIT - 1} in {text!r} "
+                                         f"(a tree pass feeds N + 1 <= {K_LIMIT} tokens)")
                 return cls("tree", n + 1)
             if kind == "conf_adapt" and len(args) in (1, 2):
                 tau = ascii_float(args[0])

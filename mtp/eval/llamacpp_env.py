@@ -72,9 +72,24 @@ def stamp(where: Path | None = None) -> Path:
 
 
 def binary(name: str) -> Path | None:
-    """`build/bin/NAME` of a finished build, else None."""
+    """`build/bin/NAME` of a finished build this CPU can run, else None."""
     path = prefix() / "build" / "bin" / name
-    return path if stamp().exists() and path.exists() else None
+    return path if stamp().exists() and path.exists() and not foreign_isa() else None
+
+
+ISA_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "bmi", "amx")
+
+
+def isa(flags: set[str]) -> set[str]:
+    """The instruction-set extensions among /proc/cpuinfo flags (what a native build may use)."""
+    return {f for f in flags if f.startswith(ISA_PREFIXES)}
+
+
+def foreign_isa() -> list[str]:
+    """Instruction sets the finished build was compiled for that this CPU lacks (a prefix kept from a
+    machine of another kind, e.g. AVX-512 to an AVX2-only EPYC: its binaries would die of SIGILL)."""
+    built = (build_info() or {}).get("isa")
+    return sorted(set(built) - isa(cpu_flags())) if isinstance(built, list) else []
 
 
 def converter() -> Path | None:
@@ -92,6 +107,9 @@ def converter_python() -> Path | None:
 def missing() -> str | None:
     """None when llama-server is built; else the reason with the build hint."""
     if binary("llama-server") is None:
+        if foreign_isa():
+            return (f"llama.cpp in {prefix().name}/ was built for a CPU with {', '.join(foreign_isa())}, which this "
+                    f"one lacks (run {HINT}: it rebuilds for this CPU)")
         return f"llama.cpp is not built in {prefix().name}/ (run {HINT})"
     return None
 
@@ -186,6 +204,11 @@ def make_converter_venv(out: Path | None = None) -> Path:
 def build(jobs: int = 2) -> Path:
     """Download, unpack, configure and build llama-server and llama-bench into `prefix()`, once."""
     out = prefix()
+    if stamp(out).exists() and foreign_isa():
+        print(f"llama.cpp: the build in {out} is for another CPU (lacks {', '.join(foreign_isa())}); rebuilding",
+              file=sys.stderr)
+        stamp(out).unlink()
+        shutil.rmtree(out / "build", ignore_errors=True)
     if stamp(out).exists():
         make_converter_venv(out)
         print(f"llama.cpp {VERSION}: already built in {out}", file=sys.stderr)
@@ -210,6 +233,8 @@ def build(jobs: int = 2) -> Path:
     subprocess.run(["cmake", "-S", str(out / "src"), "-B", str(bdir), *flags], check=True)
     subprocess.run(["cmake", "--build", str(bdir), "--target", *TARGETS, "-j", str(jobs)], check=True)
     info = {"version": VERSION, "sdist": SDIST, "sha256": SHA256, "cmake": flags, "amx": amx,
+            "isa": sorted(isa(cpu_flags())) if "-DGGML_NATIVE=ON" in flags else
+            sorted(f for f, opt in ISA_OPTIONS.items() if f"-D{opt}=ON" in flags),
             "build_s": round(time.time() - t0, 1)}
     (out / "build.json").write_text(json.dumps(info, indent=1) + "\n")
     make_converter_venv(out)
