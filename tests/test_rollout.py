@@ -147,7 +147,8 @@ def run_cli(argv):
 
 def test_deploy_file_refusals(tmp_path, capsys):
     good = tmp_path / "deploy.json"
-    D.write(make_deploy("conf_adapt:0.9:4", tolerance=0.02, metric="answer"), good)
+    D.write(make_deploy("conf_adapt:0.9:4", tolerance=0.02, metric="answer", hashes={"model": "0123456789abcdef"}),
+            good)
     back = D.read(good)
     assert str(back.tuned) == "conf_adapt:0.9:4@mask" and back.tolerance == 0.02
     text = good.read_text()
@@ -182,3 +183,19 @@ def test_deploy_for_another_model_is_refused(engine, tmp_path):
         D.check_engine(make_deploy("verify:4", hashes={**have, "model": "0123456789abcdef"}), engine)
     with pytest.raises(ValueError, match="was not loaded here"):
         D.check_engine(make_deploy("verify:4", hashes={**have, "heads": "0123456789abcdef"}), engine)
+
+
+def test_health_shows_the_rollout_only_with_the_api_key(engine, tmp_path):
+    """With an API key, /health without it is the status alone; with it (or with no key configured) the
+    rollout block as well (issue 47, S1)."""
+    deploy = make_deploy("verify:4", "ntp")
+    for key in ("s3cret", None):
+        app = make_app(engine, api_key=key, deploy=deploy, shadow_rate=1.0, shadow_log=str(tmp_path / "s.jsonl"))
+        with TestClient(app) as c:
+            full = c.get("/health", headers={"Authorization": "Bearer s3cret"})
+            assert full.status_code == 200 and full.json()["rollout"]["tuned"] == "verify:4@mask"
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                r = c.get("/health", headers=headers)
+                assert r.status_code == 200
+                assert r.json() == ({"status": "ok"} if key else full.json()), (key, headers)
+            assert c.head("/health").status_code == 200

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import LiveServer, engine, free_port, make_app, tiny_dir  # noqa: E402,F401
+from test_serve import LiveServer, engine, free_port, make_app, slow_engine, tiny_dir  # noqa: E402,F401
 from test_serve_limits import assert_error  # noqa: E402
 from mtp.serving.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
@@ -196,6 +196,83 @@ def test_t2_requests_past_the_shutdown_timeout_get_503_and_an_error_event(tiny_d
     events = [ln for ln in lines if ln]
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][6:])["error"]["code"] == "server_shutting_down"
+
+
+def test_t2_in_process_nothing_in_flight_is_dropped_when_the_timeout_runs_out(engine):
+    """`serve_app` on this (the main) thread as `mtp serve` runs it, SIGTERM sent to this process: with
+    --shutdown-timeout 0.3 and seconds of decoding left, the running stream, a queued plain request and
+    a queued chat stream (max batch 1) each get their 503 / final error event; none is cut off."""
+    import os
+    from mtp.serving.app import serve_app
+    app = make_app(slow_engine(engine, 0.05), max_batch=1, max_model_len=256)
+    state, port = app.state.mtp, free_port()
+    url, body = f"http://127.0.0.1:{port}", {"model": "tiny", "max_tokens": 200}
+    results: dict = {}
+
+    def stream(name, path, payload):
+        lines = []
+        try:
+            with httpx.stream("POST", url + path, timeout=60, json={**payload, "stream": True}) as r:
+                results[name + "_status"] = r.status_code
+                lines += list(r.iter_lines())
+        except httpx.HTTPError as e:
+            lines.append(f"dropped: {e!r}")
+        results[name] = [ln for ln in lines if ln]
+
+    def plain():
+        try:
+            results["plain"] = httpx.post(url + "/v1/completions", timeout=60, json={**body, "prompt": "abc"})
+        except httpx.HTTPError as e:
+            results["plain"] = f"dropped: {e!r}"
+
+    def drive():
+        clients = []
+        try:
+            for _ in range(600):
+                try:
+                    if httpx.get(url + "/health", timeout=30).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.05)
+            clients.append(threading.Thread(target=stream, args=("run", "/v1/completions",
+                                                                 {**body, "prompt": "abc"})))
+            clients[-1].start()
+            while state.scheduler.running < 1:
+                time.sleep(0.02)
+            clients += [threading.Thread(target=plain), threading.Thread(target=stream, args=(
+                "chat", "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "hi"}]}))]
+            for t in clients[1:]:
+                t.start()
+            while state.scheduler.queue_length < 2:
+                time.sleep(0.02)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # ~10 s of decoding left, 0.3 s allowed
+            for t in clients:
+                t.join(60)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    t0 = time.monotonic()
+    assert serve_app(app, "127.0.0.1", port, "warning", shutdown_timeout=0.3) == 0
+    driver.join(60)
+    assert time.monotonic() - t0 < 60
+    err = assert_error(results["plain"], 503)
+    assert err["code"] == "server_shutting_down"
+    for name in ("run", "chat"):
+        events = results[name]
+        assert results[name + "_status"] == 200 and events[-1] == "data: [DONE]", (name, events)
+        assert json.loads(events[-2][6:])["error"]["code"] == "server_shutting_down", (name, events)
+
+
+@pytest.mark.parametrize("value", ["-10", "-5", "nan", "inf"])
+def test_t2_shutdown_timeout_must_be_finite_and_not_negative(engine, capsys, value):
+    """A negative --shutdown-timeout left uvicorn no grace at all (it cancels the requests the
+    scheduler has just answered 503, silently), nan never cancelled and inf crashed the exit: refused
+    in one line before the model loads, and by `serve_app` itself."""
+    from mtp.serving.app import serve_app
+    assert "--shutdown-timeout" in serve_error(capsys, "--shutdown-timeout", value, "--model", "/nowhere")
+    with pytest.raises(ValueError, match="--shutdown-timeout"):
+        serve_app(make_app(engine), "127.0.0.1", free_port(), "warning", float(value))
 
 
 # ---- T7: KV caches that cannot be allocated are refused before anything loads ---------------------

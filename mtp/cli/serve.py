@@ -16,7 +16,7 @@ from mtp.cli.options import MAX_BATCH, add_model_args, add_sampling_args, check_
 from mtp.core import deploy as deploy_file
 from mtp.core.costmodel import CostModel, measured_cost
 from mtp.core.engine import Engine
-from mtp.serving.config import MAX_MESSAGES, ServeConfig
+from mtp.serving.config import MAX_MESSAGES, ServeConfig, check_shutdown_timeout
 from mtp.serving.scheduler import SchedulerConfig
 
 API_KEY_ENV = "MTP_API_KEY"
@@ -128,6 +128,7 @@ def run(args) -> int:
     check_decoding_args(args)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    check_shutdown_timeout(args.shutdown_timeout)
     deploy = read_deploy(args)
     build_config(args, 1 << 30, deploy)  # every server flag (API key, shadow log, limits) before the model loads
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None  # a bad file: before the load too

@@ -11,9 +11,10 @@
 
 `read` checks everything a server needs before any model loads (one line per problem: a missing or
 truncated file, another format, an unknown strategy, proposer or metric, a tolerance outside
-[0, 1], a lossy fallback); `check_engine` refuses a deploy file made for other weights (the base
-weights hash, and the content hash of every adapter/heads/drafter/datastore it names) once the
-model is loaded.
+[0, 1], a lossy fallback, caps of the wrong type or unknown, a tuned arm outside its own caps or
+unlike the measurements it carries, no hashes tying it to weights and to every asset its arms draft
+from); `check_engine` refuses a deploy file made for other weights (the base weights hash, and the
+content hash of every adapter/heads/drafter/datastore it names) once the model is loaded.
 """
 from __future__ import annotations
 
@@ -29,8 +30,23 @@ from mtp.core.strategy import Strategy
 FORMAT = "mtp-deploy"
 VERSION = 1
 METRICS = ("exact", "answer", "rougeL")
-ASSET_FILES = {"adapter": "adapter.safetensors", "heads": "heads.safetensors", "eagle3": "model.safetensors",
-               "datastore": "datastore.safetensors"}
+CAPS = ("max_k", "min_tau")  # K <= max_k, conf_adapt's tau >= min_tau (for lossy strategies only)
+MEASURE_SLACK = 1e-9  # float rounding allowed when the measured figures are compared with the arm
+
+
+@dataclass(frozen=True)
+class Asset:
+    """An asset kind a deploy file hashes: the file hashed in its directory, what users call it and the
+    flag of `mtp serve` (mtp.core.options.add_model_args) that loads it."""
+    file: str
+    noun: str
+    flag: str
+
+
+ASSETS = {"adapter": Asset("adapter.safetensors", "mask adapter", "--adapter"),
+          "heads": Asset("heads.safetensors", "MTP heads checkpoint", "--heads"),
+          "eagle3": Asset("model.safetensors", "EAGLE-3 drafter", "--eagle3"),
+          "datastore": Asset("datastore.safetensors", "suffix datastore", "--datastore")}
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,13 @@ class Deploy:
         check_metric(self.metric)
         if not self.fallback.strategy.lossless:
             raise ValueError(f"deploy file: the fallback {self.fallback} must be lossless (ntp, verify or tree)")
+        self.caps = check_caps(self.caps)
+        check_within_caps(self.tuned.strategy, self.caps, "its own")
+
+    @property
+    def drafting(self) -> list[str]:
+        """The proposers the arms draft from (a plain `ntp` arm drafts from none)."""
+        return [a.proposer for a in (self.tuned, self.fallback) if not a.strategy.plain]
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "tuned": self.tuned.to_json(),
@@ -95,6 +118,85 @@ def check_metric(m) -> str:
     return m
 
 
+def check_caps(caps) -> dict:
+    """The safety caps, checked: an object with only CAPS' keys, `max_k` an integer >= 1 and `min_tau` a
+    number in [0, 1] (the caps of a file as `mtp tune` writes it); a ValueError line otherwise."""
+    if not isinstance(caps, dict):
+        raise ValueError("'caps' must be an object, e.g. {\"max_k\": 4, \"min_tau\": 0.9}")
+    for key in caps:
+        if key not in CAPS:
+            raise ValueError(f"unknown cap {key!r}; the caps are {', '.join(CAPS)}")
+    k = caps.get("max_k")
+    if "max_k" in caps and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"caps.max_k must be an integer >= 1, got {k!r}")
+    if "min_tau" in caps:
+        check_tolerance(caps["min_tau"], "caps.min_tau")
+    return caps
+
+
+def check_within_caps(strategy: Strategy, caps: dict, whose: str = "the") -> None:
+    """A lossy `strategy` within checked `caps` (K at most `max_k`, conf_adapt's tau at least
+    `min_tau`), else a ValueError naming the cap it breaks as `whose` safety cap; a lossless one always
+    is. The server holds a request's own strategy to the deploy file's caps with this check, and
+    `Deploy` its tuned arm."""
+    if strategy.lossless:
+        return
+    if "max_k" in caps and strategy.k > caps["max_k"]:
+        raise ValueError(f"strategy {strategy} exceeds {whose} safety cap K <= {caps['max_k']}")
+    if "min_tau" in caps and strategy.thresholded and strategy.tau < caps["min_tau"]:
+        raise ValueError(f"strategy {strategy} is below {whose} safety cap tau >= {caps['min_tau']:g}")
+
+
+def check_measured(deploy: Deploy) -> None:
+    """The tuned arm is one the deploy file's "measured" block (what `mtp tune` measured of the arm it
+    chose) can describe. The block names no arm, so what is checked is what an arm bounds: its
+    tokens per forward pass (at most K), and its loss (none for a lossless arm, within the tolerance
+    for a lossy one: tune chooses nothing else). A file without the block has nothing to check."""
+    measured = deploy.extra.get("measured")
+    if measured is None:
+        return
+    if not isinstance(measured, dict):
+        raise ValueError("'measured' must be an object (what mtp tune measured of the tuned arm)")
+    for key in ("tokens_per_forward", "loss"):
+        v = measured.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"measured.{key} must be a number, got {v!r}")
+    tuned, tpf, loss = deploy.tuned, measured.get("tokens_per_forward"), measured.get("loss")
+    if tpf is not None and tpf > tuned.strategy.k + MEASURE_SLACK:
+        raise ValueError(f"measured tokens_per_forward {tpf:g} is more than the tuned arm {tuned} emits per pass "
+                         f"(K = {tuned.strategy.k}): the measurements are of another arm")
+    if loss is not None and tuned.strategy.lossless and loss > MEASURE_SLACK:
+        raise ValueError(f"the tuned arm {tuned} is lossless but its measured loss is {loss:g}: the measurements "
+                         "are of another arm")
+    if loss is not None and loss > deploy.tolerance + MEASURE_SLACK:
+        raise ValueError(f"the tuned arm {tuned}'s measured loss {loss:g} exceeds the tolerance {deploy.tolerance:g}: "
+                         "mtp tune would not have chosen it")
+
+
+def check_hashes(hashes, proposers: list[str]) -> dict:
+    """The "hashes" block: the base weights' hash ("model") and one for every asset `proposers` draft
+    from (the adapter only when there: a mask proposer may run without one), each a non-empty string,
+    and none for an asset they do not draft from. Without them `check_engine` could not tell the
+    weights it was tuned on from others."""
+    if not isinstance(hashes, dict) or not hashes:
+        raise ValueError("'hashes' must hold what it was tuned on ({\"model\": ...}); write it with mtp tune")
+    for kind, value in hashes.items():
+        if kind != "model" and kind not in ASSETS:
+            raise ValueError(f"'hashes' names an unknown asset {kind!r}; known: model, {', '.join(ASSETS)}")
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"'hashes' must give \"{kind}\" as a non-empty string, got {value!r}")
+    if "model" not in hashes:
+        raise ValueError("'hashes' has no \"model\" hash: nothing ties it to the weights it was tuned on")
+    used = asset_kinds(proposers)
+    for kind in hashes:
+        if kind != "model" and kind not in used:
+            raise ValueError(f"'hashes' names the {ASSETS[kind].noun} (\"{kind}\"), which neither arm drafts from")
+    missing = sorted(used - set(hashes) - {"adapter"})
+    if missing:
+        raise ValueError(f"the arms draft from the {ASSETS[missing[0]].noun}, but 'hashes' has no \"{missing[0]}\"")
+    return hashes
+
+
 def read(path: str | Path) -> Deploy:
     """A deploy file, checked; every problem is one ValueError line naming the file."""
     path = Path(path)
@@ -113,14 +215,14 @@ def read(path: str | Path) -> Deploy:
         if not isinstance(calib, dict):
             raise ValueError("'calibration' must map proposer names to per-depth maps")
         known = ("format", "version", "tuned", "fallback", "tolerance", "metric", "caps", "calibration", "hashes")
-        caps = data.get("caps") or {}
-        hashes = data.get("hashes") or {}
-        if not isinstance(caps, dict) or not isinstance(hashes, dict):
-            raise ValueError("'caps' and 'hashes' must be objects")
-        return Deploy(tuned=Arm.parse(data.get("tuned"), "tuned"), fallback=Arm.parse(data.get("fallback"), "fallback"),
-                      tolerance=data.get("tolerance"), metric=data.get("metric"), caps=caps,
-                      calibration={str(k): Calibration.from_json(v) for k, v in calib.items()},
-                      hashes=hashes, extra={k: v for k, v in data.items() if k not in known})
+        deploy = Deploy(tuned=Arm.parse(data.get("tuned"), "tuned"),
+                        fallback=Arm.parse(data.get("fallback"), "fallback"),
+                        tolerance=data.get("tolerance"), metric=data.get("metric"), caps=data.get("caps", {}),
+                        calibration={str(k): Calibration.from_json(v) for k, v in calib.items()},
+                        hashes=data.get("hashes"), extra={k: v for k, v in data.items() if k not in known})
+        check_hashes(deploy.hashes, deploy.drafting)
+        check_measured(deploy)
+        return deploy
     except ValueError as e:
         raise ValueError(f"{path}: {str(e).splitlines()[0]}") from None
 
@@ -134,18 +236,7 @@ def engine_hashes(engine, proposers: list[str] | None = None) -> dict:
     """The base weights hash and the content hash of the assets `proposers` draft from (default:
     every asset the engine loaded); the adapter counts when a mask proposer is among them."""
     out = {"model": base_hash(engine.model)}
-    kinds = None
-    if proposers is not None:
-        kinds, mask = set(), False
-        for name in proposers:
-            spec = check_proposer(name)
-            for part in spec.parts or (name,):
-                p = check_proposer(part)
-                mask = mask or p.needs_mask_token
-                if p.asset is not None:
-                    kinds.add(p.asset)
-        if mask:
-            kinds.add("adapter")
+    kinds = None if proposers is None else asset_kinds(proposers)
     if engine.adapter_dir is not None and (kinds is None or "adapter" in kinds):
         out["adapter"] = asset_hash(engine.adapter_dir, "adapter")
     for kind, path in sorted(engine.asset_dirs.items()):
@@ -154,18 +245,34 @@ def engine_hashes(engine, proposers: list[str] | None = None) -> dict:
     return out
 
 
+def asset_kinds(proposers: list[str]) -> set[str]:
+    """The asset kinds (ASSETS' keys) `proposers` draft from, merges by their parts; the adapter when
+    a mask proposer is among them."""
+    kinds = set()
+    for name in proposers:
+        for part in check_proposer(name).parts or (name,):
+            p = check_proposer(part)
+            if p.needs_mask_token:
+                kinds.add("adapter")
+            if p.asset is not None:
+                kinds.add(p.asset)
+    return kinds
+
+
 def asset_hash(path: str | Path, kind: str) -> str:
-    f = Path(path) / ASSET_FILES.get(kind, "")
+    f = Path(path) / (ASSETS[kind].file if kind in ASSETS else "")
     return file_digest(f) if f.is_file() else "missing"
 
 
 def check_engine(deploy: Deploy, engine) -> None:
-    """Refuse a deploy file tuned on other weights or assets than the engine has loaded."""
+    """Refuse a deploy file tuned on other weights or assets than the engine has loaded; an asset it
+    names that is not loaded is named with the flag that loads it (ASSETS)."""
     have = engine_hashes(engine)
     for kind, want in deploy.hashes.items():
+        asset = ASSETS.get(kind)
         if kind not in have:
-            raise ValueError(f"the deploy file was tuned with a {kind} ({want}) that was not loaded here; "
-                             f"pass --{kind} DIR")
+            raise ValueError(f"the deploy file was tuned with the {asset.noun if asset else kind} hashed {want}, "
+                             f"which was not loaded here; pass {asset.flag if asset else '--' + kind} DIR")
         if have[kind] != want:
-            raise ValueError(f"the deploy file was tuned on another {kind} (hash {want}, loaded {have[kind]}); "
-                             f"rerun mtp tune for this one")
+            raise ValueError(f"the deploy file was tuned on another {asset.noun if asset else kind} (hash {want}, "
+                             f"loaded {have[kind]}); rerun mtp tune for this one")

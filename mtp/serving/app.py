@@ -5,7 +5,8 @@ server-sent events ending in `data: [DONE]`), GET /v1/models, /health, /metrics 
 A request may carry `"mtp": {"strategy": "conf_adapt:0.9", "adaptive": false}`; omitted fields take the
 server's flags (`adaptive: false` exempts the request from the per-pass K cap, see `mtp.serving.scheduler`).
 Every bad input is HTTP 4xx with an OpenAI-style `{"error": {...}}` (413 for a body over
---max-body-bytes); an API key (see `mtp.cli.serve`) guards every path but /health; SIGTERM stops
+--max-body-bytes); an API key (see `mtp.cli.serve`) guards every path but /health, which then
+shows a client without the key its status alone (no load, no rollout); SIGTERM stops
 admitting, lets running requests finish (up to --shutdown-timeout, then they are answered 503 / a
 final error event) and exits 0.
 
@@ -29,27 +30,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtp.core.engine import Engine
 from mtp.serving.completions import complete
-from mtp.serving.config import SHUTDOWN_GRACE_S, ServeConfig
+from mtp.serving.config import SHUTDOWN_GRACE_S, ServeConfig, check_shutdown_timeout
 from mtp.serving.openai import APIError, ChatRequest, CompletionRequest, parse_request
 from mtp.serving.prometheus import CONTENT_TYPE
 from mtp.serving.state import ServerState
 
 
+def has_key(scope, key: bytes) -> bool:
+    """The request carries `Authorization: Bearer KEY` (the scheme case-insensitive, RFC 9110 11.1;
+    compared in constant time)."""
+    scheme, _, token = dict(scope.get("headers") or []).get(b"authorization", b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+
+
 class APIKeyAuth:
-    """`Authorization: Bearer KEY` on every path but /health (the scheme case-insensitive, RFC 9110
-    11.1). A plain ASGI middleware: it hands the request's `receive` through untouched, so a handler
-    still sees its client disconnect."""
+    """`Authorization: Bearer KEY` (`has_key`) on every path but /health, which shows a client without
+    the key its status alone. A plain ASGI middleware: it hands the request's `receive` through
+    untouched, so a handler still sees its client disconnect."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
-            scheme, _, token = dict(scope.get("headers") or []).get(b"authorization", b"").partition(b" ")
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
-                err = APIError(401, "Incorrect API key provided", code="invalid_api_key")
-                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["path"] != "/health" and not has_key(scope, self.key):
+            err = APIError(401, "Incorrect API key provided", code="invalid_api_key")
+            await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -120,9 +126,13 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
                                             "owned_by": "mtp"}]}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health():
+    async def health(request: HTTPRequest):
+        """Liveness for anyone; the load and the rollout (tuned strategy, tolerance, window losses)
+        only without an API key or with it."""
         if state.scheduler.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if config.api_key and not has_key(request.scope, config.api_key.encode()):
+            return {"status": "ok"}
         body = {"status": "ok", "running": state.scheduler.running, "queued": state.scheduler.queue_length}
         if state.rollout is not None:
             body["rollout"] = state.rollout.health()
@@ -146,8 +156,9 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "
     to exit: nothing new is admitted, running requests have `shutdown_timeout` seconds to finish, then
     the scheduler cancels the rest (a waiting client gets a 503 JSON error, a stream a final error
     event and `data: [DONE]`); uvicorn waits SHUTDOWN_GRACE_S longer for those answers to go out, and
-    its shutdown (lifespan) stops the engine loop, which returns here."""
-
+    its shutdown (lifespan) stops the engine loop, which returns here. A `shutdown_timeout` that is
+    not a finite number >= 0 is a ValueError (`check_shutdown_timeout`), before anything binds."""
+    shutdown_timeout = check_shutdown_timeout(shutdown_timeout)
     state: ServerState = app.state.mtp
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S)

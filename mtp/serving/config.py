@@ -2,6 +2,7 @@
 defaults, authentication, shadow mode and the limits on what one request may carry."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mtp.core.deploy import Deploy
@@ -16,6 +17,16 @@ PROMPT_CHARS_PER_TOKEN = 32  # default prompt character limit = this x max_model
 MAX_MESSAGES = 256  # default limit on a chat request's messages (checked before validating them)
 SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout: how long uvicorn waits for the 503s / error events to go out
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
+
+
+def check_shutdown_timeout(seconds) -> float:
+    """--shutdown-timeout: a finite number of seconds >= 0. Below 0 uvicorn would get less than
+    SHUTDOWN_GRACE_S to send the 503s / error events of the requests the scheduler cancels (and
+    cancel them unanswered); nan would never cancel them, inf never end the wait."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+            or seconds < 0:
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
+    return float(seconds)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import logging
 import random
 import time
 
+from mtp.core.deploy import check_within_caps
 from mtp.core.engine import Engine
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
@@ -102,17 +103,14 @@ class ServerState:
         return Request(seq, adaptive=body.mtp.adaptive if body.mtp else True, arm=arm)
 
     def check_caps(self, strategy: Strategy) -> None:
-        """Under a deploy file, a request's own lossy strategy stays within its safety caps: K at most
-        `max_k`, and conf_adapt's τ at least `min_tau`."""
-        caps = self.config.deploy.caps if self.config.deploy is not None else {}
-        if strategy.lossless or not caps:
+        """Under a deploy file, a request's own lossy strategy stays within its safety caps (the check
+        the deploy file's tuned arm passed, `deploy.check_within_caps`), else 400."""
+        if self.config.deploy is None:
             return
-        if "max_k" in caps and strategy.k > caps["max_k"]:
-            raise APIError(400, f"strategy {strategy} exceeds this server's safety cap K <= {caps['max_k']}",
-                           "mtp.strategy")
-        if "min_tau" in caps and strategy.thresholded and strategy.tau < caps["min_tau"]:
-            raise APIError(400, f"strategy {strategy} is below this server's safety cap tau >= {caps['min_tau']:g}",
-                           "mtp.strategy")
+        try:
+            check_within_caps(strategy, self.config.deploy.caps, "this server's")
+        except ValueError as e:
+            raise APIError(400, str(e), "mtp.strategy") from None
 
     def check_chars(self, n: int, param: str) -> None:
         """`n` characters to tokenise: refused above --max-prompt-chars."""
