@@ -292,3 +292,128 @@ def test_w2_train_heads_reads_examples(word_model, tmp_path, capsys):
         code, _, err = run_cli(["train-heads", "--model", word_model, *extra, *(["--examples", ex] if extra else []),
                                 "--out", tmp_path / "h2"], capsys)
         one_line_error(code, err, "exactly one of --data FILE or --examples FILE")
+
+
+# ---- Issue 47 D1. `mtp train --out` holds only this run: an adapter without a checkpoint is kept --
+def folder_bytes(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def train_args(word_model, tmp_path, *more, steps=2):
+    return ["train", "--model", word_model, "--examples", tmp_path / "examples.jsonl", *TRAIN_ARGS,
+            "--steps", steps, *more]
+
+
+def exported_run(word_model, tmp_path, capsys) -> None:
+    """A finished run in tmp_path/run (2 steps) with its float16 copy in tmp_path/ship."""
+    examples_file(tmp_path)
+    code, _, err = run_cli(train_args(word_model, tmp_path, "--out", tmp_path / "run", "--export", tmp_path / "ship"),
+                           capsys)
+    assert code == 0, err
+
+
+def plain_adapter(path: Path) -> Path:
+    """An adapter as shipped (`save_adapter`: config.json + adapter.safetensors, no checkpoint)."""
+    model = tiny_model(0)
+    add_adapters(model, rank=2)
+    save_adapter(model, path, {"v": 1})
+    return path
+
+
+def test_47_d1_train_out_never_replaces_an_adapter_without_a_checkpoint(word_model, tmp_path, capsys):
+    exported_run(word_model, tmp_path, capsys)
+    for target in (tmp_path / "ship", plain_adapter(tmp_path / "plain")):
+        before = folder_bytes(target)
+        for resume in ([], ["--resume"]):
+            code, _, err = run_cli(train_args(word_model, tmp_path, "--out", target, *resume), capsys)
+            one_line_error(code, err, str(target), "no training checkpoint")
+            assert folder_bytes(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["examples.jsonl", "plain", "run", "ship"]
+
+
+def test_47_d1_train_out_takes_a_new_or_empty_folder_or_resumes_its_checkpoint(word_model, tmp_path, capsys):
+    exported_run(word_model, tmp_path, capsys)
+    (tmp_path / "empty").mkdir()
+    assert run_cli(train_args(word_model, tmp_path, "--out", tmp_path / "empty"), capsys)[0] == 0
+    code, _, err = run_cli(train_args(word_model, tmp_path, "--out", tmp_path / "run"), capsys)  # no --resume
+    one_line_error(code, err, "already holds a training run", "--resume")
+    code, _, err = run_cli(train_args(word_model, tmp_path, "--out", tmp_path / "new", "--resume"), capsys)
+    one_line_error(code, err, "--resume: no checkpoint")
+    assert not (tmp_path / "new").exists()
+    code, _, err = run_cli(train_args(word_model, tmp_path, "--out", tmp_path / "run", "--resume", steps=3), capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["step"] == 3
+
+
+def test_47_d1_export_replaces_only_this_runs_own_copy(word_model, tmp_path, capsys):
+    exported_run(word_model, tmp_path, capsys)
+    resume = ["--out", tmp_path / "run", "--resume"]
+    code, _, err = run_cli(train_args(word_model, tmp_path, *resume, "--export", tmp_path / "ship", steps=3), capsys)
+    assert code == 0, err  # its own copy: refreshed
+    assert json.loads((tmp_path / "ship" / "config.json").read_text())["meta"]["step"] == 3
+    other = tmp_path / "other"  # another run, and its copy: not this run's to replace; nor a plain adapter
+    code, _, err = run_cli(train_args(word_model, tmp_path, "--out", other, "--export", tmp_path / "other-ship"),
+                           capsys)
+    assert code == 0, err
+    for target in (tmp_path / "other-ship", other, plain_adapter(tmp_path / "plain")):
+        before = folder_bytes(target)
+        code, _, err = run_cli(train_args(word_model, tmp_path, *resume, "--export", target, steps=4), capsys)
+        one_line_error(code, err, "--export", str(target))
+        assert folder_bytes(target) == before
+    assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["step"] == 3  # nothing trained
+
+
+# ---- Issue 47: flags that contradict the adapter continued (--init-adapter) or the checkpoint (--resume)
+def no_model_load(monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr("mtp.cli.train.Engine.load", no_load)
+
+
+SHAPE_FLAGS = [(["--rank", "8"], "rank 4"), (["--alpha", "3"], "alpha 32"), (["--mode", "plain"], "mode gated"),
+               (["--targets", "q,v"], "targets q,k,v,o,gate,up,down"), (["--lora-layers", "1:2"], "lora_layers 0:2")]
+
+
+@pytest.mark.parametrize("flags, have", SHAPE_FLAGS)
+def test_47_init_adapter_flags_that_contradict_it_fail_before_the_model_loads(word_model, tmp_path, capsys,
+                                                                              monkeypatch, flags, have):
+    src = tmp_path / "src"
+    model = tiny_model(0)
+    add_adapters(model, rank=4)
+    save_adapter(model, src, {"v": 1})
+    examples_file(tmp_path)
+    no_model_load(monkeypatch)
+    code, _, err = run_cli(train_args(word_model, tmp_path, "--init-adapter", src, *flags, "--out", tmp_path / "o"),
+                           capsys)
+    one_line_error(code, err, " ".join(flags), "--init-adapter", f"({have})")
+    assert not (tmp_path / "o").exists()
+
+
+OTHER_FLAGS = [(["--seq-len", "48"], "seq_len 32"), (["--lr", "0.01"], "lr 0.0005"), (["--seed", "3"], "seed 0"),
+               (["--k-max", "4"], "k_max 3")]
+
+
+@pytest.mark.parametrize("flags, have", SHAPE_FLAGS + OTHER_FLAGS)
+def test_47_resume_flags_that_contradict_the_checkpoint_fail_before_the_model_loads(word_model, tmp_path, capsys,
+                                                                                    monkeypatch, flags, have):
+    examples_file(tmp_path)
+    run = tmp_path / "run"
+    assert run_cli(train_args(word_model, tmp_path, "--rank", "4", "--out", run), capsys)[0] == 0
+    before = folder_bytes(run)
+    no_model_load(monkeypatch)
+    code, _, err = run_cli(train_args(word_model, tmp_path, "--rank", "4", *flags, "--out", run, "--resume", steps=3),
+                           capsys)
+    one_line_error(code, err, "--resume", " ".join(flags), f"({have})", str(run))
+    assert folder_bytes(run) == before
+
+
+def test_47_resume_takes_the_adapter_shape_the_flags_leave_out(word_model, tmp_path, capsys):
+    examples_file(tmp_path)
+    run = tmp_path / "run"
+    code, _, err = run_cli(train_args(word_model, tmp_path, "--rank", "4", "--lora-layers", "1:2", "--out", run),
+                           capsys)
+    assert code == 0, err
+    code, _, err = run_cli(train_args(word_model, tmp_path, "--out", run, "--resume", steps=3), capsys)
+    assert code == 0, err  # rank 4 and layers 1:2 from the checkpoint: nothing contradicts it
+    state = json.loads((run / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["settings"]["rank"] == 4 and state["settings"]["lora_layers"] == [1, 2]

@@ -1,6 +1,7 @@
 """The `mtp` command: one module per subcommand under `mtp.cli`, each with `add_parser(subparsers)`
 that registers its parser and sets `func`. Bad input ends in a one-line `mtp: error: ...` and exit
-status 2 (`report`), never a traceback."""
+status 2 (`report`), never a traceback. No command writes into the shipped assets: every output
+option (`OUTPUTS`) is checked here, once, before a command runs (`artifacts.check_not_shipped`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,12 @@ import argparse
 from mtp.cli import (bench, data, datastore, export, generate, pipeline, serve, shadow, train, train_eagle3,
                      train_heads, tune)
 from mtp.cli.errors import USER_ERRORS, report
+from mtp.core.artifacts import check_not_shipped
 
 COMMANDS = [generate, train, train_heads, train_eagle3, export, data, datastore, bench, serve, shadow, pipeline, tune]
+# every option that names a place a command writes (its parsed attribute: the flag); a new output
+# option belongs here, so the shipped assets stay out of reach of every command
+OUTPUTS = {"out": "--out", "export": "--export", "cache_dir": "--cache-dir", "shadow_log": "--shadow-log"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,10 +25,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_outputs(args) -> None:
+    """Refuse, before any work, an output option of `args` that points into the shipped assets."""
+    for attr, flag in OUTPUTS.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            check_not_shipped(value, flag)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_outputs(args)
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
         return report(e)

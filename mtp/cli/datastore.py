@@ -9,7 +9,7 @@ from mtp.core import loading
 from mtp.core.artifacts import replaceable
 from mtp.core.proposers.suffix import build_datastore, is_datastore
 from mtp.training import shards
-from mtp.training.data import check_examples_for, load_examples
+from mtp.training.data import check_examples_for, read_examples
 
 
 def add_parser(sub) -> None:
@@ -31,7 +31,7 @@ def run(args) -> int:
         raise ValueError(f"--out {out} exists and is not a datastore; choose a new folder")
     replaceable(out, is_datastore)
     t0 = time.perf_counter()
-    examples = load_examples(args.data)
+    examples = read_examples(args.data, args.model)  # an evaluation prompt among them: refused here
     data = Path(args.data)
     meta = {"source": data.name}
     if data.is_dir():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
@@ -15,14 +15,16 @@ import torch.distributed as dist
 
 from mtp.cli.options import check_batch_size, check_device, check_threads
 from mtp.core.adapter import MODES, TARGETS, adapter_layers, check_layers, is_adapter_dir, read_adapter_config
-from mtp.core.artifacts import replaceable
+from mtp.core.artifacts import ArtifactError, read_json, recover_interrupted, replaceable
 from mtp.core.engine import SHIPPED, Engine, EngineConfig
 from mtp.core.loading import model_layers
-from mtp.training.data import build_examples, check_examples_for, load_examples, load_prompts
-from mtp.training.distill import TEACHERS, TrainConfig, check_export, describe, shape_conflict, train
-from mtp.training.trainer import AMP_CHOICES, check_lr, distributed, use_bf16
+from mtp.training.data import build_examples, check_examples_for, load_prompts, read_examples
+from mtp.training.distill import (RESUME_KEYS, SHAPE_KEYS, TEACHERS, TrainConfig, check_export, describe,
+                                  shape_conflict, train)
+from mtp.training.trainer import AMP_CHOICES, STATE, check_lr, distributed, use_bf16
 
-# the adapter-shape flags left unset without --init-adapter take TrainConfig's defaults
+# the adapter-shape flags left unset without --init-adapter take TrainConfig's defaults (with --resume:
+# the checkpoint's, `resumed_config`)
 DEFAULT_SHAPE = {f.name: f.default for f in fields(TrainConfig) if f.name in ("mode", "rank", "alpha", "targets")}
 
 
@@ -60,7 +62,8 @@ def add_parser(sub) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", required=True, help="adapter + checkpoint directory")
     p.add_argument("--export", default=None, help="also write a float16 adapter-only copy here at the end")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out (same settings)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out (same settings; adapter-shape flags left out come from it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu | cuda (under torchrun: each process its own GPU)")
@@ -90,13 +93,21 @@ def run(args) -> int:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     check_device(device)
     try:
-        replaceable(Path(args.out), is_adapter_dir)  # never overwrite what mtp did not write
+        out = Path(args.out)
+        check_out(out, args.resume)  # never overwrite what is not this run's checkpoint
         if args.export:
-            replaceable(Path(args.export), is_adapter_dir)
+            check_export_target(Path(args.export), out)
+        cfg = TrainConfig(
+            out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, **shape,
+            k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,
+            save_every=args.save_every, seed=args.seed, resume=args.resume, device=device,
+            log_every=args.log_every, export=args.export, amp=use_bf16(args.amp, device),
+            meta={"model": args.model, "data": Path(args.data or args.examples).name,
+                  "self_generate": bool(args.self_generate), "limit": args.limit})
+        if args.resume:
+            cfg = resumed_config(cfg, args)
         prompts = load_prompts(args.data, args.prompt_field, args.response_field, args.limit) if args.data else None
-        examples = load_examples(args.examples) if args.examples else None
-        if examples is not None and args.limit:
-            examples = examples[: args.limit]
+        examples = read_examples(args.examples, args.model, args.limit or None) if args.examples else None
         engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=device))
         d, rank, _ = distributed()
         if examples is not None:
@@ -112,13 +123,6 @@ def run(args) -> int:
         too_long = [i for i, ex in enumerate(examples) if len(ex.prompt_ids) >= ctx]
         if too_long:
             raise ValueError(f"example {too_long[0]} is longer than the context window ({ctx} tokens)")
-        cfg = TrainConfig(
-            out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, **shape,
-            k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,
-            save_every=args.save_every, seed=args.seed, resume=args.resume, device=device,
-            log_every=args.log_every, export=args.export, amp=use_bf16(args.amp, device),
-            meta={"model": args.model, "data": Path(args.data or args.examples).name,
-                  "self_generate": bool(args.self_generate), "limit": args.limit})
         t0 = time.perf_counter()
         state = train(cfg, engine.model, examples, n_used_tokens=len(engine.tokenizer))
         if d is not None:
@@ -195,3 +199,80 @@ def init_adapter_dir(value: str, model: str) -> Path:
     if not path.is_dir():
         raise ValueError(f"--init-adapter: adapter directory not found: {value}")
     return path
+
+
+def check_out(out: Path, resume: bool) -> None:
+    """--out before any work holds nothing but this run: without --resume a new or empty folder, with
+    --resume a run's checkpoint (an adapter directory with its `trainer_state.json`). An adapter
+    without a checkpoint (an --export copy, a shipped adapter) is never replaced, nor is a file or a
+    folder mtp did not write (`artifacts.replaceable`)."""
+    recover_interrupted(out)  # a save a kill interrupted: the previous directory back, as a save would
+    replaceable(out, is_adapter_dir)
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / STATE).exists():
+            raise ArtifactError(f"{out} holds an adapter but no training checkpoint (an --export copy or a shipped "
+                                f"adapter); refusing to replace it: choose another --out (to start from it: "
+                                f"--init-adapter {out})")
+        if not resume:
+            raise ValueError(f"{out} already holds a training run; pass --resume to continue or choose another --out")
+    elif resume:
+        raise ValueError(f"--resume: no checkpoint in {out}; drop --resume to start a new run")
+
+
+def check_export_target(export: Path, out: Path) -> None:
+    """--export replaces nothing but this run's own float16 copy: a new or empty folder, or an adapter
+    without a checkpoint whose config records an export by a run with this --out to this --export.
+    Another run's copy, a run, a shipped or any other adapter: refused before any work."""
+    replaceable(export, is_adapter_dir)
+    if not (export.is_dir() and any(export.iterdir())):
+        return
+    meta = read_json(export / "config.json", "adapter config").get("meta")
+    made = meta.get("training") if isinstance(meta, dict) else None
+    made = made if isinstance(made, dict) else {}
+    ours = all(isinstance(made.get(key), str) and Path(made[key]).resolve() == path.resolve()
+               for key, path in (("out", out), ("export", export)))
+    if (export / STATE).exists() or not ours:
+        raise ArtifactError(f"--export {export} holds an adapter that is not this run's earlier export (of --out "
+                            f"{out}); refusing to replace it: choose a new or empty folder")
+
+
+def _comparable(key: str, value, n_layers: int | None):
+    """A setting as a given and a recorded one compare: JSON lists as tuples, all layers (None) as
+    (0, n_layers)."""
+    value = tuple(value) if isinstance(value, list) else value
+    return (0, n_layers) if key == "lora_layers" and value is None and n_layers is not None else value
+
+
+def _shown(key: str, value) -> str:
+    if key == "targets" and isinstance(value, tuple):
+        return ",".join(value)
+    if key == "lora_layers" and isinstance(value, tuple):
+        return f"{value[0]}:{value[1]}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def resumed_config(cfg: TrainConfig, args) -> TrainConfig:
+    """--resume: `cfg` checked against the settings the checkpoint in --out recorded, before any
+    weight loads. An adapter-shape flag left out (--mode, --rank, --alpha, --targets, --lora-layers,
+    --init-adapter) takes the checkpoint's value; any other setting that differs is one line naming
+    the flag, both values and the checkpoint (the trainer checks the rest once the data is read: the
+    example count and the process count)."""
+    was = read_json(Path(cfg.out) / STATE, "trainer state").get("settings")
+    was = was if isinstance(was, dict) else {}
+    n_layers = model_layers(args.model)
+    left_out = set()
+    if args.init_adapter is None:  # else the shape came from that adapter (`adapter_shape`): compared
+        left_out = {"init_adapter"} | {k for k in SHAPE_KEYS if getattr(args, k) is None}
+    now = asdict(cfg)
+    keep = {}
+    for k in (k for k in RESUME_KEYS if k in now):  # not n_examples, world: known once data and processes are
+        given, before = _comparable(k, now[k], n_layers), _comparable(k, was.get(k), n_layers)
+        if k not in left_out and given != before:
+            raise ValueError(f"--resume: --{k.replace('_', '-')} {_shown(k, given)} contradicts the checkpoint in "
+                             f"{cfg.out} ({k} {_shown(k, before)}); a resumed run keeps the settings it started "
+                             "with: drop the flag or train into another --out")
+        keep[k] = tuple(was[k]) if isinstance(was.get(k), list) else was.get(k)  # as recorded: the trainer compares
+    if keep.get("init_adapter") and not Path(keep["init_adapter"]).is_dir():
+        raise ValueError(f"--resume: the run in {cfg.out} started from --init-adapter {keep['init_adapter']}, "
+                         "which is gone; put it back to resume")
+    return replace(cfg, **keep)

@@ -78,7 +78,7 @@ def run_train_eagle3(args) -> int:
     check_device(args.device)
     cfg.amp = use_bf16(args.amp, args.device)
     if args.examples:
-        examples = data.load_examples(args.examples)[: args.limit]
+        examples = data.read_examples(args.examples, args.model, args.limit)
     else:
         prompts = data.load_prompts(args.data, args.prompt_field,
                                     None if args.self_generate else args.response_field, args.limit)

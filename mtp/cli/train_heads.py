@@ -65,7 +65,7 @@ def run_train_heads(args) -> int:
     check_batch_size(args.gen_batch_size, "--gen-batch-size")
     check_device(args.device)
     if args.examples:
-        examples = data.load_examples(args.examples)[: args.limit]
+        examples = data.read_examples(args.examples, args.model, args.limit)
     else:
         prompts = data.load_prompts(args.data, args.prompt_field,
                                     None if args.self_generate else args.response_field, args.limit)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from mtp.cli.options import add_model_args, engine_config
+from mtp.core.artifacts import check_not_shipped
 
 try:
     import tomllib
@@ -107,6 +108,8 @@ def run(args) -> int:
         if need not in opts:
             raise ValueError(f"mtp tune needs --{need} (or '{need}' in --config); or run mtp tune --toy")
     out = Path(opts.pop("out"))
+    if args.out is None:  # --out is checked with every command's outputs (`mtp.cli.check_outputs`); a file's here
+        check_not_shipped(out, f"--config {args.config}: out")
     cfg = TuneConfig(**opts)
     load_data(cfg.data, cfg.limit)  # a missing or empty prompts file: before the model loads
     check_out(out)

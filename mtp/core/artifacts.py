@@ -10,6 +10,8 @@ Guarantees:
   (`cast_checked`): a NaN or inf weight is refused, naming the file and the tensor.
 - Nothing mtp did not write is ever replaced: an existing target must be empty or an mtp
   directory of the same kind (`replaceable`), else the save is refused before any work.
+- No command writes into the package's shipped assets (`ASSETS`, `check_not_shipped`): the CLI
+  refuses every output option pointing inside them before any work.
 - `base_hash` fingerprints base weights, so an adapter or heads directory refuses to load on
   other weights (`check_trained_on`).
 - `load_safetensors` / `read_json` name the file in the one-line error a corrupt file gives.
@@ -34,6 +36,7 @@ class ArtifactError(ValueError):
     """A file or directory that cannot be used as asked (one line, names the path)."""
 
 
+ASSETS = Path(__file__).resolve().parent.parent / "assets"  # mtp/assets: what the package ships
 MARKER = ".mtp-save-in-progress"  # in every work folder of a save; nothing else is ever removed
 
 
@@ -114,6 +117,17 @@ def cast_checked(tensors: dict, dtype: torch.dtype) -> dict:
                                 f"(largest {torch.finfo(dtype).max:.5g}); refusing a copy with inf in it")
         out[name] = c
     return out
+
+
+def check_not_shipped(path, flag: str) -> None:
+    """Refuse an output `path` (given as option `flag`) that lies inside the shipped assets or is
+    their folder, symlinks followed: the shipped adapter, heads, drafter, datastore and evaluation
+    hashes are never replaced or added to by a command. A folder around them is not refused."""
+    target, assets = Path(path).expanduser().resolve(), Path(ASSETS).resolve()
+    if target == assets or assets in target.parents:
+        shown = f"{path} ({target})" if str(target) != str(path) else str(path)
+        raise ArtifactError(f"{flag} {shown} lies inside mtp's shipped assets ({assets}); they are never "
+                            "overwritten: choose an output path outside them")
 
 
 def replaceable(path: Path, kind: Callable[[Path], bool] | None) -> None:

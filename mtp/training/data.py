@@ -22,7 +22,7 @@ import torch
 from mtp.core.artifacts import base_hash
 from mtp.core.batching import Batch
 from mtp.core.decode import Sequence, block_slack
-from mtp.core.loading import cache_root
+from mtp.core.loading import ModelLoadError, cache_root, gguf_to_hf_dir, load_tokenizer, resolve
 from mtp.core.proposers import MaskProposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
@@ -130,6 +130,35 @@ def load_examples(path, log=None) -> list[Example]:
     if bad:
         (log or (lambda m: print(m, file=sys.stderr)))(f"{path.name}: skipped {bad} line(s) {what}")
     return out
+
+
+def model_tokenizer(model: str):
+    """The tokenizer of --model without its weights (a GGUF file is converted once, as `loading.load`
+    does), so token-id data is checked before any weight loads."""
+    path = resolve(model)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"unsupported model file {path.name!r}: give a .gguf file or a HF directory")
+        path = gguf_to_hf_dir(path)
+    return load_tokenizer(path)
+
+
+def check_examples_not_evaluation(examples: list[Example], tokenizer, source) -> None:
+    """No example's prompt, decoded with `tokenizer` (special tokens dropped, ids it does not know
+    skipped: `check_example_ids` refuses those), holds an evaluation prompt (`eval_guard`); the
+    error names the example by its line."""
+    n = len(tokenizer)
+    texts = tokenizer.batch_decode([[t for t in ex.prompt_ids if 0 <= t < n] for ex in examples],
+                                   skip_special_tokens=True)
+    check_not_evaluation(texts, source, [f"example {ex.line or i + 1}" for i, ex in enumerate(examples)])
+
+
+def read_examples(path, model: str, limit: int | None = None) -> list[Example]:
+    """The examples a command trains on or indexes: `load_examples` (the first `limit`), each prompt
+    checked against the evaluation sets with `model`'s tokenizer before any weight loads."""
+    examples = load_examples(path)[:limit]
+    check_examples_not_evaluation(examples, model_tokenizer(model), path)
+    return examples
 
 
 def check_examples_for(examples: list[Example], model, source) -> None:

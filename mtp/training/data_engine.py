@@ -179,13 +179,17 @@ def _unique(prompts: list[Prompt]) -> list[Prompt]:
 
 
 def file_prompts(cfg: DataConfig) -> list[Prompt]:
-    """Every prompt of the file sources, keyed by content (an identical prompt twice is answered once)."""
+    """Every prompt of the file sources, keyed by content (an identical prompt twice is answered once);
+    none that is trained on (held-out ones are not) is an evaluation prompt (`eval_guard`)."""
     out: list[Prompt] = []
     if cfg.gsm8k:
         rows = load_prompts(cfg.gsm8k, "question", None, cfg.limit, hint="GSM8K lines need \"question\"")
         out += [Prompt(content_id("gsm8k", r["prompt"]), "gsm8k", r["prompt"], "math word problems") for r in rows]
     if cfg.self_instruct:
-        out += read_self_instruct(cfg.self_instruct)[: cfg.limit]
+        tasks = read_self_instruct(cfg.self_instruct)[: cfg.limit]
+        trained = [p for p in tasks if not is_heldout(p, cfg)]
+        check_not_evaluation([p.text for p in trained], cfg.self_instruct, [f"task {p.group}" for p in trained])
+        out += tasks
     if cfg.prompts:
         rows = load_prompts(cfg.prompts, "prompt", None, cfg.limit, hint="--prompts lines need \"prompt\"")
         out += [Prompt(content_id("p", r["prompt"]), "prompts", r["prompt"]) for r in rows]
@@ -309,7 +313,6 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
     prompts = file_prompts(cfg)
     train = [p for p in prompts if not is_heldout(p, cfg)]
     heldout = [p for p in prompts if is_heldout(p, cfg)]
-    check_not_evaluation([p.text for p in train if p.source == "self_instruct"], cfg.self_instruct or "")
     done, bad = shards.read(out, "train")
     written, bad_w = shards.read(out, "instructions")
     if bad or bad_w:
