@@ -317,3 +317,70 @@ def test_lossy_bound_prices_the_recorded_passes():
     assert tpf == 2 and tps == pytest.approx(6 / (cost.pass_time(1) + 2 * cost.pass_time(2) + 3 * 0.01))
     # more guesses than were recorded: no bound
     assert lossy_bound(Strategy.parse("conf_adapt:0.9:8"), 0, cost, records) is None
+
+
+# ---- issue 47: which GSM8K file `mtp tune --data gsm8k:...` reads -----------------------------------
+def gsm8k_folder(path, train=True, test=True):
+    """A GSM8K-style folder: test.jsonl (3 questions) and train.jsonl (2 other questions)."""
+    path.mkdir(parents=True, exist_ok=True)
+    splits = {"test.jsonl": [("What is 2 + 3?", "5"), ("What is 7 - 4?", "3"), ("What is 3 * 3?", "9")],
+              "train.jsonl": [("Add 10 and 20.", "30"), ("Take 1 from 8.", "7")]}
+    for name, rows in splits.items():
+        if (name == "test.jsonl" and test) or (name == "train.jsonl" and train):
+            (path / name).write_text("".join(json.dumps({"question": q, "answer": f"so #### {a}"}) + "\n"
+                                             for q, a in rows))
+    return path
+
+
+TINY_TUNE = ["--adapter", "none", "--tolerance", "0.02", "--max-new-tokens", "8", "--probe", "2", "--calibrate", "2",
+             "--measure", "1", "--measure-rows", "1", "--candidates", "verify:2@lookup", "--threads", "1"]
+
+
+def test_tune_reads_a_gsm8k_folders_test_split_and_says_which_file(tiny_dir, tmp_path, capsys):
+    """gsm8k:DIR is DIR/test.jsonl (the evaluation split, never train.jsonl beside it), and the log line,
+    results.json and deploy.json name that file, not just the folder."""
+    from mtp.cli import main
+    import torch
+    folder = gsm8k_folder(tmp_path / "gsm8k")
+    out = tmp_path / "tuned"
+    threads = torch.get_num_threads()
+    try:  # --threads 1 (a tiny model's t(q) on a busy machine) sets this process's torch threads
+        assert main(["tune", "--model", str(tiny_dir), *TINY_TUNE, "--data", f"gsm8k:{folder}", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    test_file = folder / "test.jsonl"
+    assert f"tune: 3 prompts (gsm8k:{test_file})" in err, err
+    res = json.loads((out / "results.json").read_text())
+    assert res["kind"] == "gsm8k" and res["prompts"] == 3  # the test split's 3 questions, not train's 2
+    assert D.read(out / "deploy.json").extra["measured"]["data"] == f"gsm8k:{test_file}"
+
+
+def test_tune_refuses_a_gsm8k_folder_without_test_split_and_a_training_split(tiny_dir, tmp_path, capsys):
+    """A folder without test.jsonl is one line (its train.jsonl is never read instead); a GSM8K training
+    split (named train*, no GSM8K test question in it; a link named otherwise included) is one line:
+    mtp's proposers learn from GSM8K train, so tune would measure them on their own training prompts.
+    A file named train.jsonl that holds GSM8K test questions is evaluation data (by its content)."""
+    from mtp.cli import main
+    from mtp.tune.run import tune_data
+    only_train = gsm8k_folder(tmp_path / "only-train", test=False)
+    both = gsm8k_folder(tmp_path / "both")
+    link = tmp_path / "my-questions.jsonl"
+    link.symlink_to(both / "train.jsonl")
+    cases = [(f"gsm8k:{only_train}", "is a folder without test.jsonl"),
+             (f"gsm8k:{tmp_path / 'empty-folder'}", "is a folder without test.jsonl"),
+             (f"gsm8k:{both / 'train.jsonl'}", "is a training split (named train.jsonl"),
+             (f"gsm8k:{link}", "is a training split (named my-questions.jsonl -> train.jsonl")]
+    (tmp_path / "empty-folder").mkdir()
+    for data, words in cases:
+        code = main(["tune", "--model", str(tiny_dir), *TINY_TUNE, "--data", data, "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("mtp: error:") and err.count("\n") == 1 and words in err, (data, err)
+    assert not (tmp_path / "o").exists()
+    import mtp.training.eval_guard as guard  # a train-named file of GSM8K test questions is evaluation data
+    real = guard.evaluation_set
+    try:
+        guard.evaluation_set = lambda text: "GSM8K test" if text.startswith("Add 10") else real(text)
+        assert tune_data(f"gsm8k:{both / 'train.jsonl'}", None) == f"gsm8k:{both / 'train.jsonl'}"
+    finally:
+        guard.evaluation_set = real

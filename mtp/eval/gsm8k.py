@@ -49,11 +49,24 @@ def gold_answer(answer_field: str) -> str | None:
     return normalize(hits[-1]) if hits else None
 
 
-def load(path: str | Path, limit: int | None = None) -> list[dict]:
-    """GSM8K JSONL -> [{"prompt", "gold", "question"}]; a directory means its test.jsonl."""
+EVAL_SPLIT = "test.jsonl"  # what a GSM8K folder is read for: its evaluation split, never train.jsonl
+
+
+def resolve(path: str | Path) -> Path:
+    """The file `gsm8k:PATH` reads: PATH itself, or a folder's evaluation split (`EVAL_SPLIT`); a folder
+    without one is a one-line error (its train.jsonl is never read in its place)."""
     path = Path(path)
     if path.is_dir():
-        path = path / "test.jsonl"
+        if not (path / EVAL_SPLIT).is_file():
+            raise ValueError(f"gsm8k:{path} is a folder without {EVAL_SPLIT}: a GSM8K folder is read for its "
+                             f"evaluation split ({EVAL_SPLIT}), never its training split; give gsm8k:FILE")
+        return path / EVAL_SPLIT
+    return path
+
+
+def load(path: str | Path, limit: int | None = None) -> list[dict]:
+    """GSM8K JSONL -> [{"prompt", "gold", "question"}]; a directory means its test.jsonl (`resolve`)."""
+    path = resolve(path)
     items = []
     for n, line in enumerate(read_lines(path), 1):
         row = parse_json_line(line, path, n)

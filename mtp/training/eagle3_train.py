@@ -29,7 +29,8 @@ from mtp.core.proposers.eagle3 import (CONFIG, FORMAT, WEIGHTS, Eagle3Config, Ea
                                        exportable_layers)
 from mtp.training import feature_cache
 from mtp.training.heads_train import split_rows
-from mtp.training.trainer import CHECKPOINT, Trainer, TrainerConfig, check_lr, run_dir_kinds
+from mtp.training.trainer import (CHECKPOINT, Trainer, TrainerConfig, check_lr, recover_run_out,
+                                  run_dir_kinds)
 
 RESUME_KEYS = ("aux_layers", "draft_vocab", "ttt_steps", "batch_size", "max_len", "seed", "lr", "warmup",
                "val_fraction", "group_by_length")
@@ -327,6 +328,7 @@ def train_eagle3(model: Transformer, feats: dict, cfg: TrainEagle3Config, out, r
     """Train a drafter on cached features; write `out` (config.json + model.safetensors) at the end
     and a resumable `out/checkpoint` every `save_every` steps and on Ctrl-C. Returns held-out metrics."""
     out = Path(out)
+    recover_run_out(out)  # what a kill inside a save left (a checkpoint's or the final write's)
     replaceable(out, is_drafter_dir)
     if not resume and (out / CONFIG).exists():
         raise ValueError(f"{out} already holds a drafter; pass --resume to continue or choose another --out")

@@ -5,7 +5,8 @@ cuts the example list into blocks of `block` consecutive examples and keeps each
 as one safetensors file named by a hash of (what the features depend on, the block's examples):
 
 - an extraction stopped at any moment (kill -9 included) loses at most the block in flight; the
-  next call reuses every finished block (files are written to a temporary name, then renamed);
+  next call reuses every finished block (files are written to a temporary name, then renamed) and
+  removes the temporary files killed processes left (`remove_stale_temps`: a block can weigh GBs);
 - the data set grows by appending shards, so a longer list keeps its earlier blocks' keys: only the
   new examples (and the one partial block at the old end) are computed again.
 
@@ -27,6 +28,7 @@ import bisect
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +48,31 @@ def block_key(depends_on: str, examples) -> str:
     return h.hexdigest()[:16]
 
 
+_TEMP = re.compile(r"^\..+\.tmp-(\d+)$")  # `.NAME.tmp-PID`: a block or index file being written by PID
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Remove the temporary files (`.NAME.tmp-PID`) of block or index writes whose process is gone
+    (or is this one: no write of ours is in flight between blocks); returns them."""
+    gone = []
+    for p in Path(folder).iterdir():
+        m = _TEMP.match(p.name)
+        if m and p.is_file() and not p.is_symlink() and (int(m[1]) == os.getpid() or not _alive(int(m[1]))):
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
 def cached_blocks(folder: Path, depends_on: str, examples, extract: Callable, block: int = BLOCK,
                   progress=None, metadata: dict | None = None) -> Path:
     """Compute (or reuse) every block's features under `folder`; returns the index file naming them.
@@ -55,6 +82,7 @@ def cached_blocks(folder: Path, depends_on: str, examples, extract: Callable, bl
         raise ValueError(f"block must be >= 1, got {block}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(folder)
     files = []
     for start in range(0, len(examples), block):
         part = examples[start:start + block]

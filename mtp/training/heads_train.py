@@ -21,7 +21,8 @@ from mtp.core.model import Transformer
 from mtp.core.proposers.heads import (CONFIG, FORMAT, MAX_AHEAD, WEIGHTS, HeadsConfig, MTPHeads, bf16_readout,
                                       heads_files)
 from mtp.training import feature_cache
-from mtp.training.trainer import CHECKPOINT, Trainer, TrainerConfig, batch_indices, check_lr, run_dir_kinds
+from mtp.training.trainer import (CHECKPOINT, Trainer, TrainerConfig, batch_indices, check_lr, recover_run_out,
+                                  run_dir_kinds)
 
 # settings that must match when resuming (they shape the heads, the data or the optimisation)
 RESUME_KEYS = ("depths", "blocks", "width", "batch_size", "seed", "lr", "warmup", "val_fraction", "draft_vocab")
@@ -261,6 +262,7 @@ def train_heads(model: Transformer, feats: dict, cfg: TrainHeadsConfig, out, res
     `val_fraction` split; nothing is held out, and `feats` is never copied (a whole-set cache is
     ~2.3 KB per row: 10 GB for 26,000 answers)."""
     out = Path(out)
+    recover_run_out(out)  # what a kill inside a save left (a checkpoint's or the final write's)
     replaceable(out, is_heads_dir)  # before any work: never overwrite what mtp did not write
     ckpt = out / CHECKPOINT
     model.requires_grad_(False)

@@ -63,15 +63,29 @@ def run_dir_kinds(fmt: str, weights: str) -> tuple[Callable[[Path], bool], Calla
     return is_out, is_checkpoint
 
 
+def recover_run_out(out: Path) -> None:
+    """Undo what a kill (SIGKILL, power loss) inside a save left in a run's --out that holds
+    `CHECKPOINT/` (`artifacts.recover_interrupted`, which touches only mtp's marked work folders of
+    dead processes): a kill inside the final write of --out leaves it aside in `.OUT.old-*` (between
+    the two renames) and a `.OUT.tmp-*` beside it; a kill inside a checkpoint save leaves
+    `.checkpoint.tmp-*` / `.checkpoint.old-*` inside --out, which would make --out "not an mtp
+    directory" to `replaceable`, and (between the renames) the previous checkpoint aside."""
+    out = Path(out)
+    recover_interrupted(out)
+    if out.is_dir() and not out.is_symlink():
+        recover_interrupted(out / CHECKPOINT)
+
+
 def check_run_out(out: Path, kind: Callable[[Path], bool], what: str, resume: bool) -> None:
     """Before any work (a trunk-feature pass can take hours): --out is not a folder mtp did not write
     (`artifacts.replaceable` with the run's `kind`), and one that holds a finished run (config.json)
-    or a checkpoint is continued only with --resume, and --resume finds a checkpoint to continue."""
+    or a checkpoint is continued only with --resume, and --resume finds a checkpoint to continue.
+    What a killed save left is undone first (`recover_run_out`)."""
+    recover_run_out(out)
     replaceable(out, kind)
     if not resume and ((out / "config.json").exists() or (out / CHECKPOINT).exists()):
         raise ValueError(f"{out} already holds {what}; pass --resume to continue or choose another --out")
     if resume:
-        recover_interrupted(out / CHECKPOINT)  # a save a kill interrupted: the previous checkpoint back
         if not (out / CHECKPOINT / STATE).exists():
             raise ValueError(f"--resume: no checkpoint in {out / CHECKPOINT}; drop --resume to start a new run")
 
@@ -190,7 +204,7 @@ class Trainer:
         recover_interrupted(ckpt)  # a save a kill interrupted: its work folders, the previous checkpoint
         if resume:
             if not (ckpt / STATE).exists():
-                raise ValueError(f"--resume: no checkpoint in {ckpt}")
+                raise ValueError(f"--resume: no checkpoint in {ckpt}; drop --resume to start a new run")
             state = read_json(ckpt / STATE, "trainer state")
             for k in self.resume_keys:
                 was, now = state.get("settings", {}).get(k), self.settings.get(k)

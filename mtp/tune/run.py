@@ -86,6 +86,38 @@ class TuneConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
         if self.latency_ms is not None and not self.latency_ms > 0:
             raise ValueError(f"--latency-ms must be > 0, got {self.latency_ms}")
+        self.data = tune_data(self.data, self.limit)
+
+
+GSM8K_TEST = "GSM8K test"  # the evaluation guard's name of the GSM8K test questions (`eval_guard`)
+
+
+def tune_data(spec, limit: int | None) -> str:
+    """--data as tune reads it, checked before the model loads. `gsm8k:DIR` becomes `gsm8k:DIR/test.jsonl`
+    (the evaluation split, never train.jsonl; a folder without it is one line: `gsm8k.resolve`), so the
+    log, results and deploy.json name the file read. A GSM8K training split is refused: a file named
+    train* none of whose (first `limit`) questions is a GSM8K test question (the evaluation guard's hashes).
+    mtp's proposers (mask adapter, heads, EAGLE-3 drafter, suffix datastore) learn from GSM8K train,
+    so their acceptance there, hence the speed tune measures and the configuration it picks, would be
+    that of prompts they were trained on, not of the traffic the deploy file serves. Other specs are
+    returned as given (`load_data` checks them)."""
+    kind, sep, path = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if kind != "gsm8k" or not sep or not path or not Path(path).expanduser().exists():
+        return spec
+    from mtp.eval import gsm8k
+    from mtp.training.eval_guard import evaluation_set
+
+    file = gsm8k.resolve(Path(path).expanduser())
+    name, target = file.name, file.resolve().name  # a link's own name and its target's
+    if file.is_file() and any(n.lower().startswith("train") for n in (name, target)):
+        items = gsm8k.load(file, limit)
+        if items and not any(evaluation_set(it["question"]) == GSM8K_TEST for it in items):
+            shown = name if name == target else f"{name} -> {target}"
+            raise ValueError(f"--data gsm8k:{file} is a training split (named {shown}, no GSM8K test question in "
+                             "it): mtp's proposers learn from GSM8K train, so tuning on it overstates their "
+                             f"acceptance and speed; tune on the evaluation split (gsm8k:DIR/{gsm8k.EVAL_SPLIT}) "
+                             "or held-out prompts:FILE of your own")
+    return f"gsm8k:{file}" if file != Path(path) else spec
 
 
 @dataclass
@@ -139,7 +171,7 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
             raise ValueError(f"prompt {j} ({len(ids)} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the "
                              f"context window of {engine.context_window}")
     n, probe = len(items), min(cfg.probe, len(items))
-    log(f"tune: {n} prompts ({kind}), tolerance {cfg.tolerance:g} on {metric}, {len(cands)} candidates")
+    log(f"tune: {n} prompts ({cfg.data}), tolerance {cfg.tolerance:g} on {metric}, {len(cands)} candidates")
 
     # 1-3. reference, hardware, predictability
     ntp = Strategy()
