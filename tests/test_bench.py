@@ -423,7 +423,7 @@ def test_strategy_needing_adapter_fails_before_running(tmp_path):
 
 def test_results_name_shipped_assets_without_machine_paths(tmp_path):
     from mtp.eval.bench import _asset_name
-    from mtp.core.engine import ASSETS
+    from mtp.core.artifacts import ASSETS
     assert _asset_name(ASSETS / "smollm2-135m" / "adapter") == "shipped:smollm2-135m/adapter"
     assert _asset_name(tmp_path / "my-adapter") == str(tmp_path / "my-adapter")
     assert _asset_name(None) is None

@@ -21,7 +21,7 @@ TUNED = {"format": "mtp-deploy", "version": 1,
          "fallback": {"strategy": "verify:4", "proposer": "mask"},
          "tolerance": 0.05, "metric": "answer", "caps": {"max_k": 4, "min_tau": 0.95}, "calibration": {},
          "hashes": {"model": "856f0d7611b5a6f7", "adapter": "0123456789abcdef"},
-         "measured": {"tokens_per_s": 20.0, "speedup_vs_ntp": 1.3, "ms_per_token": 50.0, "loss": 0.04,
+         "measured": {"arm": "conf_adapt:0.95:4@mask", "tokens_per_s": 20.0, "speedup_vs_ntp": 1.3, "ms_per_token": 50.0, "loss": 0.04,
                       "loss_items": 100, "tokens_per_forward": 1.6, "measure_prompts": 8, "data": "gsm8k:x",
                       "prompts": 100}}
 
@@ -112,9 +112,13 @@ def test_w1_the_server_refuses_requests_with_the_same_check():
     # tune never chooses an arm whose measured loss is over the tolerance
     ({"strategy": "conf_adapt:0.95:4", "proposer": "mask"}, {"loss": 0.3}, "exceeds the tolerance"),
     ({"strategy": "conf_adapt:0.95:4", "proposer": "mask"}, {"loss": "low"}, "measured.loss must be a number"),
+    # tune names the arm it measured: a hand-edited choice no longer matches it
+    ({"strategy": "conf_adapt:0.96:4", "proposer": "mask"}, {"arm": "conf_adapt:0.95:4@mask"},
+     "the measurements are of 'conf_adapt:0.95:4@mask'"),
 ])
 def test_w1_tuned_arm_unlike_its_measurements_is_refused(tmp_path, capsys, tuned, measured, words):
-    refused(deploy_file(tmp_path, tuned=tuned, measured={**TUNED["measured"], **measured}), capsys, words)
+    without_arm = {k: v for k, v in TUNED["measured"].items() if k != "arm"}  # as files tuned before it was written
+    refused(deploy_file(tmp_path, tuned=tuned, measured={**without_arm, **measured}), capsys, words)
 
 
 # ---- T1: the caps themselves ------------------------------------------------------------------------------
@@ -127,9 +131,17 @@ def test_w1_tuned_arm_unlike_its_measurements_is_refused(tmp_path, capsys, tuned
     ({"max_k": 4, "min_tau": "0.9"}, r"caps.min_tau must be a number in \[0, 1\]"),
     ({"max_k": 4, "max_tokens": 9}, "unknown cap 'max_tokens'"),
     ([4, 0.95], "'caps' must be an object"),
+
 ])
 def test_t1_bad_caps_are_refused(tmp_path, capsys, caps, words):
     refused(deploy_file(tmp_path, caps=caps), capsys, words)
+
+
+def test_t1_caps_left_out_are_the_tuned_arms_own(tmp_path):
+    """No caps (or only one) never means no limit on lossy requests: the missing ones are the tuned arm's."""
+    assert D.read(deploy_file(tmp_path, caps=None)).caps == {"max_k": 4, "min_tau": 0.95}
+    assert D.read(deploy_file(tmp_path, caps={"min_tau": 0.9})).caps == {"max_k": 4, "min_tau": 0.9}
+    assert D.read(deploy_file(tmp_path, caps={"max_k": 2 + 2})).caps == {"max_k": 4, "min_tau": 0.95}
 
 
 def test_t1_caps_are_checked_wherever_a_deploy_is_built():

@@ -160,7 +160,7 @@ def test_token_ids_of_a_data_folder_are_checked(eval_set, word_model, tmp_path, 
 def smollm2_tokenizer():
     from conftest import require_smollm2
     require_smollm2()
-    from mtp.training.data import model_tokenizer
+    from mtp.core.loading import model_tokenizer
     return model_tokenizer("smollm2-135m")
 
 

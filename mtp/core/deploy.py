@@ -88,7 +88,7 @@ class Deploy:
         check_metric(self.metric)
         if not self.fallback.strategy.lossless:
             raise ValueError(f"deploy file: the fallback {self.fallback} must be lossless (ntp, verify or tree)")
-        self.caps = check_caps(self.caps)
+        self.caps = default_caps(check_caps(self.caps), self.tuned.strategy)
         check_within_caps(self.tuned.strategy, self.caps, "its own")
 
     @property
@@ -134,6 +134,15 @@ def check_caps(caps) -> dict:
     return caps
 
 
+def default_caps(caps: dict, tuned: Strategy) -> dict:
+    """Caps a deploy file leaves out are the tuned arm's own (as `mtp tune` writes them): K <= its K, and
+    for conf_adapt tau >= its tau. A file without caps never leaves lossy requests unlimited."""
+    out = {"max_k": tuned.k, **caps}
+    if tuned.thresholded and "min_tau" not in out:
+        out["min_tau"] = tuned.tau
+    return out
+
+
 def check_within_caps(strategy: Strategy, caps: dict, whose: str = "the") -> None:
     """A lossy `strategy` within checked `caps` (K at most `max_k`, conf_adapt's tau at least
     `min_tau`), else a ValueError naming the cap it breaks as `whose` safety cap; a lossless one always
@@ -149,7 +158,7 @@ def check_within_caps(strategy: Strategy, caps: dict, whose: str = "the") -> Non
 
 def check_measured(deploy: Deploy) -> None:
     """The tuned arm is one the deploy file's "measured" block (what `mtp tune` measured of the arm it
-    chose) can describe. The block names no arm, so what is checked is what an arm bounds: its
+    chose) can describe: the arm it names ("arm", written by `mtp tune`), and what an arm bounds: its
     tokens per forward pass (at most K), and its loss (none for a lossless arm, within the tolerance
     for a lossy one: tune chooses nothing else). A file without the block has nothing to check."""
     measured = deploy.extra.get("measured")
@@ -162,6 +171,9 @@ def check_measured(deploy: Deploy) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise ValueError(f"measured.{key} must be a number, got {v!r}")
     tuned, tpf, loss = deploy.tuned, measured.get("tokens_per_forward"), measured.get("loss")
+    if "arm" in measured and measured["arm"] != str(tuned):
+        raise ValueError(f"the tuned arm is {tuned} but the measurements are of {measured['arm']!r}: "
+                         "rerun mtp tune rather than editing its choice")
     if tpf is not None and tpf > tuned.strategy.k + MEASURE_SLACK:
         raise ValueError(f"measured tokens_per_forward {tpf:g} is more than the tuned arm {tuned} emits per pass "
                          f"(K = {tuned.strategy.k}): the measurements are of another arm")

@@ -15,6 +15,7 @@ import html
 
 from mtp.core import loading
 from mtp.core.adapter import load_adapter
+from mtp.core.artifacts import ASSETS
 from mtp.core.calibration import Calibration, CalibratedProposer
 from mtp.core.costmodel import measure
 from mtp.core.decode import Sequence, stream
@@ -24,7 +25,6 @@ from mtp.core.proposers import MergedProposer, Proposer, check_proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"  # mtp/assets
 SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads per embedded model
 TREE_SUFFIX = "/tree"  # EngineConfig.calibration key of a proposer's tree-node calibration ("heads/tree")
 

@@ -100,6 +100,17 @@ def load(name: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu") -> Loaded
         return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name)
 
 
+def model_tokenizer(name: str):
+    """The tokenizer of a model without its weights (a GGUF file is converted once, as `load` does), so
+    token-id data can be checked before any weight loads."""
+    path = resolve(name)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"unsupported model file {path.name!r}: give a .gguf file or a HF directory")
+        path = gguf_to_hf_dir(path)
+    return load_tokenizer(path)
+
+
 def load_tokenizer(path: Path):
     """The tokenizer of a model directory, its chat template (if any) rendered once on a probe
     conversation: a file that does not load, or a template that does not compile or render (a

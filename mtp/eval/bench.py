@@ -32,7 +32,7 @@ from mtp.core.proposers import Proposer, TimedProposer
 from mtp.eval import gsm8k, llamacpp_env, report
 from mtp.eval.peers import make_peer
 from mtp.core.proposers import check_proposer
-from mtp.core.engine import ASSETS
+from mtp.core.artifacts import ASSETS
 from mtp.core.model import Linear
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import SWEEP_LIMIT, Strategy, expand_sweep, split_list

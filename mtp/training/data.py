@@ -22,7 +22,7 @@ import torch
 from mtp.core.artifacts import base_hash
 from mtp.core.batching import Batch
 from mtp.core.decode import Sequence, block_slack
-from mtp.core.loading import ModelLoadError, cache_root, gguf_to_hf_dir, load_tokenizer, resolve
+from mtp.core.loading import cache_root, model_tokenizer
 from mtp.core.proposers import MaskProposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
@@ -130,17 +130,6 @@ def load_examples(path, log=None) -> list[Example]:
     if bad:
         (log or (lambda m: print(m, file=sys.stderr)))(f"{path.name}: skipped {bad} line(s) {what}")
     return out
-
-
-def model_tokenizer(model: str):
-    """The tokenizer of --model without its weights (a GGUF file is converted once, as `loading.load`
-    does), so token-id data is checked before any weight loads."""
-    path = resolve(model)
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"unsupported model file {path.name!r}: give a .gguf file or a HF directory")
-        path = gguf_to_hf_dir(path)
-    return load_tokenizer(path)
 
 
 def check_examples_not_evaluation(examples: list[Example], tokenizer, source) -> None:

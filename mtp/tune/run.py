@@ -371,7 +371,7 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
                                    if k.split("/")[0] in used or any(k.split("/")[0] in u.split("+") for u in used)},
                       hashes=D.engine_hashes(engine, [a.proposer for a in (tuned_arm, fallback_arm)
                                                                    if not a.strategy.plain]),
-                      extra={"measured": {"tokens_per_s": chosen.measured_tps, "speedup_vs_ntp": chosen.measured_speedup,
+                      extra={"measured": {"arm": str(tuned_arm), "tokens_per_s": chosen.measured_tps, "speedup_vs_ntp": chosen.measured_speedup,
                                           "ms_per_token": latency, "loss": chosen.loss, "loss_items": chosen.loss_items,
                                           "tokens_per_forward": chosen.tokens_per_forward,
                                           "measure_prompts": m, "data": cfg.data, "prompts": n},
