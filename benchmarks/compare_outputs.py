@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mtp.core import metrics
+from mtp.core import metrics, quality
 from mtp.eval import gsm8k
 
 
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     per = []
     for j in common:
         ia, ib = tok.encode(a[j]), tok.encode(b[j])
-        ans_a, ans_b = gsm8k.extract_answer(a[j]), gsm8k.extract_answer(b[j])
+        ans_a, ans_b = quality.extract_answer(a[j]), quality.extract_answer(b[j])
         per.append({"prompt_index": j, "identical": a[j] == b[j], "first_difference_token": first_difference(ia, ib),
                     "answer_a": ans_a, "answer_b": ans_b,
                     "gold": None if gold is None else gold[j]})

@@ -2,7 +2,7 @@
 
 For each strategy (tree:8, verify:4), proposer (heads, heads+suffix+lookup) and batch size B (1, 4, 16):
 B GSM8K prompts are prefilled, then decoded `--passes` passes with `decode_step`, every row's proposer
-timed (`TimedProposer`, the clock the server prices proposing from). "per-row" turns the heads' batching
+timed (`DecodeStats.proposing_s`, the clock the server prices proposing from). "per-row" turns the heads' batching
 off (the heads take no request, so each row drafts in its own call: the code before batching); "batched"
 is the default. The two modes alternate run by run (interleaved), `--reps` times, on the same prompts.
 It also counts how often a batched heads draft differs from the same row's draft alone (CPU matmuls are
@@ -24,7 +24,7 @@ import torch
 from mtp.core.cache import KVCache
 from mtp.core.decode import block_slack, decode_step
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.proposers import DraftRequest, TimedProposer
+from mtp.core.proposers import DraftRequest
 from mtp.core.proposers.base import WrappedProposer
 from mtp.core.proposers.heads import HeadsProposer
 from mtp.core.sampling import SamplingParams
@@ -40,18 +40,16 @@ def gsm8k_prompts(engine: Engine, n: int) -> list[list[int]]:
 def run(engine: Engine, prompts: list[list[int]], strategy: str, proposer: str, passes: int, wrap=None):
     """Prefill the prompts as one batch, then `passes` decoding passes; (drafting s, row-passes, pass s)."""
     params = SamplingParams(max_new_tokens=4 * passes + 16)
-    clock: dict[str, float] = {}
     seqs = []
     for i, p in enumerate(prompts):
         s = engine.new_sequence(p, strategy, params, proposer)
-        s.proposer, s.slot = TimedProposer(engine.proposer(proposer, wrap) if wrap else s.proposer, clock), i
+        s.proposer, s.slot = engine.proposer(proposer, wrap) if wrap else s.proposer, i
         seqs.append(s)
     cache = KVCache.for_model(engine.model, len(seqs), max(map(len, prompts)) + params.max_new_tokens
                               + block_slack(seqs[0].strategy.k))
     row_passes, forward_s = 0, 0.0
     with torch.inference_mode():
         decode_step(engine.model, cache, seqs, engine.mask_id)  # the prefill pass: not timed
-        clock.clear()
         for _ in range(passes):
             live = [s for s in seqs if not s.finished]
             if not live:
@@ -60,7 +58,7 @@ def run(engine: Engine, prompts: list[list[int]], strategy: str, proposer: str, 
             decode_step(engine.model, cache, live, engine.mask_id)
             forward_s += time.perf_counter() - t0
             row_passes += len(live)
-    return sum(clock.values()), row_passes, forward_s
+    return sum(sum(s.stats.proposing_s[1:]) for s in seqs), row_passes, forward_s
 
 
 class Compare(WrappedProposer):
@@ -70,18 +68,13 @@ class Compare(WrappedProposer):
         super().__init__(inner)
         self.counts = counts
 
-    def _check(self, got, request):
+    def propose(self, request: DraftRequest):
+        got = self.inner.propose(request)
         alone = self.inner._draft([request])[0]
         self.counts["drafts"] += 1
         self.counts["tokens_differ"] += (got.tokens, got.parents) != (alone.tokens, alone.parents)
         self.counts["confidences_differ"] += got.confidences != alone.confidences
         return got
-
-    def propose_tree(self, view, n):
-        return self._check(self.inner.propose_tree(view, n), DraftRequest(view, n, True))
-
-    def propose(self, view, k, params, gen):
-        return self._check(self.inner.propose(view, k, params, gen), DraftRequest(view, k, False, params, gen))
 
 
 def main(argv=None) -> None:

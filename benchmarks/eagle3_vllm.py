@@ -24,12 +24,12 @@ from pathlib import Path
 from mtp.core import metrics
 from mtp.core.decode import Sequence
 from mtp.core.engine import SHIPPED, Engine, EngineConfig
-from mtp.core.export import export_vllm_eagle3
+from mtp.interop.vllm_export import export_vllm_eagle3
 from mtp.core.proposers.heads import load_heads_proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.eval import gsm8k
-from mtp.eval.vllm_env import run_vllm, strip_eos, target_dir
+from mtp.interop.vllm_env import run_vllm, strip_eos, target_dir
 
 
 def read_prompts(path: str, limit: int) -> list[str]:

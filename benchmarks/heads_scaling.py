@@ -7,10 +7,10 @@ growing `mtp data` run) with the same settings, then scored on the same held-out
 `val_tokens_per_pass` is 1 + the leading run of correct depths = what `verify:D+1` accepts on the
 model's own greedy text, per source (GSM8K / self-instruct / self-written) and overall; the
 `--reference` heads (default: the shipped ones) are scored the same way first. Writes one JSON
-line per size to OUT/results.jsonl (`plot_scaling.py` draws it beside the mask adapter's curve).
+line per size to OUT/results.jsonl (`mask_scaling.py` writes the mask adapter's curve the same way).
 
     python benchmarks/heads_scaling.py --examples $MTP_CACHE_DIR/data/mix/train.jsonl \\
-        --sizes 100,300,1000 --steps 600 --out benchmarks/results/heads_scaling
+        --sizes 100,300,1000 --steps 600 --out runs/heads_scaling
 """
 from __future__ import annotations
 

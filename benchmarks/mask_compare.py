@@ -11,7 +11,7 @@ one-at-a-time `mtp bench` run per adapter; tokens per pass and equality do not d
 script reports no speed. The `ntp` reference is decoded once (batched, no adapter) or read from
 `--reference` (the file `heads_compare.py` writes). Per adapter and strategy: tokens per pass
 (`mtp.core.metrics.tokens_per_forward` over all passes of all prompts), acceptance by position,
-outputs identical to `ntp`, and the quality loss `mtp tune` uses (`mtp.eval.quality`: answer for
+outputs identical to `ntp`, and the quality loss `mtp tune` uses (`mtp.core.quality`: answer for
 GSM8K, ROUGE-L otherwise).
 
     python benchmarks/mask_compare.py --data gsm8k:$MTP_DATA_DIR/gsm8k/test.jsonl --limit 100 \\
@@ -27,7 +27,7 @@ from heads_compare import portable, protocol_parser, reference, write_rows
 from mtp.core import metrics
 from mtp.core.engine import Engine, EngineConfig
 from mtp.core.strategy import Strategy
-from mtp.eval import quality
+from mtp.core import quality
 from mtp.eval.bench import load_data
 from mtp.tune.offline import decode_all
 

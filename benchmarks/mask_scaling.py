@@ -6,11 +6,11 @@ One `mtp train` run from scratch (gated LoRA, `distill.train`) over the training
 answers (the same stable hash as `heads_scaling.py`, so both curves are read on the same text) with
 `mask_eval.tokens_per_pass`: 1 + the leading run of correct mask proposals = what `verify:K`
 accepts on the model's own greedy text, per source and overall. The shipped adapter is scored
-the same way first, as a reference. Writes one JSON line per point to OUT/results.jsonl
-(`plot_scaling.py` draws it beside the heads' curve).
+the same way first, as a reference. Writes one JSON line per point to OUT/results.jsonl (the heads'
+curve: `heads_scaling.py`).
 
     python benchmarks/mask_scaling.py --examples $MTP_CACHE_DIR/data/mix/train.jsonl \\
-        --steps 270 --eval-at 30,90,270 --out benchmarks/results/mask_scaling
+        --steps 270 --eval-at 30,90,270 --out runs/mask_scaling
 """
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from mtp.core import costmodel
+from mtp.pipeline import pricing
 
 from mtp.core import metrics
 from mtp.core.decode import Sequence, stream
@@ -169,7 +170,7 @@ def summarize(records: list[dict]) -> list[dict]:
                 tokens, wall = sum(r["tokens"] for r in rs), sum(r["wall_s"] for r in rs)
                 chunks = [c for r in rs for c in r["chunks"]]
                 blocks = [q for r in rs for q in r["blocks"]]
-                pred_wall = sum(cost.pass_time(q) + costmodel.pipeline_comm_time(P, delay / 1000)
+                pred_wall = sum(cost.pass_time(q) + pricing.pipeline_comm_time(P, delay / 1000)
                                 + overhead.get(spec, 0.0) for q in blocks)
                 measured[spec] = metrics.tokens_per_s(tokens, wall)
                 predicted[spec] = metrics.tokens_per_s(tokens, pred_wall)
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
                    help="no run: pool these results.jsonl files (e.g. two runs) and write the table and plot to --out")
     args = p.parse_args(argv)
     if args.predict:
-        print(costmodel.predict_cluster(**costmodel.parse_cluster(args.predict))["text"])
+        print(pricing.predict_cluster(**pricing.parse_cluster(args.predict))["text"])
         return 0
     if args.analyze:
         out = Path(args.out)

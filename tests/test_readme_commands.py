@@ -1,18 +1,19 @@
-"""Every command line README.md shows runs as shown: each `mtp` line of its shell blocks (with the
-`cp -r` lines beside them, in order, in one folder per block) and the one it gives inline (`mtp
-datastore build`), on a tiny 4-layer model and tiny inputs; each must exit 0 and write or print what
-its command promises.
+"""Every command line the documentation shows runs as shown: each `mtp` line of the shell blocks of
+README.md and of every page under docs/ (with the `cp -r` lines beside them, in order, in one folder
+per block) and the ones they give inline (`mtp datastore build`), on a tiny 4-layer model and tiny
+inputs; each must exit 0 and write or print what its command promises.
 
 What is changed, and why:
-- the commands run in a temporary folder, so the README's relative paths (`data/smollm2-135m/mix-v1`,
+- the commands run in a temporary folder, so the docs' relative paths (`data/smollm2-135m/mix-v1`,
   `runs/...`) land there, never in the repository; `$MTP_DATA_DIR` points at tiny GSM8K and self-instruct
   files written there (no shared data set is read), `~/.cache/mtp` at a temporary cache;
 - sizes are cut down (SMALL, SMALL_STEPS, `--max-new-tokens`, `--limit`, `--stages`, tune's probes) and
   the tiny model is given as `--model`; a `DIR` placeholder becomes a folder, a trailing `...` is dropped;
-- the tiny model "ships" what the README's lines take from the default model (`--adapter auto`, `--heads
-  auto`); `mtp pipeline`'s stages, fresh processes, are given its adapter as `--adapter`;
-- `mtp bench`'s `llamacpp-server*` and `vllm*` baselines are left out: they need `make llamacpp` / `make
-  vllm` and a GGUF model (tests/test_llamacpp_server.py and tests/test_vllm.py run them);
+- the tiny model "ships" what the docs' lines take from the default model (`--adapter auto`, `--heads
+  auto`, the suffix datastore); `mtp pipeline`'s stages, fresh processes, are given its adapter as `--adapter`;
+- `mtp bench`'s `llamacpp-server*` and `vllm*` baselines are left out, and `mtp export --format llamacpp`
+  lines are not run: they need `make llamacpp` / `make vllm` and a GGUF model
+  (tests/test_llamacpp_server.py and tests/test_vllm.py run them);
 - `mtp serve` lines are not served: the command runs up to its model load (every flag and file it names,
   e.g. tune's deploy.json, checked by the command's own pre-load checks) and stops there.
 Lines of other programs (`make`, `curl`, `torchrun`, `python benchmarks/...`) are not run."""
@@ -38,9 +39,13 @@ from test_train import examples
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]  # every page whose commands run here
+# the pages the README's user manual hands each command and topic to
+PAGES = ("generate-and-strategies", "training", "data", "bench", "serve", "tune-and-rollout", "pipeline",
+         "export", "design")
 TRAINERS = ("train", "train-heads", "train-eagle3")
-INLINE = ("datastore",)  # commands the README gives only inline (`mtp datastore build ...`), run too
-# small values for the sizes the README gives (a flag missing from a command is left out)
+INLINE = ("datastore",)  # commands the docs give only inline (`mtp datastore build ...`), run too
+# small values for the sizes the docs give (a flag missing from a command is left out)
 SMALL = {"--batch-size": "2", "--limit": "4", "--threads": "1", "--save-every": "1", "--seq-len": "64",
          "--k-max": "4", "--spans": "2", "--draft-vocab": "16", "--self-written": "3", "--stages": "2"}
 # and flags added to the commands that have them (short answers, few tuning probes and repeats)
@@ -53,26 +58,32 @@ def is_mtp(words: list[str]) -> bool:
     return len(words) > 1 and Path(words[0]).name == "mtp"
 
 
-def shown_blocks() -> list[list[list[str]]]:
-    """The commands (argv lists) this test runs: per ```bash or plain ``` block of the README that holds
+def runs_here(argv: list[str]) -> bool:
+    """False for a line that needs a build this test does not make (see the docstring)."""
+    return not (is_mtp(argv) and argv[1] == "export" and "llamacpp" in argv)
+
+
+def shown_blocks(page: Path) -> list[list[list[str]]]:
+    """The commands (argv lists) this test runs from one page: per ```bash or plain ``` block that holds
     an `mtp` line, its `mtp` and `cp` lines (continuation lines joined, comments dropped), in order;
-    then one block per inline `mtp datastore ...` command."""
-    text = README.read_text(encoding="utf-8")
+    then one block per inline `mtp datastore ... --flag ...` command line."""
+    text = page.read_text(encoding="utf-8")
     out = []
     for body in re.findall(r"^```(?:bash)?\n(.*?)^```", text, flags=re.M | re.S):
         lines = [line for line in re.sub(r"\\\n", " ", body).splitlines()  # (other lines are not split)
                  if is_mtp(line.split()) or line.startswith("cp ")]
-        cmds = [shlex.split(line, comments=True) for line in lines]
+        cmds = [a for a in (shlex.split(line, comments=True) for line in lines) if runs_here(a)]
         if any(is_mtp(a) for a in cmds):
             out.append(cmds)
     prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S).replace("\n", " ")
     for span in re.findall(r"`((?:\.venv/bin/)?mtp [^`]*)`", prose):
-        if shlex.split(span)[1] in INLINE:
+        if shlex.split(span)[1] in INLINE and " --" in span:  # a whole command line, not its name
             out.append([shlex.split(span)])
     return out
 
 
-BLOCKS = shown_blocks()
+SHOWN = [(page.relative_to(REPO).as_posix(), block) for page in DOCS for block in shown_blocks(page)]
+BLOCKS = [block for _, block in SHOWN]
 STEPS = sorted({int(a[a.index("--steps") + 1]) for b in BLOCKS for a in b if "--steps" in a})
 SMALL_STEPS = {n: str(2 + i) for i, n in enumerate(STEPS)}  # same order, so `--steps` + `--resume` continues
 PARSERS = build_parser()._subparsers._group_actions[0].choices  # command -> its parser
@@ -118,17 +129,27 @@ def shrink(argv: list[str], model: Path, out: Path, shipped: Path) -> list[str]:
 
 
 def make_inputs(args: list[str]) -> None:
-    """The data files a command reads, where no earlier line of its block wrote them: tiny prompts, or
-    token ids (`--examples`, and the datastore's `--data`)."""
+    """The data files a command reads, where no earlier line of its block wrote them: tiny prompts (GSM8K
+    style, or `prompt` lines for a `prompts:` file), or token ids (`--examples`, and the datastore's
+    `--data`)."""
     def token_ids(p):
         write_jsonl(p, [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(6)])
 
+    def prompts(p):
+        rows = [json.loads(line) for line in prompts_file(p.parent, n=6).read_text().splitlines()]
+        write_jsonl(p, [{"prompt": r["question"], "category": f"c{i % 2}"} for i, r in enumerate(rows)])
+
     for flag, write in (("--data", lambda p: prompts_file(p.parent, n=6).rename(p)), ("--examples", token_ids)):
         if flag in args:
-            path = Path(args[args.index(flag) + 1].split(":", 1)[-1])
+            value = args[args.index(flag) + 1]
+            path = Path(value.split(":", 1)[-1])
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
-                (token_ids if args[0] == "datastore" else write)(path)
+                if args[0] == "datastore":
+                    write = token_ids
+                elif value.startswith("prompts:"):
+                    write = prompts
+                write(path)
 
 
 def check_outputs(args: list[str], stdout: str) -> None:
@@ -169,7 +190,7 @@ def check_outputs(args: list[str], stdout: str) -> None:
 
 
 def fake_data_dir(root: Path) -> None:
-    """$MTP_DATA_DIR as the README's lines read it: gsm8k/{train,test}.jsonl and self_instruct/, tiny."""
+    """$MTP_DATA_DIR as the docs' lines read it: gsm8k/{train,test}.jsonl and self_instruct/, tiny."""
     root.mkdir(parents=True)
     gsm, tasks = sources(root)
     (root / "gsm8k").mkdir()
@@ -188,6 +209,26 @@ def test_the_readme_shows_every_command():
     assert {*TRAINERS, "data", "generate", "bench", "tune", "pipeline", "serve", "export", "datastore"} <= shown
 
 
+def test_the_readme_is_a_short_manual_that_hands_each_topic_to_its_page():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, len(lines)
+    for page in PAGES:
+        assert (REPO / "docs" / f"{page}.md").is_file(), page
+        assert f"(docs/{page}.md" in "\n".join(lines), page
+
+
+def test_the_docs_link_only_to_files_that_exist():
+    """Every relative link of the README, docs/, CONTRIBUTING.md and benchmarks/RESULTS.md names a file or
+    folder of the repository (results the docs cite must not be removed from under them)."""
+    pages = [*DOCS, REPO / "CONTRIBUTING.md", REPO / "benchmarks" / "RESULTS.md"]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            assert path.exists() and REPO in (path, *path.parents), (page.name, target)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_word_model_dir(tmp_path_factory.mktemp("readme") / "tiny4", n_layers=4, max_seq_len=1024)
@@ -196,7 +237,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shipped(model, tmp_path_factory):
     """What the tiny model ships, as the default model does (`Engine` resolves `auto` from it): an MTP
-    adapter (its mask token) and heads."""
+    adapter (its mask token), heads and a suffix datastore."""
     root = tmp_path_factory.mktemp("shipped")
     ids = write_jsonl(root / "examples.jsonl", [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}
                                                 for e in examples(6)])
@@ -206,12 +247,15 @@ def shipped(model, tmp_path_factory):
         assert main(["train", *common, "--k-max", "4", "--spans", "2", "--seq-len", "64", "--out", str(root / "run"),
                      "--export", str(root / "adapter")]) == 0
         assert main(["train-heads", *common, "--draft-vocab", "16", "--out", str(root / "heads")]) == 0
+        assert main(["datastore", "build", "--data", str(ids), "--model", str(model), "--out",
+                     str(root / "datastore")]) == 0
     return root
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[" | ".join(f"{Path(a[0]).name} {a[1]}" for a in b) for b in BLOCKS])
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{page}: " + " | ".join(f"{Path(a[0]).name} {a[1]}" for a in b)
+                                            for page, b in SHOWN])
 def test_readme_block_runs(block, model, shipped, tmp_path, monkeypatch, capfd):
-    monkeypatch.chdir(tmp_path)  # the README's relative paths (data/..., runs/..., my-heads) land here
+    monkeypatch.chdir(tmp_path)  # the docs' relative paths (data/..., runs/..., my-heads) land here
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("MTP_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setitem(engine_module.SHIPPED, str(model), shipped)
@@ -241,10 +285,12 @@ def test_readme_block_runs(block, model, shipped, tmp_path, monkeypatch, capfd):
 
 
 def test_the_limits_table_states_the_strategy_limits_the_parser_enforces():
-    """The README's limits row for strategies names K's and tree N's largest values, each accepted by
-    `Strategy.parse` and the next one refused (the row once said 32 for both; `tree:32` is refused)."""
+    """The limits table's row for strategies (README.md or a page under docs/) names K's and tree N's
+    largest values, each accepted by `Strategy.parse` and the next one refused (the row once said 32 for
+    both; `tree:32` is refused)."""
     from mtp.core.strategy import Strategy, StrategyError
-    row = next(line for line in README.read_text().splitlines() if line.strip().startswith("| K of a strategy"))
+    row = next(line for page in DOCS for line in page.read_text().splitlines()
+               if line.strip().startswith("| K of a strategy"))
     k_max, n_max = (int(x) for x in re.search(r"\|\s*(\d+) / (\d+) \(every front end\)", row).groups())
     assert "N of `tree:N`" in row
     for text, largest in ((f"verify:{k_max}", True), (f"static:{k_max}", True), (f"conf_adapt:0.9:{k_max}", True),
