@@ -36,7 +36,7 @@ $(VLLM_VENV)/.installed: vllm-constraints.txt
 vllm: $(VLLM_VENV)/.installed
 
 # llama.cpp in its own prefix (never inside a Python environment), built once: the stamp names the version.
-# The sdist is pinned (version and sha256) in mtp/eval/llamacpp_env.py, which also decides the CPU flags
+# The sdist is pinned (version and sha256) in mtp/interop/llamacpp_env.py, which also decides the CPU flags
 # (AMX off where the CPU reports it and the kernel does not grant it). nice: it must not starve other jobs.
 LLAMACPP_VERSION = 11434.0.0
 LLAMACPP_DIR ?= .llamacpp
@@ -44,7 +44,7 @@ LLAMACPP_JOBS ?= 2
 # Always asks the script: it returns at once when the build is there and was made for this CPU's
 # instruction sets, and rebuilds one made on another CPU kind (it would die of SIGILL here).
 llamacpp:
-	MTP_LLAMACPP_DIR=$(LLAMACPP_DIR) nice -n 10 $(PYTHON) mtp/eval/llamacpp_env.py build --jobs $(LLAMACPP_JOBS)
+	MTP_LLAMACPP_DIR=$(LLAMACPP_DIR) nice -n 10 $(PYTHON) mtp/interop/llamacpp_env.py build --jobs $(LLAMACPP_JOBS)
 
 test-llamacpp: install llamacpp
 	$(BIN)/pytest -q -m llamacpp

@@ -11,10 +11,11 @@ import torch
 from conftest import tiny_model
 from mtp.eval import bench
 from mtp.eval import gsm8k
-from mtp.core import metrics
+from mtp.core import metrics, quality
 from mtp.eval.bench import BenchConfig, Row, Run
+from mtp.core.decode import generate
 from mtp.core.costmodel import CostModel, best_k, block_tokens_for, measure, predict_speedup
-from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer, TimedProposer
+from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
 from mtp.eval.peers import Peer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
@@ -27,7 +28,7 @@ from mtp.core.strategy import Strategy
     ("$ 5", "5"), ("0.0", "0"), ("abc", None), (None, None),
 ])
 def test_normalize(raw, want):
-    assert gsm8k.normalize(raw) == want
+    assert quality.normalize(raw) == want
 
 
 @pytest.mark.parametrize("text, want", [
@@ -38,7 +39,7 @@ def test_normalize(raw, want):
     ("no digits here", None),
 ])
 def test_extract_answer(text, want):
-    assert gsm8k.extract_answer(text) == want
+    assert quality.extract_answer(text) == want
 
 
 def test_gsm8k_real_lines(gsm8k_dir):
@@ -49,10 +50,10 @@ def test_gsm8k_real_lines(gsm8k_dir):
     assert all("," not in g for g in golds)  # '1,450,000' style answers are normalised
     for r, g in zip(rows, golds):
         solution, _, final = r["answer"].rpartition("####")
-        assert gsm8k.extract_answer(r["answer"]) == g
-        assert gsm8k.extract_answer(f"{solution}The answer is {final.strip()}.") == g
+        assert quality.extract_answer(r["answer"]) == g
+        assert quality.extract_answer(f"{solution}The answer is {final.strip()}.") == g
     # the last-number fallback on the bare worked solution: its final line ends in the answer
-    assert gsm8k.extract_answer(rows[0]["answer"].rpartition("####")[0]) == "18"
+    assert quality.extract_answer(rows[0]["answer"].rpartition("####")[0]) == "18"
     items = gsm8k.load(gsm8k_dir, limit=5)
     assert len(items) == 5 and items[0]["gold"] == "18" and "Janet" in items[0]["prompt"]
 
@@ -169,17 +170,14 @@ def test_predict_speedup_and_best_k():
     assert best_k(mid, acc, 6, guess_s=0.05)[0] == 1  # dearer guesses than passes: plain decoding
 
 
-def test_timed_proposer_counts_time_and_guesses():
+def test_the_decoding_loop_counts_proposing_time_and_guesses():
     class Two(Proposer):
         name = "two"
 
-        def propose(self, view, k, params, gen):
+        def propose(self, request):
             return Guesses([5, 6], [0.9, 0.8])
-    clock, guesses = {}, {}
-    timed = TimedProposer(Two(), clock, guesses)
-    for _ in range(3):
-        assert timed.propose(None, 3, None, None).tokens == [5, 6]
-    assert guesses == {"two": 6} and clock["two"] > 0
+    seq = generate(tiny_model(), [1, 2, 3], "verify:3", SamplingParams(max_new_tokens=3), proposer=Two())
+    assert seq.stats.guesses == [2] * seq.stats.forward_passes and sum(seq.stats.proposing_s) > 0
 
 
 def test_measure_on_tiny_model():
@@ -306,15 +304,13 @@ class Oracle(Proposer):
     def __init__(self, truths: list[list[int]]):
         self.truths = truths
 
-    def propose(self, view, k, params, gen):
-        g = self.propose_tree(view, k - 1)
-        return Guesses(g.tokens[:k - 1], g.confidences[:k - 1])
-
-    def propose_tree(self, view, n):
-        ctx = view.context
+    def propose(self, request):
+        ctx = request.view.context
         truth = next((t for t in self.truths if t[:len(ctx)] == ctx), [])
         nxt = truth[len(ctx):len(ctx) + 2]
-        return Guesses(nxt, [1.0] * len(nxt), None, list(range(-1, len(nxt) - 1)))
+        if not request.tree:
+            nxt = nxt[:request.n]
+        return Guesses(nxt, [1.0] * len(nxt))  # a chain either way
 
 
 def test_bench_attributes_accepted_drafts_to_merge_parts_and_profiles_trees(tiny_engine, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from conftest import tiny_model
 from mtp.core.cache import KVCache
 from mtp.core.decode import Sequence, decode_step, generate, _branch_layout
 from mtp.core.model import add_mask_token
-from mtp.core.proposers import MaskProposer, PromptLookupProposer
+from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer
 from mtp.core.sampling import SamplingParams, verify_drafts
 from mtp.core.strategy import Strategy, StrategyError, expand_sweep
 
@@ -285,7 +285,7 @@ def test_branched_mask_groups_equal_separate_passes(packed):
         model(torch.tensor([prompt]), torch.arange(5).view(1, 5), cache=cache)
         cache.commit(0, 5)
         seq = Sequence(prompt, Strategy.parse("verify:4"), SamplingParams(), MaskProposer())
-        seq.pending, seq.drafts = pending, drafts
+        seq.pending, seq.drafts = pending, Guesses(drafts, [1.0] * len(drafts))
         assert seq.n_appended() == g * 4 and seq.groups() == 4
         block = pending + drafts + [mid] * seq.n_appended()
         slots = 5 + torch.arange(len(block)).view(1, -1)

@@ -12,8 +12,9 @@ import torch
 
 from conftest import tiny_model
 from mtp.core.cache import KVCache
+from mtp.core import decode
 from mtp.core.decode import Sequence, decode_step, generate
-from mtp.core.proposers import DraftRequest, MergedProposer, PassView, PromptLookupProposer, TimedProposer
+from mtp.core.proposers import DraftRequest, MergedProposer, PassView, PromptLookupProposer
 from mtp.core.proposers import heads as N
 from mtp.core.proposers.base import WrappedProposer
 from mtp.core.calibration import CalibratedProposer, Calibration
@@ -50,16 +51,14 @@ def views(model, n: int, seed: int = 0) -> list[PassView]:
                      hidden=torch.randn(model.config.dim, generator=g) * 2, masks_valid=False) for j in range(n)]
 
 
-# (tree?, n or k, sampling temperature) per row: trees of 1..12 nodes, chains shorter and longer than the depths
-ASKS = [(True, 8, 0), (False, 4, 0), (True, 1, 0), (False, 2, 0), (True, 12, 0), (False, 8, 0), (True, 4, 0),
-        (False, 4, 0.8), (False, 3, 0.8)]
+# (tree?, n, sampling temperature) per row: trees of 1..12 nodes, chains shorter and longer than the depths
+ASKS = [(True, 8, 0), (False, 3, 0), (True, 1, 0), (False, 1, 0), (True, 12, 0), (False, 7, 0), (True, 4, 0),
+        (False, 3, 0.8), (False, 2, 0.8)]
 
 
 def ask(prop, view, tree, n, temp, seed):
-    if tree:
-        return prop.propose_tree(view, n)
     p = SamplingParams(temperature=temp) if temp else SamplingParams()
-    return prop.propose(view, n, p, torch.Generator().manual_seed(seed) if temp else None)
+    return prop.propose(DraftRequest(view, n, tree, p, torch.Generator().manual_seed(seed) if temp else None))
 
 
 @pytest.mark.parametrize("vocab", [None, torch.arange(5, 90, 2)], ids=["full-vocab", "draft-vocab"])
@@ -70,13 +69,12 @@ def test_batched_heads_draft_exactly_what_each_row_drafts_alone(vocab):
     want = [ask(alone, v, *a, seed=j) for j, (v, a) in enumerate(zip(vs, ASKS))]
     gens = [torch.Generator().manual_seed(j) if a[2] else None for j, a in enumerate(ASKS)]
     params = [SamplingParams(temperature=a[2]) if a[2] else SamplingParams() for a in ASKS]
-    taken = [together.prepare(DraftRequest(v, n, tree) if tree else DraftRequest(v, n, False, p, g))
-             for v, (tree, n, _), p, g in zip(vs, ASKS, params, gens)]
+    requests = [DraftRequest(v, n, tree, p, g) for v, (tree, n, _), p, g in zip(vs, ASKS, params, gens)]
+    taken = [together.prepare(r) for r in requests]
     assert all(t == [together] for t in taken)
     together.draft_prepared()
     assert together.depth_calls == 3 and together.draft_calls == len(ASKS)  # one call per depth for all rows
-    got = [together.propose_tree(v, n) if tree else together.propose(v, n, p, g)
-           for v, (tree, n, _), p, g in zip(vs, ASKS, params, gens)]
+    got = [together.propose(r) for r in requests]
     assert together.depth_calls == 3 and together.draft_calls == len(ASKS)  # answers handed out, not redrafted
     for w, g in zip(want, got):
         assert g.tokens == w.tokens and g.parents == w.parents and g.confidences == w.confidences
@@ -91,13 +89,8 @@ class Recording(WrappedProposer):
         super().__init__(inner)
         self.log = log
 
-    def propose_tree(self, view, n):
-        g = self.inner.propose_tree(view, n)
-        self.log.append((g.tokens, g.parents, g.confidences))
-        return g
-
-    def propose(self, view, k, params, gen):
-        g = self.inner.propose(view, k, params, gen)
+    def propose(self, request):
+        g = self.inner.propose(request)
         self.log.append((g.tokens, g.parents, g.confidences))
         return g
 
@@ -108,25 +101,28 @@ STRATEGIES = ["tree:8", "verify:4", "tree:4", "verify:3", "tree:8", "verify:4"]
 PROPOSERS = ["heads", "heads", "heads+lookup", "heads+lookup", "heads+lookup", "heads"]
 
 
-def row_proposer(shared, which, log, clock):
+def row_proposer(shared, which, log):
     """What the engine and the server build per row: the shared heads (alone or in a merge with lookup,
     calibrated), wrapped per row."""
     p = Recording(shared, log)
     if which == "heads+lookup":
         p = CalibratedProposer(MergedProposer([p, PromptLookupProposer()]), None,
                                Calibration.from_json([{"temperature": 1.5, "bias": 0.1}] * 8))
-    return TimedProposer(p, clock)
+    return p
 
 
 def decode_rows(shared, rows, n=24, params=None):
-    """Decode `rows` (prompt, strategy, proposer name) together, ragged; (sequences, logs, clock)."""
+    """Decode `rows` (prompt, strategy, proposer name) together, ragged; (sequences, logs, clock: the
+    seconds the loop timed in each proposer, by name)."""
     logs, clock = [[] for _ in rows], {}
     seqs = [Sequence(list(p), Strategy.parse(s), params or SamplingParams(max_new_tokens=n),
-                     row_proposer(shared, w, logs[i], clock), slot=i) for i, (p, s, w) in enumerate(rows)]
+                     row_proposer(shared, w, logs[i]), slot=i) for i, (p, s, w) in enumerate(rows)]
     cache = KVCache.for_model(shared.model, len(rows), 128)
     with torch.inference_mode():
         while not all(s.finished for s in seqs):
             decode_step(shared.model, cache, [s for s in seqs if not s.finished], None)
+    for s in seqs:
+        clock[s.proposer.name] = clock.get(s.proposer.name, 0.0) + sum(s.stats.proposing_s)
     return seqs, logs, clock
 
 
@@ -163,8 +159,8 @@ def test_sampled_chains_draw_as_each_row_alone():
     params = [SamplingParams(temperature=0.9, seed=seed, max_new_tokens=20) for seed in range(4)]
 
     def run(shared):
-        logs, clock = [[] for _ in rows], {}
-        seqs = [Sequence(list(p), Strategy.parse(s), params[i], row_proposer(shared, w, logs[i], clock), slot=i)
+        logs = [[] for _ in rows]
+        seqs = [Sequence(list(p), Strategy.parse(s), params[i], row_proposer(shared, w, logs[i]), slot=i)
                 for i, (p, s, w) in enumerate(rows)]
         cache = KVCache.for_model(model, len(rows), 128)
         with torch.inference_mode():
@@ -186,20 +182,19 @@ def test_batched_plain_heads_decode_equals_ntp(dtype):
     assert shared.draft_calls > 0 and clock["heads"] > 0
 
 
-def test_timed_rows_share_the_batched_draft_time_evenly():
+def test_rows_share_the_batched_draft_time_evenly():
+    """The loop's clock: a draft batched over rows is charged to them in equal shares, and each row's
+    own `propose` call (which then hands out its answer) on top of its share."""
     model = tiny_model(1)
     shared = heads_proposer(model)
-    clocks = [{}, {}, {}]
-    rows = [TimedProposer(shared, c) for c in clocks]
+    seqs = [Sequence([1, 2], Strategy.parse("tree:8"), SamplingParams(), shared, slot=i) for i in range(3)]
     vs = views(model, 3)
-    for r, v in zip(rows, vs):
-        assert r.prepare(DraftRequest(v, 8, True)) == [shared]
-    shared.draft_prepared()
-    shares = [c["heads"] for c in clocks]
-    assert shares[0] == shares[1] == shares[2] > 0 and sum(shares) == pytest.approx(shared.draft_s)
-    for r, v in zip(rows, vs):
-        r.propose_tree(v, 8)
-    assert all(c["heads"] >= s for c, s in zip(clocks, shares))
+    shares = decode._draft_together(seqs, [DraftRequest(v, 8, True) for v in vs])
+    assert shares[0] == shares[1] == shares[2] > 0 and sum(shares) >= shared.draft_s > 0
+    assert shared.draft_calls == 3
+    drafted = decode._draft(seqs, vs)
+    assert shared.draft_calls == 6  # drafted together once more, none drafted again by the rows' calls
+    assert all(d.seconds > 0 and d.count == len(d.guesses) == 8 for d in drafted)
 
 
 def test_unbatchable_requests_are_left_to_the_row():
@@ -211,7 +206,7 @@ def test_unbatchable_requests_are_left_to_the_row():
     hot = SamplingParams(temperature=0.7)
     gen = torch.Generator().manual_seed(0)
     assert prop.prepare(DraftRequest(no_hidden, 8, True)) == []
-    assert prop.prepare(DraftRequest(v, 1, False)) == [] and prop.prepare(DraftRequest(v, 0, True)) == []
-    assert prop.prepare(DraftRequest(v, 4, False, hot, None)) == []
-    assert prop.prepare(DraftRequest(v, 4, False, hot, gen)) == [prop]
-    assert prop.prepare(DraftRequest(views(model, 2)[1], 4, False, hot, gen)) == []  # its generator is taken
+    assert prop.prepare(DraftRequest(v, 0, False)) == [] and prop.prepare(DraftRequest(v, 0, True)) == []
+    assert prop.prepare(DraftRequest(v, 3, False, hot, None)) == []
+    assert prop.prepare(DraftRequest(v, 3, False, hot, gen)) == [prop]
+    assert prop.prepare(DraftRequest(views(model, 2)[1], 3, False, hot, gen)) == []  # its generator is taken

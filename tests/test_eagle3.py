@@ -14,8 +14,8 @@ from mtp.core.batching import Batch
 from mtp.core import tree
 from mtp.core.cache import KVCache
 from mtp.core.decode import Sequence, decode_step, generate
-from mtp.core.export import export_vllm_eagle3
-from mtp.core.proposers import REGISTRY, PassView
+from mtp.interop.vllm_export import export_vllm_eagle3
+from mtp.core.proposers import REGISTRY, DraftRequest, PassView
 from mtp.core.proposers.eagle3 import (CONFIG, WEIGHTS, Eagle3Config, Eagle3Drafter, Eagle3Proposer,
                                        default_aux_layers, drafter_files, load_drafter, load_eagle3_proposer)
 from mtp.core.artifacts import write_dir_atomic
@@ -113,8 +113,8 @@ def test_sampled_verify_with_eagle3_runs_and_proposes_inside_the_draft_vocabular
     assert len(seq.output) == 30
     view_state: dict = {}
     _, _, aux = model(torch.tensor([[5, 17, 3]]), aux_layers=AUX)
-    g = proposer.propose(PassView([5, 17, 3, 8], torch.zeros(0, 97), None, True, aux=aux[0], start=0,
-                                  state=view_state), 4, params, torch.Generator().manual_seed(0))
+    g = proposer.propose(DraftRequest(PassView([5, 17, 3, 8], torch.zeros(0, 97), None, True, aux=aux[0], start=0,
+                                               state=view_state), 3, False, params, torch.Generator().manual_seed(0)))
     assert set(g.tokens) <= allowed and g.probs.shape == (3, 97)
     assert torch.allclose(g.probs.sum(-1), torch.ones(3))
     outside = torch.ones(97, dtype=torch.bool)
@@ -367,8 +367,8 @@ def test_export_then_reload_proposes_exactly_the_same(tmp_path):
         assert n1 == n2 and torch.equal(t1, t2), n1
 
     class Spy(Eagle3Proposer):
-        def propose(self, view, k, params, gen):
-            g = super().propose(view, k, params, gen)
+        def propose(self, request):
+            g = super().propose(request)
             self.seen.append(list(g.tokens))
             return g
 
@@ -561,7 +561,8 @@ def test_eagle3_tree_is_the_most_probable_paths_and_leaves_the_state_alone():
     prompt = [3, 14, 15]
     committed = committed_state(model, proposer, prompt + [16], 3)
     state = dict(committed)
-    t = proposer.propose_tree(PassView(prompt + [16], torch.zeros(0), None, True, start=3, state=state), 8)
+    t = proposer.propose(DraftRequest(PassView(prompt + [16], torch.zeros(0), None, True, start=3, state=state), 8,
+                                      True))
     # the right chain 17, 18, 19 ... at ~0.5, 0.25, 0.12; depth 1's runners-up join once the chain gets less likely
     assert len(t.tokens) == 8 and t.tokens[0] == 17 and 0.4 < t.confidences[0] < 0.6
     assert t.parents.count(-1) > 1 and tree.depths(t.parents)[:2] == [1, 1]
@@ -580,7 +581,8 @@ def test_eagle3_tree_node_confidence_is_its_path_drafted_as_a_chain():
     proposer = Eagle3Proposer(model, d)
     context = [44, 2, 9, 9, 81, 30]
     committed = committed_state(model, proposer, context, 5)
-    t = proposer.propose_tree(PassView(context, torch.zeros(0), None, True, start=5, state=dict(committed)), 12)
+    t = proposer.propose(DraftRequest(PassView(context, torch.zeros(0), None, True, start=5, state=dict(committed)),
+                                      12, True))
     assert len(t.tokens) == 12 and max(tree.depths(t.parents)) >= 3
     for j in range(12):
         h, pk, pv, p = committed["h"], committed["k"], committed["v"], 1.0

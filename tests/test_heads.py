@@ -90,9 +90,9 @@ def test_heads_see_the_hidden_state_of_the_last_accepted_position():
     class Spy(N.HeadsProposer):
         seen = []
 
-        def propose(self, view, k, params, gen):
-            self.seen.append((list(view.context), view.hidden.clone()))
-            return super().propose(view, k, params, gen)
+        def propose(self, request):
+            self.seen.append((list(request.view.context), request.view.hidden.clone()))
+            return super().propose(request)
 
     spy = Spy(model, random_heads(model, depths=3), readout_dtype="float32")
     greedy(model, [5, 17, 3, 8], "verify:4", spy, n=20)
@@ -166,8 +166,8 @@ def test_draft_vocabulary_keeps_verify_lossless_and_round_trips(tmp_path):
     drafted = []
     orig = proposer.propose
 
-    def spy(view, k, params, gen):
-        g = orig(view, k, params, gen)
+    def spy(request):
+        g = orig(request)
         drafted.extend(g.tokens)
         if g.probs is not None:  # sampling: full-vocabulary distributions, zero outside the vocabulary
             assert g.probs.shape[-1] == 97 and float(g.probs.sum(-1).min()) > 0.999

@@ -66,7 +66,8 @@ def write_tiny_gguf(path: Path, **meta) -> Path:
     w.add_token_types([1] * len(tokens))
     w.add_token_merges(['! "'])
     w.add_eos_token_id(2)
-    gguf_names = {v: k for k, v in loading.GGUF_NAMES.items()}
+    from mtp.core.gguf import GGUF_NAMES
+    gguf_names = {v: k for k, v in GGUF_NAMES.items()}
     top = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     for name, t in m.state_dict().items():
@@ -279,7 +280,7 @@ def test_t8_template_failing_on_one_prompt_only(word_model, tmp_path, capsys):
 def test_threads_are_capped(capsys):
     code, _, err = run_cli(["generate", "hi", "--model", "/nowhere", "--threads", "100000"], capsys)
     one_line_error(code, err, "--threads is at most")  # was a segfault (exit 139)
-    from mtp.cli.options import THREADS_PER_CPU, check_threads
+    from mtp.core.checks import THREADS_PER_CPU, check_threads
     assert check_threads(THREADS_PER_CPU * (os.cpu_count() or 1)) == THREADS_PER_CPU * (os.cpu_count() or 1)
 
 
@@ -306,17 +307,19 @@ def test_stop_that_is_not_utf8_is_refused(capsys):
     one_line_error(code, err, "--stop", "not valid UTF-8")
 
 
-# ---- the pipeline's entry point needs nothing from the CLI -----------------------------------------------
-def test_pipeline_entry_point_imports_no_cli():
-    from test_layers import import_graph
-    graph = import_graph()
-    seen, todo = set(), ["mtp.pipeline.__main__"]
-    while todo:  # everything it imports, directly or not
-        m = todo.pop()
-        if m not in seen:
-            seen.add(m)
-            todo += graph.get(m, ())
-    assert sorted(m for m in seen if m.startswith("mtp.cli")) == []
+# ---- the pipeline's entry point loads only the engine and the pipeline ------------------------------------
+def test_pipeline_entry_point_loads_no_server_trainer_or_evaluation():
+    """A stage on another machine needs the engine, the pipeline and its own options: importing its
+    entry point's program loads no server (FastAPI, uvicorn), trainer, evaluation or other engine."""
+    code = ("import sys, mtp.cli.pipeline\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('mtp', 'fastapi', 'uvicorn'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    loaded = r.stdout.split()
+    assert "mtp.cli.pipeline" in loaded and "mtp.pipeline.stages" in loaded
+    banned = ("fastapi", "uvicorn", "mtp.serving", "mtp.training", "mtp.eval", "mtp.tune", "mtp.interop")
+    assert [m for m in loaded if m.startswith(banned)] == []
+    assert [m for m in loaded if m.startswith("mtp.cli.")] == ["mtp.cli.errors", "mtp.cli.options", "mtp.cli.pipeline"]
 
 
 def test_pipeline_entry_point_runs_a_stage(word_model, tmp_path, capsys):
@@ -337,7 +340,7 @@ def test_pipeline_entry_point_runs_a_stage(word_model, tmp_path, capsys):
 
 
 def test_pipeline_entry_point_outside_torchrun(capsys, monkeypatch):
-    from mtp.pipeline.launch import stage_main
+    from mtp.cli.pipeline import stage_main
     monkeypatch.delenv("RANK", raising=False)
     assert stage_main(["hi"]) == 2
     err = capsys.readouterr().err

@@ -15,7 +15,7 @@ from conftest import tiny_model
 from mtp.cli import main
 from mtp.core.adapter import add_adapters, load_adapter, save_adapter
 from mtp.core.artifacts import MARKER, ArtifactError
-from mtp.core.export import export_vllm_eagle3
+from mtp.interop.vllm_export import export_vllm_eagle3
 from mtp.core.proposers import heads as N
 from mtp.core.proposers.eagle3 import WEIGHTS as DRAFTER_WEIGHTS
 from mtp.core.proposers.eagle3 import default_aux_layers, load_drafter

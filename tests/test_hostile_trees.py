@@ -22,7 +22,7 @@ from test_data import make_tiny_model_dir
 from mtp.core import loading
 from mtp.core.cache import KVCache
 from mtp.core.decode import Sequence, block_slack, decode_step, generate
-from mtp.core.proposers import Guesses, PassView, PromptLookupProposer, Proposer
+from mtp.core.proposers import DraftRequest, Guesses, PassView, PromptLookupProposer, Proposer
 from mtp.core.proposers import heads as N
 from mtp.core.proposers.merged import MergedProposer
 from mtp.core.proposers.suffix import Datastore, SuffixProposer, build_datastore
@@ -95,11 +95,11 @@ class Oracle(Proposer):
     def __init__(self, truth: list[int], prompt_len: int, vocab: int = 97):
         self.truth, self.prompt_len, self.vocab = truth, prompt_len, vocab
 
-    def propose(self, view, k, params, gen):
-        return Guesses.none()
-
-    def propose_tree(self, view, n):
-        done = len(view.context) - self.prompt_len
+    def propose(self, request):
+        if not request.tree:
+            return Guesses.none()
+        n = request.n
+        done = len(request.view.context) - self.prompt_len
         nxt = self.truth[done:done + n - 1]
         nxt += [(7 * j + 3) % self.vocab for j in range(n - 1 - len(nxt))]  # past the truth: junk
         bad = (nxt[0] + 1) % self.vocab
@@ -356,7 +356,7 @@ def test_suffix_chain_follows_the_most_frequent_continuation():
     # after "2": "5 6" three times, "9" once (the latest); verify:K must draft the frequent one
     store = Datastore.from_answers([[2, 5, 6], [2, 5, 6], [2, 5, 6], [2, 9]])
     view = PassView(context=[7, 2], mask_logits=torch.zeros(0, 1), hidden=None, masks_valid=False)
-    g = SuffixProposer(store).propose(view, 4, params(), None)  # room for both continuations
+    g = SuffixProposer(store).propose(DraftRequest(view, 3, False, params()))  # room for both continuations
     assert g.tokens == [5, 6] and g.confidences == [0.75, 0.75]
 
 

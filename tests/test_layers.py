@@ -1,10 +1,13 @@
 """The house rules, checked on the code itself: the import graph of `mtp` (built with `ast`, every
-import, top-level or inside a function) has no circle, and no module imports from a higher layer.
+import, top-level or inside a function) has no circle, no module imports from a higher layer or
+sideways from another package of its own layer, no module imports another's private (`_name`)
+names, and the engine (core) holds no command-line parsing and no exporter.
 
-Layers, lowest first: core (model, cache, sampling, strategy, proposers, decode, engine) < training,
-eval < serving, pipeline, tune < cli. A package may import itself and lower layers only; `__main__`
-modules are entry points and may import anything. `python tests/test_layers.py [ROOT]` prints the
-graph's circles and back-edges.
+Layers, lowest first: core (model, kernels, cache, sampling, strategy, proposers, decode, engine) <
+training, interop (other engines: exports to vLLM and llama.cpp, their environments and runners) <
+eval, serving, pipeline < tune < cli. A package may import itself and lower layers only (so serving
+never reaches into eval); `__main__` modules are entry points and may import anything.
+`python tests/test_layers.py [ROOT]` prints the graph's circles and back-edges.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"core": 0, "training": 1, "eval": 1, "serving": 2, "pipeline": 2, "tune": 2, "cli": 3}
+LAYERS = {"core": 0, "training": 1, "interop": 1, "eval": 2, "serving": 2, "pipeline": 2, "tune": 3, "cli": 4}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -116,6 +119,33 @@ def test_every_module_sits_in_a_layer():
     assert loose == []
 
 
+def private_imports(root: Path = ROOT) -> list[str]:
+    """`from mtp.x import _name` of another module's private name (tests and entry points aside)."""
+    out = []
+    for f in sorted((root / "mtp").rglob("*.py")):
+        name = module_name(f, root)
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mtp") and node.module != name:
+                out += [f"{name}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports() == []
+
+
+def test_core_holds_no_command_line_and_no_exporter():
+    """argparse lives in mtp.cli; exporters to other engines in mtp.interop (core imports neither: the
+    layer check keeps interop out, this keeps argparse and an exporter's own code out)."""
+    for f in sorted((ROOT / "mtp" / "core").rglob("*.py")):
+        tree = ast.parse(f.read_text(), str(f))
+        mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "argparse" not in mods, f
+        assert "export" not in f.stem, f
+
+
 def test_checker_catches_a_circle_and_a_back_edge(tmp_path):
     """The checks can fail: a core module importing the CLI, and a two-module circle."""
     pkg = tmp_path / "mtp"
@@ -126,9 +156,11 @@ def test_checker_catches_a_circle_and_a_back_edge(tmp_path):
     (pkg / "core" / "a.py").write_text("from mtp.core import b\n")
     (pkg / "core" / "b.py").write_text("def f():\n    from mtp.core.a import x\n    import mtp.cli.main\n")
     (pkg / "cli" / "main.py").write_text("x = 1\n")
+    (pkg / "core" / "c.py").write_text("from mtp.core.a import _hidden\n")
     graph = import_graph(tmp_path)
     assert circles(graph) == [["mtp.core.a", "mtp.core.b"]]
     assert back_edges(graph) == [("mtp.core.b", "mtp.cli.main")]
+    assert private_imports(tmp_path) == ["mtp.core.c: mtp.core.a._hidden"]
 
 
 if __name__ == "__main__":

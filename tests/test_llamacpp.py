@@ -17,10 +17,11 @@ from conftest import tiny_model
 from mtp.cli import main
 from mtp.core.artifacts import ArtifactError, write_dir_atomic
 from mtp.core.costmodel import CostModel
-from mtp.core.export_llamacpp import check_outtype, drafter_folder, is_llamacpp_export, target_folder
+from mtp.interop.llamacpp_export import check_outtype, drafter_folder, is_llamacpp_export, target_folder
 from mtp.core.proposers.eagle3 import Eagle3Config, drafter_files
-from mtp.eval import llamacpp_env, peers
-from mtp.eval.llamacpp_server import LlamaServer
+from mtp.eval import peers
+from mtp.interop import llamacpp_env
+from mtp.interop.llamacpp_server import LlamaServer
 from mtp.training.eagle3_train import init_drafter
 
 
@@ -313,7 +314,7 @@ def test_no_server_outlives_the_process_that_started_it(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys
         os.environ["MTP_LLAMACPP_DIR"] = {str(root)!r}
-        from mtp.eval.llamacpp_server import LlamaServer
+        from mtp.interop.llamacpp_server import LlamaServer
         s = LlamaServer("t.gguf")
         print(s.proc.pid, flush=True)
         if sys.argv[1] == "kill":
@@ -347,7 +348,7 @@ def synthetic_timings(t, a: float, drafts: int, draft_s: float, steps: int = 10_
 
 
 def test_draft_advice_recovers_the_drafter_and_picks_the_best_count():
-    from mtp.eval.llamacpp_profile import advice_line, advise
+    from mtp.interop.llamacpp_profile import advice_line, advise
     t = {1: 0.060, 2: 0.070, 4: 0.080, 8: 0.120}
     pass_time = CostModel(t).pass_time  # the one t(q) reading: interpolated, extrapolated by the linear fit
     assert pass_time(3) == pytest.approx(0.075) and pass_time(0.5) == 0.060
@@ -370,14 +371,14 @@ def test_draft_advice_recovers_the_drafter_and_picks_the_best_count():
 
 
 def test_llama_bench_needs_the_build(monkeypatch):
-    from mtp.eval import llamacpp_profile
+    from mtp.interop import llamacpp_profile
     monkeypatch.setattr(llamacpp_env, "missing", lambda: "llama.cpp is not built here (make llamacpp)")
     with pytest.raises(ValueError, match="make llamacpp"):
         llamacpp_profile.measure("target.gguf")
 
 
 def test_server_command_carries_the_advised_draft_settings():
-    from mtp.core.export_llamacpp import server_command
+    from mtp.interop.llamacpp_export import server_command
     cmd = server_command("t.gguf", "d.gguf", draft_tokens=2, draft_p_min=0.3)
     assert cmd[cmd.index("--spec-draft-n-max") + 1] == "2" and cmd[cmd.index("--spec-draft-p-min") + 1] == "0.3"
     assert "--spec-draft-p-min" not in server_command("t.gguf", "d.gguf")

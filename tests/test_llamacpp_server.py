@@ -16,8 +16,8 @@ from mtp.cli import main
 from mtp.core.artifacts import load_safetensors, write_dir_atomic
 from mtp.core.engine import SHIPPED
 from mtp.core.proposers.eagle3 import Eagle3Config, drafter_files
-from mtp.eval import llamacpp_env
-from mtp.eval.llamacpp_server import LlamaServer
+from mtp.interop import llamacpp_env
+from mtp.interop.llamacpp_server import LlamaServer
 from mtp.training.eagle3_train import init_drafter
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.slow,
@@ -85,6 +85,6 @@ def test_llama_server_with_the_exported_drafter_keeps_greedy_output(smollm2, exp
 
 
 def test_llama_bench_gives_t_of_q(export_f32):
-    from mtp.eval import llamacpp_profile
+    from mtp.interop import llamacpp_profile
     t = llamacpp_profile.measure(export_f32 / "target-f32.gguf", qs=(1, 4), depth=16, repeats=1)
     assert set(t) == {1, 4} and all(0 < v < 10 for v in t.values())

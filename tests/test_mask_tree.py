@@ -15,7 +15,7 @@ import torch
 from mtp.core import tree
 from mtp.core.cache import KVCache
 from mtp.core.decode import Sequence, _branch_layout, decode_step, generate
-from mtp.core.proposers import MAX_MASK_GROUPS, MaskProposer
+from mtp.core.proposers import MAX_MASK_GROUPS, Guesses, MaskProposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.pipeline.launch import launch_local
@@ -82,17 +82,16 @@ def run_tree_stub(strategy="tree:4", max_new=13, eos=(), branch=True, inspect=No
 def test_groups_follow_the_root_and_the_likeliest_nodes():
     seq = Sequence([1, 2], Strategy.parse("tree:8"), SamplingParams(), MaskProposer())
     assert seq.group_size() == 3 and seq.mask_anchors() == [-1]  # no drafts: one group after the root
-    seq.drafts, seq.tree = [5, 6, 7], [-1, 0, -1]
-    seq.draft_confidences = [0.5, 0.2, 0.4]
+    seq.drafts = Guesses([5, 6, 7], [0.5, 0.2, 0.4], None, [-1, 0, -1])
     assert seq.groups() == 4 and seq.mask_anchors() == [-1, 0, 2, 1] and seq.n_appended() == 12
-    seq.drafts, seq.tree = list(range(10)), [-1] * 10  # more nodes than groups: the likeliest get them
-    seq.draft_confidences = [0.01 * j for j in range(10)]
+    # more nodes than groups: the likeliest get them
+    seq.drafts = Guesses(list(range(10)), [0.01 * j for j in range(10)], None, [-1] * 10)
     assert seq.mask_anchors() == [-1, 9, 8, 7, 6, 5, 4, 3] and len(seq.mask_anchors()) == MAX_MASK_GROUPS
     single = Sequence([1, 2], Strategy.parse("tree:8"), SamplingParams(), MaskProposer(branch=False))
-    single.drafts, single.tree, single.draft_confidences = [5, 6, 7], [-1, 0, -1], [0.5, 0.2, 0.4]
+    single.drafts = Guesses([5, 6, 7], [0.5, 0.2, 0.4], None, [-1, 0, -1])
     assert single.mask_anchors() == [-1] and single.n_appended() == 3
     chain = Sequence([1, 2], Strategy.parse("verify:4"), SamplingParams(), MaskProposer())
-    chain.drafts = [5, 6, 7]
+    chain.drafts = Guesses([5, 6, 7], [1.0] * 3)
     assert chain.group_size() == 3 and chain.mask_anchors() == [2, -1, 0, 1]  # unchanged: after all, then 0, 1, 2
     assert Sequence([1], Strategy.parse("tree:1"), SamplingParams(), MaskProposer()).group_size() == 1
 
@@ -116,7 +115,7 @@ def test_stub_accepts_a_sibling_and_drafts_from_the_group_after_it():
     model's own tokens walk node 1 (the sibling, not the top-1) then node 3; the next drafts come from
     the group after node 3 (positions 9, 10), and every later pass accepts 2 drafts the same way."""
     trees = []
-    seq, cache, stub = run_tree_stub(inspect=lambda s: trees.append((list(s.drafts), list(s.tree or []))))
+    seq, cache, stub = run_tree_stub(inspect=lambda s: trees.append((list(s.drafts.tokens), list(s.drafts.parents))))
     assert seq.output == TARGET[5:18] and seq.stats.chunks == [1, 3, 3, 3, 3] and seq.missed_groups == 0
     # pass 1 (the prompt + the root's group) drafted from positions 6, 7; pass 2 from the group after node 3
     assert trees[0] == ([wrong(6), TARGET[6], TARGET[7], TARGET[7]], [-1, -1, 0, 1])
@@ -156,20 +155,20 @@ def test_tree_mask_groups_equal_separate_passes(packed):
     mid = model.config.mask_token_id
     prompt, pending = [5, 9, 2, 7, 1], [3]
     seq = Sequence(prompt, Strategy.parse("tree:4"), SamplingParams(), MaskProposer())
-    seq.pending, seq.drafts, seq.tree, seq.draft_confidences = pending, [8, 4, 6, 2], [-1, -1, 1, 0], [.3, .6, .5, .1]
+    seq.pending, seq.drafts = pending, Guesses([8, 4, 6, 2], [.3, .6, .5, .1], None, [-1, -1, 1, 0])
     g, anchors, P, D = seq.group_size(), seq.mask_anchors(), 1, 4
     assert g == 3 and anchors == [-1, 1, 2, 0, 3]
     cache = KVCache.for_model(model, 1, 64)
     with torch.inference_mode():
         model(torch.tensor([prompt]), torch.arange(5).view(1, 5), cache=cache)
         cache.commit(0, 5)
-        block = pending + seq.drafts + [mid] * seq.n_appended()
+        block = pending + seq.drafts.tokens + [mid] * seq.n_appended()
         slots = 5 + torch.arange(len(block)).view(1, -1)
         positions, attn = _branch_layout([seq], slots, [True])
         got = model(torch.tensor([block]), positions, cache=cache, attn_mask=attn, cache_positions=slots)[0]
 
         def path(j):  # node j's root path as tokens
-            return [seq.drafts[a] for a in tree.ancestors(seq.tree, j)] if j >= 0 else []
+            return [seq.drafts.tokens[a] for a in tree.ancestors(seq.drafts.parents, j)] if j >= 0 else []
         for j in range(-1, D):  # the root's row and every node's
             ref = model(torch.tensor([prompt + pending + path(j)]))[0, -1]
             torch.testing.assert_close(got[P + j], ref, rtol=1e-4, atol=1e-4)
@@ -209,7 +208,7 @@ def test_small_model_accepts_deep_and_sibling_paths_and_commits_a_fresh_prefills
                 before = seq.missed_groups
                 decode_step(model, cache, [seq], model.config.mask_token_id)
                 if seq.missed_groups > before and not seq.finished:
-                    assert seq.drafts == []  # no group after the accepted node: nothing to check next pass
+                    assert seq.drafts.tokens == []  # no group after the accepted node: nothing to check next pass
             assert torch.equal(torch.tensor(seq.output), torch.tensor(want))
             L = cache.lengths[0]
             fresh = KVCache.for_model(model, 1, L + 1)

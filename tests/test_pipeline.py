@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core import costmodel
+from mtp.pipeline import pricing
 from mtp.core.cache import KVCache
 from mtp.cli import main as cli_main
 from mtp.core.decode import Sequence, decode_step, generate, stream
@@ -209,7 +209,7 @@ def _rejections(model, strategy, proposer, max_new):
     n = 0
     with torch.inference_mode():
         while not seq.finished:
-            drafts = list(seq.drafts)
+            drafts = list(seq.drafts.tokens)
             emitted = decode_step(model, cache, [seq], model.config.mask_token_id)[0]
             n += bool(drafts) and emitted[:len(drafts)] != drafts
     return n
@@ -299,17 +299,17 @@ def test_cli_bad_input_and_prediction(capsys):
 
 def test_pipeline_cost_model():
     # ntp pass 10 ms, MTP pass 12 ms emitting 3 tokens, 4 stages: speedup rises with latency towards 3
-    s0 = costmodel.pipeline_speedup(0.010, 0.012, 3, 4, 0.0)
-    s5 = costmodel.pipeline_speedup(0.010, 0.012, 3, 4, 0.005)
+    s0 = pricing.pipeline_speedup(0.010, 0.012, 3, 4, 0.0)
+    s5 = pricing.pipeline_speedup(0.010, 0.012, 3, 4, 0.005)
     assert s0 == pytest.approx(2.5) and s5 == pytest.approx(3 * 0.030 / 0.032)
-    assert costmodel.pipeline_comm_time(4, 0.001, 1000, 1e6) == pytest.approx(4 * (0.001 + 0.001))
-    assert costmodel.pipeline_link_bytes(2, 3, 3, 10, 100, 2) == pytest.approx((3 * 10 * 2 + 3 * 100 * 2) / 2)
-    p = costmodel.predict_cluster(stages=8, latency_ms=0.5, pass_ms=40, tokens_per_pass=3, block_cost=1.0)
+    assert pricing.pipeline_comm_time(4, 0.001, 1000, 1e6) == pytest.approx(4 * (0.001 + 0.001))
+    assert pricing.pipeline_link_bytes(2, 3, 3, 10, 100, 2) == pytest.approx((3 * 10 * 2 + 3 * 100 * 2) / 2)
+    p = pricing.predict_cluster(stages=8, latency_ms=0.5, pass_ms=40, tokens_per_pass=3, block_cost=1.0)
     assert p["speedup"] == pytest.approx(3.0)
-    speedups = [x["speedup"] for x in costmodel.predict_cluster(4, 1, 10, 3, block_cost=1.5)["sweep"]]
+    speedups = [x["speedup"] for x in pricing.predict_cluster(4, 1, 10, 3, block_cost=1.5)["sweep"]]
     assert speedups == sorted(speedups) and speedups[0] == pytest.approx(2.0)
     with pytest.raises(ValueError):
-        costmodel.parse_cluster("stages=8,latency_ms=x,pass_ms=1,tokens_per_pass=2")
+        pricing.parse_cluster("stages=8,latency_ms=x,pass_ms=1,tokens_per_pass=2")
 
 
 @pytest.mark.slow

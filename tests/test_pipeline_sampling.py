@@ -69,8 +69,8 @@ def _stage(rank, world, model, outfile):
     the flags parsed by the CLI's own parser, the engine loaded from them, `Engine.generate` with
     `sampling_params(args)` through the pipeline model."""
     from mtp.core.engine import Engine
-    from mtp.core.options import engine_config, sampling_params
-    from mtp.pipeline.launch import config_from_args
+    from mtp.cli.options import engine_config, sampling_params
+    from mtp.cli.pipeline import config_from_args
     from mtp.pipeline.stages import run_stage
     torch.set_num_threads(1)
     parsed = [build_parser().parse_args(["pipeline", *flags(model, s, seed)]) for s, seed in JOBS]

@@ -282,11 +282,12 @@ def test_opted_out_requests_are_never_capped(engine):
 def test_newcomers_are_prefilled_together_within_the_token_budget(engine, monkeypatch):
     from types import SimpleNamespace
     import mtp.serving.scheduler as S
+    from mtp.core.batching import prefill_group
     monkeypatch.setattr(S, "PREFILL_TOKENS", 100)
-    reqs = [SimpleNamespace(seq=SimpleNamespace(pending=[0] * n)) for n in (30, 20, 40, 10, 90)]
-    assert S.prefill_group(reqs) == reqs[:2]  # a third would pad 3 rows to 40: 120 > 100
-    assert S.prefill_group(reqs[3:]) == reqs[3:4]  # 10 then 90: 2 x 90 > 100
-    assert S.prefill_group(reqs[4:]) == reqs[4:]  # one prompt always goes, whatever its length
+    seqs = [SimpleNamespace(pending=[0] * n) for n in (30, 20, 40, 10, 90)]
+    assert prefill_group(seqs, S.PREFILL_TOKENS) == seqs[:2]  # a third would pad 3 rows to 40: 120 > 100
+    assert prefill_group(seqs[3:], S.PREFILL_TOKENS) == seqs[3:4]  # 10 then 90: 2 x 90 > 100
+    assert prefill_group(seqs[4:], S.PREFILL_TOKENS) == seqs[4:]  # one prompt always goes, whatever its length
     # a wave of 4 requests: one prefill pass for all, outputs still those of generate alone
     jobs = [("Hello", "verify:3", 20), ("abc", "conf_adapt:0.6", 20), ("xyz", "ntp", 20), ("q", "static:2", 20)]
     sched, got = scheduled(engine, jobs, config=dict(max_batch=4, max_model_len=100))
@@ -541,10 +542,10 @@ def test_shadow_report_rejects_garbage(tmp_path):
 # ---- adaptive K ------------------------------------------------------------------------------------
 class FakeSeq:
     def __init__(self, strategy, pending=1, drafts=0, branch=True):
-        from mtp.core.proposers import MaskProposer
+        from mtp.core.proposers import Guesses, MaskProposer
         from mtp.core.strategy import Strategy
         self.strategy, self.proposer = Strategy.parse(strategy), MaskProposer(branch)
-        self.pending, self.drafts = [0] * pending, [0] * drafts
+        self.pending, self.drafts = [0] * pending, Guesses([0] * drafts, [0.0] * drafts)
 
 
 def test_adaptive_policy_choices():
@@ -704,13 +705,13 @@ class FakeTree:
     """A tree row for the policy: `tree:N`, a stub proposer `name`, nodes in hand (parents, confidences)."""
 
     def __init__(self, strategy="tree:8", parents=(), confidences=(), name="stub", pending=1):
-        from mtp.core.proposers import Proposer
+        from mtp.core.proposers import Guesses, Proposer
         from mtp.core.strategy import Strategy
         self.strategy, self.proposer = Strategy.parse(strategy), Proposer()
         self.proposer.name = name
-        self.pending, self.drafts = [0] * pending, list(range(10, 10 + len(parents)))
-        self.tree, self.draft_confidences = list(parents), list(confidences)
-        self.draft_probs, self.draft_sources, self.k_override = None, None, None
+        self.pending = [0] * pending
+        self.drafts = Guesses(list(range(10, 10 + len(parents))), list(confidences), None, list(parents))
+        self.k_override = None
 
     @property
     def k(self):
@@ -835,12 +836,12 @@ def test_trim_tree_keeps_the_most_confident_nodes():
     # the shallower node 2 (tree.keep's tie rule); node 3's parent 1 becomes index 1
     row = FakeTree(parents=[-1, 0, -1, 1, 0, 2, 3, 4], confidences=[0.9, 0.7, 0.5, 0.6, 0.4, 0.3, 0.5, 0.2])
     AdaptiveK.trim_tree(row, 4)
-    assert row.drafts == [10, 11, 12, 13] and row.tree == [-1, 0, -1, 1]
-    assert row.draft_confidences == [0.9, 0.7, 0.5, 0.6]
+    assert row.drafts.tokens == [10, 11, 12, 13] and row.drafts.parents == [-1, 0, -1, 1]
+    assert row.drafts.confidences == [0.9, 0.7, 0.5, 0.6]
     AdaptiveK.trim_tree(row, 8)  # a budget above the tree's size changes nothing
-    assert row.drafts == [10, 11, 12, 13]
+    assert row.drafts.tokens == [10, 11, 12, 13]
     AdaptiveK.trim_tree(row, 0)
-    assert row.drafts == [] and row.tree == []
+    assert row.drafts.tokens == [] and row.drafts.parents == []
 
 
 def test_chain_rows_are_priced_as_chains_beside_trees():

@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_model
 from mtp.core.decode import generate
-from mtp.core.proposers import PassView
+from mtp.core.proposers import DraftRequest, PassView
 from mtp.core.proposers.suffix import (Datastore, SuffixProposer, build_datastore, frequent_tree,
                                        load_suffix_proposer)
 from mtp.core.sampling import SamplingParams
@@ -55,7 +55,7 @@ def test_suffix_decoding_equals_plain_greedy(strategy):
 def test_the_proposal_includes_the_context_itself():
     prop = SuffixProposer(None)
     view = PassView(context=[1, 2, 3, 9, 1, 2], mask_logits=torch.zeros(0, 1), hidden=None, masks_valid=False)
-    g = prop.propose_tree(view, 4)
+    g = prop.propose(DraftRequest(view, 4, True))
     assert g.tokens[:2] == [3, 9] and g.parents[:2] == [-1, 0]
 
 
@@ -94,7 +94,7 @@ def test_merged_proposers_join_their_trees_and_stay_lossless():
     merged = MergedProposer([SuffixProposer(store), PromptLookupProposer()])
     assert merged.name == "suffix+lookup"
     view = PassView(context=[1, 2, 3, 9, 1, 2], mask_logits=torch.zeros(0, 1), hidden=None, masks_valid=False)
-    g = merged.propose_tree(view, 6)
+    g = merged.propose(DraftRequest(view, 6, True))
     assert g.tokens[:2] == [3, 9] and len(g.tokens) == len(set(zip(g.tokens, g.parents)))  # shared prefixes once
     for strategy in ("tree:8", "verify:4"):
         assert generate(model, prompt, strategy, params=params(), proposer=merged).output == want

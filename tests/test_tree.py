@@ -15,7 +15,7 @@ from mtp.core import tree
 from mtp.core.cache import KVCache
 from mtp.core.decode import Sequence, _branch_layout, block_slack, decode_step, generate
 from mtp.core.model import add_mask_token
-from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
+from mtp.core.proposers import DraftRequest, Guesses, MaskProposer, PassView, PromptLookupProposer, Proposer
 from mtp.core.proposers import heads as N
 from mtp.core.sampling import SamplingParams, probs_from_logits
 from mtp.core.strategy import Strategy, StrategyError
@@ -47,10 +47,10 @@ def params(n=24, **kw):
 def test_layout_by_hand():
     # P = 1 pending token at cache length c = 4; nodes a (root child), b (child of a), x (root child)
     seq = Sequence([1, 2, 3, 4, 5], Strategy.parse("tree:3"), params(), PromptLookupProposer())
-    seq.pending, seq.drafts, seq.tree = [9], [11, 12, 13], [-1, 0, -1]
+    seq.pending, seq.drafts = [9], Guesses([11, 12, 13], [1.0] * 3, None, [-1, 0, -1])
     slots = torch.tensor([[4, 5, 6, 7]])
     positions, attn = _branch_layout([seq], slots, [False])
-    tree.apply_layout(positions, attn, 0, 4, 1, seq.tree)
+    tree.apply_layout(positions, attn, 0, 4, 1, seq.drafts.parents)
     assert positions.tolist() == [[4, 5, 6, 5]]
     seen = [[j for j in range(8) if attn[0, r, j]] for r in range(4)]
     assert seen == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 7]]
@@ -97,11 +97,10 @@ class StubTree(Proposer):
     def __init__(self, truth: list[int], prompt_len: int, wrong: int = 0):
         self.truth, self.prompt_len, self.wrong = truth, prompt_len, wrong
 
-    def propose(self, view, k, params, gen):
-        return Guesses.none()
-
-    def propose_tree(self, view, n):
-        done = len(view.context) - self.prompt_len  # emitted so far (the model's own token included)
+    def propose(self, request):
+        if not request.tree:
+            return Guesses.none()
+        done = len(request.view.context) - self.prompt_len  # emitted so far (the model's own token included)
         nxt = self.truth[done:done + 3]
         if len(nxt) < 3:
             return Guesses.none()
@@ -192,11 +191,10 @@ class OracleChain(Proposer):
     def __init__(self, truth: list[int], prompt_len: int):
         self.truth, self.prompt_len = truth, prompt_len
 
-    def propose(self, view, k, params, gen):
-        return Guesses.none()
-
-    def propose_tree(self, view, n):
-        done = len(view.context) - self.prompt_len
+    def propose(self, request):
+        if not request.tree:
+            return Guesses.none()
+        done = len(request.view.context) - self.prompt_len
         return Guesses(self.truth[done:done + 2], [0.9, 0.8], None, [-1, 0])
 
 
@@ -205,8 +203,10 @@ class OracleFirstOnly(OracleChain):
     weighted 0.5 as lookup)."""
     name = "lookup"
 
-    def propose_tree(self, view, n):
-        done = len(view.context) - self.prompt_len
+    def propose(self, request):
+        if not request.tree:
+            return Guesses.none()
+        done = len(request.view.context) - self.prompt_len
         t0, t1 = self.truth[done:done + 2]
         return Guesses([t0, (t1 + 1) % 90, (t0 + 1) % 90], [1.0] * 3, None, [-1, 0, -1])
 
@@ -263,10 +263,10 @@ def test_greedy_tree_equals_plain_greedy_for_every_tree_proposer(which, n):
 def test_heads_tree_holds_the_chain_and_its_alternatives():
     model = tiny_model(0)
     prop = N.HeadsProposer(model, random_heads(model), "float32")
-    view = N.PassView(context=PROMPT, mask_logits=torch.zeros(0, 1), hidden=torch.randn(model.config.dim),
-                      masks_valid=False)
-    chain = prop.propose(view, 4, params(), None)
-    t = prop.propose_tree(view, 9)
+    view = PassView(context=PROMPT, mask_logits=torch.zeros(0, 1), hidden=torch.randn(model.config.dim),
+                    masks_valid=False)
+    chain = prop.propose(DraftRequest(view, 3, False, params()))
+    t = prop.propose(DraftRequest(view, 9, True))
     assert len(t.tokens) == 9 and tree.depths(t.parents) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     # the best path by cumulative probability starts with the chain's first (greedy) guess
     assert t.tokens[0] == chain.tokens[0]

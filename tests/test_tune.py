@@ -15,7 +15,7 @@ from test_serve import EOS, reference, tiny_dir, engine  # noqa: F401  (fixtures
 from mtp.core import calibration as calib
 from mtp.core import deploy as D
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.proposers import Guesses, Proposer
+from mtp.core.proposers import DraftRequest, Guesses, Proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.tune import predictability
@@ -64,11 +64,11 @@ def test_calibrated_proposer_maps_confidences_and_keeps_tokens():
     class Fixed(Proposer):
         name = "fixed"
 
-        def propose(self, view, k, params, gen):
+        def propose(self, request):
             return Guesses([5, 6, 7], [0.9, 0.8, 0.7])
 
     c = calib.Calibration((calib.DepthMap(2.0, 0.0), calib.DepthMap(1.0, -1.0)))
-    g = calib.CalibratedProposer(Fixed(), c).propose(None, 4, None, None)
+    g = calib.CalibratedProposer(Fixed(), c).propose(DraftRequest(None, 3))
     assert g.tokens == [5, 6, 7]
     assert g.confidences == pytest.approx([c.map(0, 0.9), c.map(1, 0.8), c.map(1, 0.7)])
     assert g.confidences[0] == pytest.approx(0.75)  # sigmoid(logit(0.9) / 2) = 3 / (3 + 1)
@@ -103,19 +103,20 @@ def test_merge_compares_calibrated_node_probabilities():
         def __init__(self, name, token, conf):
             self.name, self.token, self.conf = name, token, conf
 
-        def propose_tree(self, view, n):
+        def propose(self, request):
             return Guesses([self.token], [self.conf], None, [-1])
 
     # uncalibrated: fixed priors (heads 1.0 x 0.5 beats lookup 0.5 x 1.0 only on ties: both 0.5 here)
     heads, lookup = Part("heads", 11, 0.6), Part("lookup", 22, 1.0)
-    g = MergedProposer([heads, lookup]).propose_tree(None, 1)
+    one_node = DraftRequest(None, 1, True)
+    g = MergedProposer([heads, lookup]).propose(one_node)
     assert g.tokens == [11]  # 0.6 > 0.5 x 1.0
     # calibrated: lookup's 1.0 means "right 90 % of the time", heads' 0.6 means 0.3: lookup's node wins
     lookup_cal = calib.CalibratedProposer(lookup, tree=calib.fit([[(1.0, True)] * 90 + [(1.0, False)] * 10]))
     heads_cal = calib.CalibratedProposer(heads, tree=calib.Calibration((calib.DepthMap(1.0, -1.253),)))
-    g = MergedProposer([heads_cal, lookup_cal]).propose_tree(None, 1)
+    g = MergedProposer([heads_cal, lookup_cal]).propose(one_node)
     assert g.tokens == [22] and g.confidences[0] == pytest.approx(0.9, abs=1e-3)
-    assert heads_cal.propose_tree(None, 1).confidences[0] == pytest.approx(0.3, abs=1e-3)
+    assert heads_cal.propose(one_node).confidences[0] == pytest.approx(0.3, abs=1e-3)
     from mtp.core.proposers import PromptLookupProposer  # a tree map gives lookup no chain confidences
     assert calib.CalibratedProposer(PromptLookupProposer(), tree=lookup_cal.tree_calibration).has_confidence is False
 
@@ -281,7 +282,7 @@ def test_held_out_error_is_the_mean_of_two_cross_fitted_folds():
 
 
 def test_quality_losses():
-    from mtp.eval import quality
+    from mtp.core import quality
     assert quality.item_loss("exact", [1, 2], "a", [1, 2], "a") == 0.0
     assert quality.item_loss("exact", [1, 2], "a", [1, 3], "a") == 1.0
     assert quality.item_loss("answer", [1], "so 12", [2], "it is 12") == 0.0

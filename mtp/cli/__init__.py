@@ -5,13 +5,15 @@ option (`OUTPUTS`) is checked here, once, before a command runs (`artifacts.chec
 from __future__ import annotations
 
 import argparse
+import importlib
 
-from mtp.cli import (bench, data, datastore, export, generate, pipeline, serve, shadow, train, train_eagle3,
-                     train_heads, tune)
 from mtp.cli.errors import USER_ERRORS, report
 from mtp.core.artifacts import check_not_shipped
 
-COMMANDS = [generate, train, train_heads, train_eagle3, export, data, datastore, bench, serve, shadow, pipeline, tune]
+# modules under mtp.cli, imported when the parser is built: importing one of them (a pipeline stage
+# imports mtp.cli.pipeline) loads this package, and that must not load the server or the trainers
+COMMANDS = ("generate", "train", "train_heads", "train_eagle3", "export", "data", "datastore", "bench", "serve",
+            "shadow", "pipeline", "tune")
 # every option that names a place a command writes (its parsed attribute: the flag); a new output
 # option belongs here, so the shipped assets stay out of reach of every command
 OUTPUTS = {"out": "--out", "export": "--export", "cache_dir": "--cache-dir", "shadow_log": "--shadow-log"}
@@ -20,8 +22,8 @@ OUTPUTS = {"out": "--out", "export": "--export", "cache_dir": "--cache-dir", "sh
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtp", description="Multi-token prediction decoding for causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.add_parser(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"mtp.cli.{name}").add_parser(sub)
     return parser
 
 

@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mtp.core.options import check_threads
+from mtp.core.checks import check_threads
 from mtp.core.engine import Engine, EngineConfig
 from mtp.core.metrics import merge
 from mtp.core.sampling import SamplingParams

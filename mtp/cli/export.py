@@ -6,9 +6,9 @@ import shlex
 
 from mtp.core import loading
 from mtp.core.engine import SHIPPED
-from mtp.core.export import FORMATS, export_vllm_eagle3
-from mtp.core.export_llamacpp import DRAFT_TOKENS, OUTTYPES, check_drafter_for, check_outtype, check_p_min, export_llamacpp
-from mtp.eval import llamacpp_env
+from mtp.interop.vllm_export import FORMATS, export_vllm_eagle3
+from mtp.interop.llamacpp_export import DRAFT_TOKENS, OUTTYPES, check_drafter_for, check_outtype, check_p_min, export_llamacpp
+from mtp.interop import llamacpp_env
 
 LLAMACPP = "llamacpp"
 

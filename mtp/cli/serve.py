@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from mtp.cli.options import MAX_BATCH, add_model_args, add_sampling_args, check_decoding_args, engine_config
+from mtp.core.checks import MAX_BATCH
+from mtp.cli.options import add_model_args, add_sampling_args, check_decoding_args, engine_config
 from mtp.core import deploy as deploy_file
 from mtp.core.costmodel import CostModel, measured_cost
 from mtp.core.engine import Engine

@@ -9,16 +9,17 @@ import sys
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from mtp.cli.options import check_batch_size, check_device, check_threads
+from mtp.core.checks import check_batch_size, check_device, check_threads
 from mtp.core.adapter import MODES, TARGETS, adapter_layers, check_layers, is_adapter_dir, read_adapter_config
 from mtp.core.artifacts import ArtifactError, read_json, recover_interrupted, replaceable
 from mtp.core.engine import SHIPPED, Engine, EngineConfig
 from mtp.core.loading import model_layers
-from mtp.training.data import build_examples, check_examples_for, load_prompts, read_examples
+from mtp.training.data import Example, build_examples, check_examples_for, load_prompts, read_examples
 from mtp.training.distill import (RESUME_KEYS, SHAPE_KEYS, TEACHERS, TrainConfig, check_export, describe,
                                   shape_conflict, train)
 from mtp.training.trainer import AMP_CHOICES, STATE, check_lr, distributed, use_bf16
@@ -73,15 +74,78 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def add_machine_flags(p, cache_help: str, amp_help: str) -> None:
+    """Where `train-heads` and `train-eagle3` run: --cache-dir (`cache_help`), --threads, --device and
+    --amp (`amp_help`)."""
+    p.add_argument("--cache-dir", default=None, help=cache_help)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--amp", choices=AMP_CHOICES, default="auto", help=amp_help)
+
+
+def check_example_flags(args) -> None:
+    """A trainer's data flags (`mtp train`, `train-heads`, `train-eagle3`), before any work: exactly one
+    of --data or --examples, --data with --response-field or --self-generate, --limit >= 1 (or unset),
+    and the threads and generation batch size."""
     if bool(args.data) == bool(args.examples):
         raise ValueError("give exactly one of --data FILE or --examples FILE")
     if args.data and not args.self_generate and not args.response_field:
         raise ValueError("--data needs --response-field FIELD or --self-generate")
-    check_lr(args.lr)
-    check_export(args.out, args.export)
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     check_threads(args.threads)
     check_batch_size(args.gen_batch_size, "--gen-batch-size")
+
+
+def prepare_examples(args, device: str, response_field: str | None, sizes: Callable | None = None,
+                     cache_dir: Path | None = None, log=None) -> tuple[Engine, object, list[Example]]:
+    """What a trainer trains on, its flags checked (`check_example_flags`): --examples read, or the
+    prompts of --data (with the responses of `response_field`; None: self-generated), each checked
+    against the evaluation sets before any weight loads; then the model loaded without an adapter,
+    `sizes(its ModelConfig)` computed (the trainer's module sizes: bad ones fail before any work), and
+    the examples checked against the model, or built from the prompts (self-generated answers cached
+    under `cache_dir`, default the cache root; under torchrun rank 0 generates first and the other
+    ranks then read its cache). `log(line)` is told how many examples and how long they took.
+    Returns (the engine, the sizes or None, the examples)."""
+    prompts = load_prompts(args.data, args.prompt_field, response_field, args.limit) if args.data else None
+    examples = read_examples(args.examples, args.model, args.limit) if args.examples else None
+    engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=device))
+    shape = sizes(engine.model.config) if sizes is not None else None
+    t0 = time.perf_counter()
+    d, rank, _ = distributed()
+    if examples is not None:
+        check_examples_for(examples, engine.model, args.examples)
+    else:
+        if d is not None and rank != 0:
+            d.barrier()  # rank 0 generates (and caches) first; the others then read its cache
+        examples = build_examples(engine, prompts, args.self_generate, args.max_new_tokens, args.gen_batch_size,
+                                  cache_dir / "selfgen" if cache_dir is not None else None, progress=rank == 0)
+        if d is not None and rank == 0:
+            d.barrier()
+    if log is not None:
+        log(f"{len(examples)} examples ready in {time.perf_counter() - t0:.0f}s")
+    return engine, shape, examples
+
+
+def example_meta(args) -> dict:
+    """What a trained artifact records of the examples it learnt from (its config's `meta`)."""
+    return {"model": args.model, "data": Path(args.data or args.examples).name,
+            "self_generate": bool(args.self_generate), "limit": args.limit}
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def counter(what: str) -> Callable[[int, int], None]:
+    """progress(i, n) that keeps one stderr line `what i/n` up to date."""
+    return lambda i, n: print(f"\r{what} {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    check_example_flags(args)
+    check_lr(args.lr)
+    check_export(args.out, args.export)
     shape = adapter_shape(args)  # before the model loads: bad ranges and conflicting flags fail fast
     device = args.device
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -101,24 +165,11 @@ def run(args) -> int:
             out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, **shape,
             k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,
             save_every=args.save_every, seed=args.seed, resume=args.resume, device=device,
-            log_every=args.log_every, export=args.export, amp=use_bf16(args.amp, device),
-            meta={"model": args.model, "data": Path(args.data or args.examples).name,
-                  "self_generate": bool(args.self_generate), "limit": args.limit})
+            log_every=args.log_every, export=args.export, amp=use_bf16(args.amp, device), meta=example_meta(args))
         if args.resume:
             cfg = resumed_config(cfg, args)
-        prompts = load_prompts(args.data, args.prompt_field, args.response_field, args.limit) if args.data else None
-        examples = read_examples(args.examples, args.model, args.limit or None) if args.examples else None
-        engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=device))
+        engine, _, examples = prepare_examples(args, device, args.response_field)
         d, rank, _ = distributed()
-        if examples is not None:
-            check_examples_for(examples, engine.model, args.examples)
-        if prompts is not None:
-            if d is not None and rank != 0:
-                d.barrier()  # rank 0 generates (and caches) first; the others then read its cache
-            examples = build_examples(engine, prompts, args.self_generate, args.max_new_tokens,
-                                      args.gen_batch_size, progress=rank == 0)
-            if d is not None and rank == 0:
-                d.barrier()
         ctx = engine.context_window
         too_long = [i for i, ex in enumerate(examples) if len(ex.prompt_ids) >= ctx]
         if too_long:

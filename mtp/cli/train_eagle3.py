@@ -6,13 +6,12 @@ import sys
 import time
 from pathlib import Path
 
-from mtp.cli.options import check_batch_size, check_device, check_threads
+from mtp.cli.train import add_machine_flags, check_example_flags, counter, example_meta, prepare_examples, say
+from mtp.core.checks import check_device
 from mtp.core import loading
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.proposers.eagle3 import Eagle3Config
-from mtp.training import data
 from mtp.training.eagle3_train import TrainEagle3Config, cached_features, is_drafter_dir, train_eagle3
-from mtp.training.trainer import AMP_CHOICES, check_run_out, use_bf16
+from mtp.training.trainer import check_run_out, use_bf16
 
 
 def add_parser(sub) -> None:
@@ -45,12 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
                    help="batches of examples of similar lengths (less padding; default on)")
-    p.add_argument("--cache-dir", default=None, help="answers and feature cache (default $MTP_CACHE_DIR or ~/.cache/mtp)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--amp", choices=AMP_CHOICES, default="auto",
-                   help="bf16 autocast for the drafter's steps (auto: on where bf16 is native: CUDA, "
-                        "AVX-512 BF16 / AMX CPUs)")
+    add_machine_flags(p, "answers and feature cache (default $MTP_CACHE_DIR or ~/.cache/mtp)",
+                      "bf16 autocast for the drafter's steps (auto: on where bf16 is native: CUDA, "
+                      "AVX-512 BF16 / AMX CPUs)")
     p.set_defaults(func=run_train_eagle3)
 
 
@@ -69,40 +65,20 @@ def run_train_eagle3(args) -> int:
                             max_len=args.max_len, lr=args.lr, save_every=args.save_every,
                             val_fraction=args.val_fraction, seed=args.seed,
                             group_by_length=args.group_by_length)
-    if args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    check_example_flags(args)
     out = Path(args.out)
     check_run_out(out, is_drafter_dir, "a drafter", args.resume)
-    check_threads(args.threads)
-    check_batch_size(args.gen_batch_size, "--gen-batch-size")
     check_device(args.device)
     cfg.amp = use_bf16(args.amp, args.device)
-    if args.examples:
-        examples = data.read_examples(args.examples, args.model, args.limit)
-    else:
-        prompts = data.load_prompts(args.data, args.prompt_field,
-                                    None if args.self_generate else args.response_field, args.limit)
-    engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=args.device))
-    ecfg = Eagle3Config.for_model(engine.model.config, cfg.draft_vocab, cfg.aux_layers or None)  # fail early
-    t0 = time.perf_counter()
-    if args.examples:
-        data.check_examples_for(examples, engine.model, args.examples)
-    else:
-        examples = data.build_examples(engine, prompts, args.self_generate, args.max_new_tokens,
-                                       args.gen_batch_size, Path(args.cache_dir) / "selfgen" if args.cache_dir else None)
     cache_dir = Path(args.cache_dir) if args.cache_dir else loading.cache_root()
-    print(f"{len(examples)} examples ready in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    engine, ecfg, examples = prepare_examples(
+        args, args.device, None if args.self_generate else args.response_field,
+        lambda mc: Eagle3Config.for_model(mc, cfg.draft_vocab, cfg.aux_layers or None), cache_dir, say)
     t0 = time.perf_counter()
-
-    def progress(i, n):
-        print(f"\rtrunk states {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
-
-    feats, path = cached_features(engine.model, examples, ecfg.aux_layers, cache_dir, cfg.max_len, progress=progress)
-    print(f"{len(feats['tokens']):,} positions of layers {ecfg.aux_layers} in {time.perf_counter() - t0:.0f}s "
-          f"({path})", file=sys.stderr)
-    meta = {"model": args.model, "data": Path(args.data or args.examples).name, "self_generate": args.self_generate,
-            "limit": args.limit}
-    train_eagle3(engine.model, feats, cfg, out, resume=args.resume, meta=meta,
-                 log=lambda m: print(m, file=sys.stderr, flush=True), progress=sys.stderr.isatty())
+    feats, path = cached_features(engine.model, examples, ecfg.aux_layers, cache_dir, cfg.max_len,
+                                  progress=counter("trunk states"))
+    say(f"{len(feats['tokens']):,} positions of layers {ecfg.aux_layers} in {time.perf_counter() - t0:.0f}s ({path})")
+    train_eagle3(engine.model, feats, cfg, out, resume=args.resume, meta=example_meta(args), log=say,
+                 progress=sys.stderr.isatty())
     print(f"EAGLE-3 drafter written to {out}")
     return 0

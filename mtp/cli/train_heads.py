@@ -1,17 +1,15 @@
 """`mtp train-heads`: train DeepSeek-style MTP heads on the frozen model's cached hidden states."""
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-from mtp.cli.options import check_batch_size, check_device, check_threads
+from mtp.cli.train import add_machine_flags, check_example_flags, counter, example_meta, prepare_examples, say
+from mtp.core.checks import check_device
 from mtp.core import loading
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.proposers.heads import HeadsConfig
-from mtp.training import data
 from mtp.training.heads_train import TrainHeadsConfig, cached_features, is_heads_dir, train_heads
-from mtp.training.trainer import AMP_CHOICES, check_run_out, use_bf16
+from mtp.training.trainer import check_run_out, use_bf16
 
 
 def add_parser(sub) -> None:
@@ -41,13 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=None, help="answers and hidden-state cache (default $MTP_CACHE_DIR or "
-                                                     "~/.cache/mtp)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--amp", choices=AMP_CHOICES, default="auto",
-                   help="compute the hidden-state cache under bf16 autocast: auto = CUDA or a CPU with native bf16 "
-                        "(~2.6x faster there; cached apart from fp32 states)")
+    add_machine_flags(p, "answers and hidden-state cache (default $MTP_CACHE_DIR or ~/.cache/mtp)",
+                      "compute the hidden-state cache under bf16 autocast: auto = CUDA or a CPU with native bf16 "
+                      "(~2.6x faster there; cached apart from fp32 states)")
     p.set_defaults(func=run_train_heads)
 
 
@@ -55,43 +49,22 @@ def run_train_heads(args) -> int:
     cfg = TrainHeadsConfig(depths=args.depths, blocks=args.blocks, width=args.width, steps=args.steps,
                            batch_size=args.batch_size, lr=args.lr, save_every=args.save_every,
                            val_fraction=args.val_fraction, seed=args.seed, draft_vocab=args.draft_vocab)
-    if bool(args.data) == bool(args.examples):
-        raise ValueError("give exactly one of --data FILE or --examples FILE")
-    if args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    check_example_flags(args)
     out = Path(args.out)
     check_run_out(out, is_heads_dir, "heads", args.resume)
-    check_threads(args.threads)
-    check_batch_size(args.gen_batch_size, "--gen-batch-size")
     check_device(args.device)
-    if args.examples:
-        examples = data.read_examples(args.examples, args.model, args.limit)
-    else:
-        prompts = data.load_prompts(args.data, args.prompt_field,
-                                    None if args.self_generate else args.response_field, args.limit)
-    engine = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads, device=args.device))
-    HeadsConfig.for_model(engine.model.config, cfg.depths, cfg.blocks, cfg.width)  # bad sizes fail before work
-    t0 = time.perf_counter()
-    if args.examples:
-        data.check_examples_for(examples, engine.model, args.examples)
-    else:  # the same call as `mtp train` makes, so both share the self-generated answers on disk
-        examples = data.build_examples(engine, prompts, args.self_generate, args.max_new_tokens,
-                                       args.gen_batch_size, Path(args.cache_dir) / "selfgen" if args.cache_dir else None)
     cache_dir = Path(args.cache_dir) if args.cache_dir else loading.cache_root()
-    print(f"{len(examples)} examples ready in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    # the same examples as `mtp train` makes, so both share the self-generated answers on disk
+    engine, _, examples = prepare_examples(args, args.device, None if args.self_generate else args.response_field,
+                                           lambda mc: HeadsConfig.for_model(mc, cfg.depths, cfg.blocks, cfg.width),
+                                           cache_dir, say)
     t0 = time.perf_counter()
-
-    def progress(i, n):
-        print(f"\rhidden states {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
-
     amp = use_bf16(args.amp, args.device)
-    feats, path = cached_features(engine.model, examples, cache_dir, progress=progress, amp=amp)
+    feats, path = cached_features(engine.model, examples, cache_dir, progress=counter("hidden states"), amp=amp)
     agree = feats["agree"].float().mean().item()
-    print(f"{len(feats['hidden']):,} rows of hidden states in {time.perf_counter() - t0:.0f}s ({path}); "
-          f"trunk agrees with the targets on {agree:.1%} of rows", file=sys.stderr)
-    meta = {"model": args.model, "data": Path(args.data or args.examples).name, "self_generate": args.self_generate,
-            "limit": args.limit, "max_new_tokens": args.max_new_tokens, "amp_features": amp}
-    train_heads(engine.model, feats, cfg, out, resume=args.resume, meta=meta,
-                log=lambda m: print(m, file=sys.stderr, flush=True))
+    say(f"{len(feats['hidden']):,} rows of hidden states in {time.perf_counter() - t0:.0f}s ({path}); "
+        f"trunk agrees with the targets on {agree:.1%} of rows")
+    meta = {**example_meta(args), "max_new_tokens": args.max_new_tokens, "amp_features": amp}
+    train_heads(engine.model, feats, cfg, out, resume=args.resume, meta=meta, log=say)
     print(f"heads written to {out}")
     return 0

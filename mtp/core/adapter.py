@@ -27,7 +27,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from mtp.core.artifacts import (base_hash, cast_checked, check_finite, check_trained_on, has_format, load_safetensors,
-                                read_json, write_dir_atomic)
+                                read_config, write_dir_atomic)
 from mtp.core.model import Linear, Transformer, add_mask_token, packed_matmul, use_packed
 
 FORMAT = "mtp-adapter"
@@ -216,13 +216,8 @@ _FIELDS = {"rank": int, "alpha": (int, float), "targets": list, "mode": str, "ma
 
 def read_adapter_config(path) -> dict:
     """The adapter's config.json, every field it needs present and of the right type."""
-    path = Path(path)
-    cfg_path = path / CONFIG
-    if not cfg_path.exists():
-        raise ValueError(f"no {CONFIG} in adapter directory {path}")
-    cfg = read_json(cfg_path, "adapter config")
-    if cfg.get("format") != FORMAT:
-        raise ValueError(f"{cfg_path} is not an mtp adapter config")
+    cfg_path = Path(path) / CONFIG
+    cfg = read_config(path, FORMAT, "adapter")
     for name, typ in _FIELDS.items():
         if name not in cfg:
             raise ValueError(f"{cfg_path}: missing field {name!r}")

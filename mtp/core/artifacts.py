@@ -38,13 +38,15 @@ class ArtifactError(ValueError):
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # mtp/assets: what the package ships
 MARKER = ".mtp-save-in-progress"  # in every work folder of a save; nothing else is ever removed
+CONFIG = "config.json"  # an artifact directory's config (its `format`, sizes, the base weights' hash)
 
 
 def _mark(folder: Path) -> None:
     (folder / MARKER).write_text(json.dumps({"pid": os.getpid()}))
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (another user's counts: it may not be signalled, but it is there)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -60,7 +62,7 @@ def _left_by_a_killed_save(folder: Path) -> bool:
         pid = json.loads((folder / MARKER).read_text()).get("pid")
     except (OSError, ValueError, AttributeError):
         return False
-    return type(pid) is int and pid > 0 and (pid == os.getpid() or not _alive(pid))
+    return type(pid) is int and pid > 0 and (pid == os.getpid() or not pid_alive(pid))
 
 
 def leftovers(path: Path, kind: str) -> list[Path]:
@@ -225,6 +227,19 @@ def read_json(path: Path, what: str = "config") -> dict:
     if not isinstance(data, dict):
         raise ArtifactError(f"{path}: the {what} must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def read_config(path, fmt: str, what: str) -> dict:
+    """The config.json of directory `path`, an mtp artifact of format `fmt`; `what` names it in the
+    errors (e.g. "heads"). A missing, unreadable or non-object file, or one of another format, is one
+    ArtifactError naming it."""
+    cfg_path = Path(path) / CONFIG
+    if not cfg_path.is_file():
+        raise ArtifactError(f"no {CONFIG} in {what} directory {path}")
+    cfg = read_json(cfg_path, f"{what} config")
+    if cfg.get("format") != fmt:
+        raise ArtifactError(f"{cfg_path} is not an mtp {what} config")
+    return cfg
 
 
 def load_safetensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:

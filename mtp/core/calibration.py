@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, replace
 
 from mtp.core.tree import depths as tree_depths
-from mtp.core.proposers.base import Guesses, Proposer, WrappedProposer
+from mtp.core.proposers.base import DraftRequest, Guesses, Proposer, WrappedProposer
 
 EPS = 1e-6
 BINS = 10
@@ -204,16 +204,13 @@ class CalibratedProposer(WrappedProposer):
         super().__init__(inner)
         self.chain, self.tree_calibration = chain, tree
 
-    def propose(self, view, k, params, gen) -> Guesses:
-        g = self.inner.propose(view, k, params, gen)
-        if self.chain is None:
-            return g
-        return replace(g, confidences=self.chain.apply(g.confidences))  # tokens, tree and sources kept
-
-    def propose_tree(self, view, n) -> Guesses:
-        g = self.inner.propose_tree(view, n)
+    def propose(self, request: DraftRequest) -> Guesses:
+        g = self.inner.propose(request)
+        if not request.tree:
+            if self.chain is None:
+                return g
+            return replace(g, confidences=self.chain.apply(g.confidences))  # tokens, tree and sources kept
         if self.tree_calibration is None or not g.tokens:
             return g
-        parents = g.parents if g.parents is not None else list(range(-1, len(g.tokens) - 1))
-        confs = [self.tree_calibration.map(d - 1, c) for d, c in zip(tree_depths(parents), g.confidences)]
+        confs = [self.tree_calibration.map(d - 1, c) for d, c in zip(tree_depths(g.parents), g.confidences)]
         return replace(g, confidences=confs)

@@ -3,7 +3,8 @@ the pipeline and the benchmarks run `decode_step`; nothing else decodes.
 
 A sequence carries three lists of tokens that are not yet in its KV cache:
 - pending: decided tokens (the prompt, on the first pass; afterwards the tokens emitted last pass);
-- drafts:  proposals to be checked by this pass (`verify` only);
+- drafts:  proposals to be checked by this pass (`verify` only): a `Guesses`, tokens with their tree
+           (a chain being the tree `tree.chain(n)`), confidences, distributions and who drafted each;
 - masks:   `<mtp_mask>` tokens appended to obtain guesses (mask proposer only).
 One step, for a batch of sequences (ragged rows, right-padded):
   1. build each row's block: pending + drafts + masks, at positions cache_len, cache_len+1, ...
@@ -14,8 +15,10 @@ One step, for a batch of sequences (ragged rows, right-padded):
   3. accept: check the drafts against the model's own predictions (sampling.verify_drafts) ->
      a accepted drafts and the model's own token after them
   4. propose: the proposer's guesses for the tokens after that one (heads, lookup; mask logits: the
-     group that followed where acceptance stopped, if one did); every row is accepted first and
-     announces its drafting (`Proposer.prepare`), so rows sharing the heads draft in one batched call
+     group that followed where acceptance stopped, if one did), one `DraftRequest` per row (K - 1
+     guesses, a tree or a chain); every row is accepted first and announces its request
+     (`Proposer.prepare`), so rows sharing the heads draft in one batched call; the loop times the
+     proposing into the row's stats (`DecodeStats.proposing_s`, `guesses`)
   5. emit by strategy: ntp -> the model's token; static -> it + all guesses; conf_adapt -> the
      confident prefix of [it, guesses...]; verify -> accepted drafts + it, guesses become next drafts
   6. commit pending + accepted drafts to the cache (rejected drafts and masks are simply not
@@ -24,7 +27,8 @@ One step, for a batch of sequences (ragged rows, right-padded):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+import time
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -49,17 +53,13 @@ class Sequence:
     decode_text: Callable[[list[int]], str] | None = None  # needed for stop strings
     output: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None  # [len(drafts), V]
-    draft_confidences: list[float] = field(default_factory=list)  # the drafts' confidences (Guesses.confidences)
-    draft_sources: list[tuple[str, ...]] | None = None  # who drafted each draft (Guesses.sources); None = the proposer
+    drafts: Guesses = field(default_factory=Guesses.none)  # what the next pass checks (see the module docstring)
     stats: DecodeStats = field(default_factory=DecodeStats)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     text: str | None = None  # set when a stop string cut the output
     gen: torch.Generator | None = None
     k_override: int | None = None  # a scheduler's cap on K for the next pass (mtp.serving.scheduler); None = strategy.k
     proposer_state: dict = field(default_factory=dict)  # the proposer's own per-sequence state (EAGLE-3: its KV)
-    tree: list[int] | None = None  # `tree:N`: each draft's parent (-1 = root; mtp.core.tree); None = a chain
     pass_time: Callable[[float], float] | None = None  # `tree:auto`: seconds per pass of q tokens (mtp.core.costmodel)
     missed_groups: int = 0  # passes whose acceptance stopped where no mask group followed (no guesses next pass)
 
@@ -108,8 +108,8 @@ class Sequence:
         if not G:
             return []
         if not self.strategy.is_tree:
-            return [D - 1] + list(range(-1, G - 2))
-        conf = self.draft_confidences + [0.0] * (D - len(self.draft_confidences))
+            return [D - 1] + tree.chain(G - 1)
+        conf = self.drafts.confidences + [0.0] * (D - len(self.drafts.confidences))
         return [-1] + sorted(range(D), key=lambda j: (-conf[j], j))[: G - 1]
 
 
@@ -121,31 +121,58 @@ def block_slack(k: int) -> int:
 
 
 def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None) -> list[list[int]]:
-    """Advance every sequence by one forward pass; return the tokens each one emitted."""
-    # 1. blocks: pending + drafts + masks, right-padded to a common length T
+    """Advance every sequence by one forward pass; return the tokens each one emitted. The module
+    docstring's steps, phase by phase:
+      1. `_blocks`: every row's block (pending + drafts + masks) and the batch's layout;
+      2. `_forward`: one forward pass over the batch;
+      3. `_accept`: every row's drafts checked against the model's own predictions;
+      4. `_draft`: every row's guesses for what follows, timed (rows sharing a proposer draft together);
+      5-6. `_commit`: per row, emit by strategy, commit to the cache, record the pass."""
+    batch = _blocks(seqs, cache, mask_id)
+    out = _forward(model, cache, seqs, batch, mask_id)
+    accepted = [_accept(s, i, batch, out) for i, s in enumerate(seqs)]
+    drafted = _draft(seqs, [a.view for a in accepted])
+    return [_commit(s, cache, batch.starts[i], len(batch.blocks[i]), a, d)
+            for i, (s, a, d) in enumerate(zip(seqs, accepted, drafted))]
+
+
+@dataclass
+class _Batch:
+    """A pass as `_blocks` lays it out: B rows, blocks right-padded to T tokens, logits read at N
+    positions per row."""
+    blocks: list[list[int]]  # per row: pending + drafts + masks
+    starts: list[int]  # per row: its cache length before the pass
+    anchors: list[list[int]]  # per row: Sequence.mask_anchors()
+    tokens: torch.Tensor  # [B, T] the blocks
+    slots_pos: torch.Tensor  # [B, T] cache slots written
+    positions: torch.Tensor  # [B, T] RoPE positions
+    attn_mask: torch.Tensor | None  # [B, T, S] who sees what; None = the plain causal rule over slots
+    out_index: torch.Tensor  # [B, N] block positions whose logits are read: the last pending one on
+    slots: torch.Tensor | None  # [B] the rows' cache rows; None = rows 0..B-1
+
+
+def _blocks(seqs: list[Sequence], cache: KVCache, mask_id: int | None) -> _Batch:
+    """Phase 1: every row's block, pending + drafts + masks at positions cache_len, cache_len+1, ...
+    (drafts beyond a capped K dropped first: still lossless, a tree keeps its top), and the layout of
+    the rows that are not plainly causal (a tree, or mask groups beyond the one after the last draft:
+    `_branch_layout`). Raises ValueError when a row appends masks and the model has no mask token."""
     blocks, starts, branched, anchors = [], [], [], []
     for s in seqs:
-        if len(s.drafts) > s.k - 1:  # a capped K checks fewer drafts (still lossless; a tree keeps its top)
-            s.drafts = s.drafts[: s.k - 1]
-            s.draft_probs = None if s.draft_probs is None else s.draft_probs[: s.k - 1]
-            s.tree = None if s.tree is None else s.tree[: s.k - 1]
-            s.draft_confidences = s.draft_confidences[: s.k - 1]
-            s.draft_sources = None if s.draft_sources is None else s.draft_sources[: s.k - 1]
+        if len(s.drafts) > s.k - 1:
+            s.drafts = s.drafts.prefix(s.k - 1)
         n_mask = s.n_appended()
         if n_mask and mask_id is None:
             raise ValueError("this strategy needs a model with the <mtp_mask> token (an adapter)")
-        blocks.append(s.pending + s.drafts + [mask_id] * n_mask)
+        blocks.append(s.pending + s.drafts.tokens + [mask_id] * n_mask)
         starts.append(cache.lengths[s.slot])
         anchors.append(s.mask_anchors())
-        # its own layout unless plainly causal: a tree, or mask groups beyond the one after the last draft
-        branched.append((s.tree is not None and bool(s.drafts)) or len(anchors[-1]) > 1)
+        branched.append((s.strategy.is_tree and bool(s.drafts)) or len(anchors[-1]) > 1)
     B, T = len(seqs), max(len(b) for b in blocks)
-    dev = model.device
     tokens = torch.zeros(B, T, dtype=torch.long)
     for i, b in enumerate(blocks):
         tokens[i, : len(b)] = torch.tensor(b)
-    slots_pos = torch.tensor(starts).view(B, 1) + torch.arange(T).view(1, T)  # [B, T] cache slots written
-    positions, attn_mask = slots_pos, None  # RoPE positions; None = the plain causal rule over slots
+    slots_pos = torch.tensor(starts).view(B, 1) + torch.arange(T).view(1, T)  # [B, T]
+    positions, attn_mask = slots_pos, None
     if any(branched):
         positions, attn_mask = _branch_layout(seqs, slots_pos, branched)
     # logits needed from the last pending token on: e.g. pending=[a,b], drafts=[c], masks=[M,M]
@@ -154,115 +181,173 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
     N = max(len(b) - f for b, f in zip(blocks, first))
     out_index = torch.tensor([[min(f + j, len(b) - 1) for j in range(N)] for b, f in zip(blocks, first)])
     slots = torch.tensor([s.slot for s in seqs])
-    if slots.tolist() == list(range(B)):
-        slots = None
+    return _Batch(blocks, starts, anchors, tokens, slots_pos, positions, attn_mask, out_index,
+                  None if slots.tolist() == list(range(B)) else slots)
+
+
+@dataclass
+class _Output:
+    """What `_forward` read from the pass."""
+    logits: torch.Tensor  # [B, N, V] float32 on the CPU; row j predicts the token after block position first+j
+    hidden: torch.Tensor | None  # [B, N, dim] on the CPU, the last layer's states at the same positions
+    aux: torch.Tensor | None  # [B, T, A*dim] residual streams of the trunk layers the proposers read
+
+
+def _forward(model, cache: KVCache, seqs: list[Sequence], batch: _Batch, mask_id: int | None) -> _Output:
+    """Phase 2: one forward pass over the batch, writing its keys and values to the cache (with the
+    hidden states if a proposer needs them, and the residual streams of the layers they read). The
+    mask token's logit is -inf (it is never a prediction). Raises NonFiniteError when the logits of a
+    row's ordinary positions (pending and drafts; mask rows may be non-finite) are NaN or inf: a
+    broken pass never emits (lossless = identical)."""
+    dev = model.device
     need_hidden = any(s.proposer.needs_hidden for s in seqs)
     aux_layers = _aux_layers(seqs)
-
-    # 2. one forward pass (with the residual streams of `aux_layers` at every block position, if asked)
-    out = model(tokens.to(dev), positions.to(dev), cache=cache, slots=None if slots is None else slots.to(dev),
-                out_index=out_index.to(dev), return_hidden=need_hidden,
-                attn_mask=None if attn_mask is None else attn_mask.to(dev),
-                cache_positions=None if attn_mask is None else slots_pos.to(dev),
+    to_dev = (lambda t: None if t is None else t.to(dev))  # noqa: E731
+    out = model(to_dev(batch.tokens), to_dev(batch.positions), cache=cache, slots=to_dev(batch.slots),
+                out_index=to_dev(batch.out_index), return_hidden=need_hidden, attn_mask=to_dev(batch.attn_mask),
+                cache_positions=None if batch.attn_mask is None else to_dev(batch.slots_pos),
                 **({"aux_layers": aux_layers} if aux_layers else {}))
     aux = None
     if aux_layers:
-        logits, hidden, aux = out  # aux: [B, T, A*dim]
+        logits, hidden, aux = out
     else:
         logits, hidden = out if need_hidden else (out, None)
     logits = logits.float().cpu()
-    finite = torch.isfinite(logits).all(-1)  # [B, N]; mask rows may be non-finite, ordinary rows never
+    finite = torch.isfinite(logits).all(-1)  # [B, N]
+    if any(not bool(finite[i, : len(s.drafts) + 1].all()) for i, s in enumerate(seqs)):
+        raise NonFiniteError("the model produced non-finite logits (NaN/inf) at ordinary positions: its "
+                             "weights or adapter are corrupt (try --adapter none)")
     if mask_id is not None and mask_id < logits.shape[-1]:
-        logits[..., mask_id] = float("-inf")  # the mask token is never a prediction
-    if hidden is not None:
-        hidden = hidden.cpu()
+        logits[..., mask_id] = float("-inf")
+    return _Output(logits, None if hidden is None else hidden.cpu(), aux)
 
-    rows = []  # per row: what step 3 decided and the view step 4 drafts from
-    for i, s in enumerate(seqs):
-        D = len(s.drafts)
-        lg = logits[i]  # [N, V]: row j predicts the token after block position first+j
-        if not bool(finite[i, : D + 1].all()):  # never emit from a broken pass (lossless = identical)
-            raise NonFiniteError("the model produced non-finite logits (NaN/inf) at ordinary positions: its "
-                                 "weights or adapter are corrupt (try --adapter none)")
-        # 3. accept drafts against the model's own predictions (a tree: the path of the model's own tokens)
-        if s.strategy.is_tree:
-            path, own = tree.accept(lg[: D + 1], s.drafts, s.tree or list(range(-1, D - 1)), s.params, s.gen)
-            a, row = len(path), (1 + path[-1] if path else 0)
-            accepted = [s.drafts[j] for j in path]
-        else:
-            a, own = verify_drafts(lg[: D + 1], s.drafts, s.draft_probs, s.params, s.gen)
-            row, path, accepted = a, None, s.drafts[:a]
-        # who drafted each accepted token (a merge's parts; otherwise the proposer itself), for metrics
-        drafted_by = [s.draft_sources[j] if s.draft_sources is not None else (s.proposer.name,)
-                      for j in (path if path is not None else range(a))]
-        expected = tree_expected_tokens(s.draft_confidences[:D]) if s.strategy.is_tree else None
-        own_conf = float(torch.softmax(lg[row], -1).max())
-        # 4. guesses for what follows `own`: the mask group that followed the last accepted draft (the
-        # root: none accepted), if it had one; e.g. D=3 nodes, g=2, anchors [-1, 0, 2, 1] (mask_anchors):
-        # acceptance stopping at node 2 reads lg rows 1+D+2g.. = 8, 9; stopping at a node without a group
-        # leaves the next pass without mask guesses
-        context = s.prompt_ids + s.output + accepted + [own]
-        g = s.group_size()
-        stop = path[-1] if path else a - 1  # the last accepted draft; -1 = the root
-        has_group = stop in anchors[i]
-        first_mask = D + 1 + g * (anchors[i].index(stop) if has_group else 0)
-        s.missed_groups += bool(g) and not has_group
-        # block positions that become the row's prefix: pending + accepted drafts (a tree: its path's
-        # nodes, e.g. P=1, path [1, 4] -> rows 0, 2, 5), in order
-        P = len(s.pending)
-        committed = list(range(P)) + [P + j for j in path] if path else slice(0, P + a)
-        view = PassView(context=context, mask_logits=lg[first_mask: first_mask + g],
-                        hidden=hidden[i, row] if hidden is not None else None, masks_valid=has_group,
-                        aux=aux[i, committed] if aux is not None and s.proposer.aux_layers else None,
-                        start=starts[i], state=s.proposer_state)
-        rows.append((a, path, accepted, own, own_conf, drafted_by, expected, view))
-    # 4a. every row announces its drafting, then proposers shared by rows draft them all at once (the
-    # heads: one call per depth for the batch); the rows' own calls below then return their answers
-    drafting = [s.k > 1 or bool(s.proposer.aux_layers) for s in seqs]
-    batchers: dict[int, Proposer] = {}
-    for s, (*_, view), go in zip(seqs, rows, drafting):
-        if go:
-            request = DraftRequest(view, s.k - 1, True) if s.strategy.is_tree else \
-                DraftRequest(view, s.k, False, s.params, s.gen)
-            batchers.update((id(p), p) for p in s.proposer.prepare(request))
-    for p in batchers.values():
+
+@dataclass
+class _Accepted:
+    """What `_accept` decided for one row, and the view its proposer drafts from."""
+    n: int  # drafts accepted
+    path: list[int] | None  # a tree's accepted nodes, root first (None: a chain, its first n drafts)
+    tokens: list[int]  # the accepted drafts
+    own: int  # the model's own token after them
+    own_conf: float  # its top-1 probability
+    drafted_by: list[tuple[str, ...]]  # who drafted each accepted draft (a merge's parts, else the proposer)
+    expected: float | None  # a tree row: the tokens its drafts promised (tree_expected_tokens)
+    view: PassView
+
+
+def _accept(s: Sequence, i: int, batch: _Batch, out: _Output) -> _Accepted:
+    """Phase 3, row i: its drafts checked against the model's own predictions (`verify_drafts`; a
+    tree: `tree.accept`, the path of the model's own tokens; both draw from the row's generator as
+    plain decoding does), and the view of the pass its proposer drafts from: the context with the
+    model's own token, the hidden state at the last accepted position, the trunk streams of the
+    positions that become the prefix, and the mask group that followed the last accepted draft (the
+    root: none accepted), if it had one. E.g. D=3 nodes, g=2, anchors [-1, 0, 2, 1] (mask_anchors):
+    acceptance stopping at node 2 reads rows 1+D+2g.. = 8, 9; stopping at a node without a group
+    leaves the next pass without mask guesses (counted in `missed_groups`)."""
+    drafts, D = s.drafts, len(s.drafts)
+    lg = out.logits[i]  # [N, V]
+    if s.strategy.is_tree:
+        path, own = tree.accept(lg[: D + 1], drafts.tokens, drafts.parents, s.params, s.gen)
+        a, row = len(path), (1 + path[-1] if path else 0)
+        accepted = [drafts.tokens[j] for j in path]
+    else:
+        a, own = verify_drafts(lg[: D + 1], drafts.tokens, drafts.probs, s.params, s.gen)
+        row, path, accepted = a, None, drafts.tokens[:a]
+    drafted_by = [drafts.sources[j] if drafts.sources is not None else (s.proposer.name,)
+                  for j in (path if path is not None else range(a))]
+    g, anchors = s.group_size(), batch.anchors[i]
+    stop = path[-1] if path else a - 1  # the last accepted draft; -1 = the root
+    has_group = stop in anchors
+    first_mask = D + 1 + g * (anchors.index(stop) if has_group else 0)
+    s.missed_groups += bool(g) and not has_group
+    # block positions that become the row's prefix: pending + accepted drafts (a tree: its path's
+    # nodes, e.g. P=1, path [1, 4] -> rows 0, 2, 5), in order
+    P = len(s.pending)
+    committed = list(range(P)) + [P + j for j in path] if path else slice(0, P + a)
+    view = PassView(context=s.prompt_ids + s.output + accepted + [own], mask_logits=lg[first_mask: first_mask + g],
+                    hidden=out.hidden[i, row] if out.hidden is not None else None, masks_valid=has_group,
+                    aux=out.aux[i, committed] if out.aux is not None and s.proposer.aux_layers else None,
+                    start=batch.starts[i], state=s.proposer_state)
+    expected = tree_expected_tokens(drafts.confidences[:D]) if s.strategy.is_tree else None
+    return _Accepted(a, path, accepted, own, float(torch.softmax(lg[row], -1).max()), drafted_by, expected, view)
+
+
+@dataclass
+class _Drafted:
+    """What `_draft` got for one row."""
+    guesses: Guesses  # the guesses kept (`tree:auto`: the nodes worth their rows; up to a non-finite one)
+    seconds: float  # its proposer's time: its own `propose` call and its share of batched drafts
+    count: int  # guesses the proposer returned
+
+
+def _draft(seqs: list[Sequence], views: list[PassView]) -> list[_Drafted]:
+    """Phase 4: every row's guesses for the tokens after its own (`_request`; a row with K = 1 asks
+    nothing, unless its proposer keeps state that must follow every pass: EAGLE-3), timed. Every row
+    announces its request first and proposers shared by rows draft them all at once (`_draft_together`:
+    the heads, one call per depth for the batch); each row's `propose` then hands out its answer."""
+    requests = [_request(s, v) if s.k > 1 or s.proposer.aux_layers else None for s, v in zip(seqs, views)]
+    shares = _draft_together(seqs, requests)
+    out = []
+    for s, request, share in zip(seqs, requests, shares):
+        if request is None:
+            out.append(_Drafted(Guesses.none(), 0.0, 0))
+            continue
+        t0 = time.perf_counter()
+        guesses = s.proposer.propose(request)
+        seconds, count = share + time.perf_counter() - t0, len(guesses)
+        if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows (and their masks) here
+            appended = lambda n: s.proposer.n_appended(s.strategy.guess_k(s.k), n)  # noqa: E731
+            guesses = guesses.select(tree.keep(guesses.parents, guesses.confidences, s.pass_time, appended=appended))
+        out.append(_Drafted(finite_prefix(guesses), seconds, count))
+    return out
+
+
+def _draft_together(seqs: list[Sequence], requests: list[DraftRequest | None]) -> list[float]:
+    """Announce every row's request (`Proposer.prepare`), then have each proposer that took some draft
+    them all at once (`draft_prepared`). Returns each row's seconds of it: a batched draft's time is
+    split evenly over the requests it took."""
+    takers: dict[int, tuple[Proposer, list[int]]] = {}  # id(proposer) -> (it, the row of each request it took)
+    for i, (s, request) in enumerate(zip(seqs, requests)):
+        if request is not None:
+            for p in s.proposer.prepare(request):
+                takers.setdefault(id(p), (p, []))[1].append(i)
+    seconds = [0.0] * len(seqs)
+    for p, rows in takers.values():
+        t0 = time.perf_counter()
         p.draft_prepared()
+        share = (time.perf_counter() - t0) / len(rows)
+        for i in rows:
+            seconds[i] += share
+    return seconds
 
-    emitted_all = []
-    for i, (s, (a, path, accepted, own, own_conf, drafted_by, expected, view)) in enumerate(zip(seqs, rows)):
-        # 4b. this row's guesses (a proposer with its own state, EAGLE-3, sees every pass: it must
-        # follow the committed prefix)
-        if s.strategy.is_tree:
-            guesses = s.proposer.propose_tree(view, s.k - 1) if drafting[i] else Guesses.none()
-            if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows (and their masks) here
-                parents = guesses.parents or list(range(-1, len(guesses.tokens) - 1))
-                appended = lambda n: s.proposer.n_appended(s.strategy.guess_k(s.k), n)  # noqa: E731
-                guesses = replace(guesses, parents=parents).select(tree.keep(parents, guesses.confidences,
-                                                                             s.pass_time, appended=appended))
-        else:
-            guesses = s.proposer.propose(view, s.k, s.params, s.gen) if drafting[i] else Guesses.none()
-        guesses = finite_prefix(guesses)
-        # 5. emit by strategy
-        preds, confs = [own] + guesses.tokens, [own_conf] + guesses.confidences
-        n = s.strategy.emit_count(confs)
-        new = preds[:n]
-        emitted = accepted + new
-        confs_emitted = [1.0] * a + confs[:n]
-        # 6. commit: pending tokens and accepted drafts now hold valid KV; the rest is dropped
-        if path:  # a tree's accepted path moves into contiguous slots first
-            cache.compact(s.slot, starts[i] + len(s.pending), path)
-        cache.commit(s.slot, len(s.pending) + a)
-        s.pending = new
-        if s.strategy.verifies:
-            s.drafts, s.draft_probs = guesses.tokens, guesses.probs
-            s.tree = guesses.parents if s.strategy.is_tree else None
-            s.draft_confidences, s.draft_sources = guesses.confidences, guesses.sources
-        else:
-            s.drafts, s.draft_probs, s.draft_confidences, s.draft_sources = [], None, [], None
-        emitted, produced = _append_output(s, emitted)
-        s.stats.record_pass(produced, confs_emitted, len(blocks[i]), drafted_by[:produced], expected)
-        emitted_all.append(emitted)
-    return emitted_all
+
+def _request(s: Sequence, view: PassView) -> DraftRequest:
+    """What row `s` asks its proposer after a pass: K - 1 guesses, a tree (`tree:N`, never sampled)
+    or a chain drawn under the row's sampling."""
+    if s.strategy.is_tree:
+        return DraftRequest(view, s.k - 1, True)
+    return DraftRequest(view, s.k - 1, False, s.params, s.gen)
+
+
+def _commit(s: Sequence, cache: KVCache, start: int, block_tokens: int, a: _Accepted, d: _Drafted) -> list[int]:
+    """Phases 5-6, one row. Emit by strategy: ntp the model's own token; static it + all guesses;
+    conf_adapt the confident prefix of [it, guesses...]; verify the accepted drafts + it, the guesses
+    becoming the next pass's drafts. Commit the pending tokens and accepted drafts to the cache (a
+    tree's path moved into contiguous slots first; rejected drafts and masks are simply not committed:
+    rollback is not advancing the length), deliver the tokens (`_append_output`: EOS, stop strings,
+    length) and record the pass in the row's stats. Returns the tokens delivered."""
+    preds, confs = [a.own] + d.guesses.tokens, [a.own_conf] + d.guesses.confidences
+    n = s.strategy.emit_count(confs)
+    new = preds[:n]
+    if a.path:
+        cache.compact(s.slot, start + len(s.pending), a.path)
+    cache.commit(s.slot, len(s.pending) + a.n)
+    s.pending = new
+    s.drafts = d.guesses if s.strategy.verifies else Guesses.none()
+    emitted, produced = _append_output(s, a.tokens + new)
+    s.stats.record_pass(produced, [1.0] * a.n + confs[:n], block_tokens, a.drafted_by[:produced], a.expected,
+                        d.seconds, d.count)
+    return emitted
 
 
 class NonFiniteError(ValueError):
@@ -278,7 +363,7 @@ def finite_prefix(g: Guesses) -> Guesses:
         n += 1
     if n == len(g.tokens):
         return g
-    return g.select(list(range(n)))  # parents precede children: still a tree
+    return g.prefix(n)
 
 
 def _aux_layers(seqs: list[Sequence]) -> tuple[int, ...]:
@@ -311,9 +396,7 @@ def _branch_layout(seqs: list[Sequence], slots_pos: torch.Tensor, branched: list
     for i, s in enumerate(seqs):
         if not branched[i]:
             continue
-        D = len(s.drafts)
-        parents = s.tree if s.tree is not None else list(range(-1, D - 1))
-        nodes = tree.with_groups(parents, s.mask_anchors(), s.group_size())
+        nodes = tree.with_groups(s.drafts.parents, s.mask_anchors(), s.group_size())
         tree.apply_layout(positions, attn, i, int(slots_pos[i, 0]), len(s.pending), nodes)
     return positions, attn
 

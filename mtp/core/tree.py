@@ -60,6 +60,11 @@ import torch
 from mtp.core.sampling import SamplingParams, pick
 
 
+def chain(n: int) -> list[int]:
+    """The parents of a chain of n nodes, each the child of the one before: [-1, 0, 1, ..., n-2]."""
+    return list(range(-1, n - 1))
+
+
 def depths(parents: list[int]) -> list[int]:
     """Depth of every node (a child of the root has depth 1)."""
     out: list[int] = []

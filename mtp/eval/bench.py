@@ -26,10 +26,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mtp.core import metrics
+from mtp.core import metrics, quality
 from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedup, predict_tokens_per_s
-from mtp.core.proposers import Proposer, TimedProposer
-from mtp.eval import gsm8k, llamacpp_env, report
+from mtp.core.proposers import Proposer
+from mtp.eval import gsm8k, report
+from mtp.interop import llamacpp_env
 from mtp.eval.peers import make_peer
 from mtp.core.proposers import check_proposer
 from mtp.core.artifacts import ASSETS
@@ -131,8 +132,8 @@ class Row:
     proposer: str | None = None  # engine rows: their own proposer (None: the engine's)
     peer: object = None  # peers.Peer
     runs: dict[int, Run] = field(default_factory=dict)  # prompt index -> run
-    proposing: dict = field(default_factory=dict)  # proposer name -> seconds in `propose` (TimedProposer)
-    guesses: dict = field(default_factory=dict)  # proposer name -> guesses it made
+    proposing_s: float = 0.0  # seconds its proposer spent drafting in the measured runs (DecodeStats.proposing_s)
+    guesses: int = 0  # guesses it made there
     error: str | None = None
     skipped: str | None = None
 
@@ -240,10 +241,11 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
             wall = time.perf_counter() - t0
             return Run(engine.decode_text(out), out, walls=[wall])
         seq = engine.new_sequence(ids, row.strategy, SamplingParams(max_new_tokens=max_new), row.proposer)
-        seq.proposer = TimedProposer(seq.proposer, row.proposing, row.guesses)
         for _ in engine.stream(seq):
             pass
         wall = time.perf_counter() - t0
+        row.proposing_s += sum(seq.stats.proposing_s)
+        row.guesses += sum(seq.stats.guesses)
         res = engine.result(seq)
         return Run(res.text, res.token_ids, list(seq.stats.chunks), list(seq.stats.blocks),
                    list(seq.stats.confidences), [wall], res, list(seq.stats.accepted_from), list(seq.stats.expected))
@@ -256,8 +258,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
                     decode(row, prompts[0], min(WARMUP_TOKENS, cfg.max_new_tokens))
                 except Exception as e:
                     row.error = f"{type(e).__name__}: {e}"
-                row.proposing.clear()  # proposing is timed on measured runs only
-                row.guesses.clear()
+                row.proposing_s, row.guesses = 0.0, 0  # proposing is timed on measured runs only
     step = 0
     for j, ids in enumerate(prompts):
         for r in range(cfg.repeats):
@@ -333,10 +334,10 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 rec["rougeL"] = metrics.rouge_l(texts, ref_texts)
                 if kind == "gsm8k":
                     # two outputs without a readable answer agree with each other
-                    rec["answer_agreement"] = metrics.match_rate([gsm8k.extract_answer(t) or "" for t in texts],
-                                                                 [gsm8k.extract_answer(t) or "" for t in ref_texts])
+                    rec["answer_agreement"] = metrics.match_rate([quality.extract_answer(t) or "" for t in texts],
+                                                                 [quality.extract_answer(t) or "" for t in ref_texts])
             if kind == "gsm8k":
-                rec["accuracy"] = metrics.match_rate([gsm8k.extract_answer(r.text) for r in runs],
+                rec["accuracy"] = metrics.match_rate([quality.extract_answer(r.text) for r in runs],
                                                      [golds[j] for j in idx])
             if row.is_peer:
                 rec["tokens_per_forward"] = row.peer.tokens_per_forward
@@ -401,8 +402,7 @@ def tree_lines(rows: list[Row], records: list[dict]) -> list[str]:
 
 def guess_seconds(row: Row) -> float:
     """Seconds the row's proposer spent per guess outside the forward pass (0 when it made none)."""
-    n = sum(row.guesses.values())
-    return sum(row.proposing.values()) / n if n else 0.0
+    return row.proposing_s / row.guesses if row.guesses else 0.0
 
 
 def _tokens_per_s_by_repeat(runs: list[Run], repeats: int) -> list[float]:
@@ -449,8 +449,8 @@ def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) ->
 
 def llamacpp_draft_advice(rows: list[Row], tick=lambda _: None) -> list[str]:
     """For each llama-server row with an EAGLE-3 drafter that ran: llama.cpp's t(q) on its target
-    (`llama-bench`) and the draft count / p-min it favours (mtp.eval.llamacpp_profile)."""
-    from mtp.eval import llamacpp_profile
+    (`llama-bench`) and the draft count / p-min it favours (mtp.interop.llamacpp_profile)."""
+    from mtp.interop import llamacpp_profile
 
     lines, measured = [], {}
     for row in rows:

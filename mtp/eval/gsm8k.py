@@ -8,44 +8,15 @@ commas, `$` and spaces stripped, a trailing `.0`/`.00` dropped, a final `.` remo
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
+
+from mtp.core.quality import HASHES, normalize
 
 PROMPT = "{question}\nSolve the problem step by step, then finish with: The answer is N."
 
-_NUMBER = r"-?[$]?\s?\d[\d,]*(?:\.\d+)?"
-_HASHES = re.compile(r"####\s*(" + _NUMBER + ")")
-_THE_ANSWER = re.compile(r"answer\s*(?:is|:)\s*[:=]?\s*\**\s*(" + _NUMBER + ")", re.IGNORECASE)
-_ANY = re.compile(_NUMBER)
-
-
-def normalize(text: str | None) -> str | None:
-    """'$1,200.00' -> '1200'; '-3.50' -> '-3.5'; None or no digits -> None."""
-    if text is None:
-        return None
-    s = text.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
-    if not re.fullmatch(r"-?\d+(?:\.\d+)?", s):
-        return None
-    if "." in s:
-        s = s.rstrip("0").rstrip(".")
-    if s in ("-0", ""):
-        s = "0"
-    return s
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a solution text, normalised (None when it has no number)."""
-    for pattern in (_HASHES, _THE_ANSWER):
-        hits = pattern.findall(text)
-        if hits:
-            return normalize(hits[-1])
-    hits = _ANY.findall(text)
-    return normalize(hits[-1]) if hits else None
-
-
 def gold_answer(answer_field: str) -> str | None:
     """The normalised number after `####` in a GSM8K `answer` field."""
-    hits = _HASHES.findall(answer_field)
+    hits = HASHES.findall(answer_field)
     return normalize(hits[-1]) if hits else None
 
 

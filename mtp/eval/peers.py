@@ -33,10 +33,10 @@ from transformers.utils import logging as hf_logging
 
 from mtp.core import loading
 from mtp.core.artifacts import read_json
-from mtp.core.export import export_vllm_eagle3
-from mtp.core.export_llamacpp import MANIFEST, export_llamacpp, is_llamacpp_export
-from mtp.eval import llamacpp_env, vllm_env
-from mtp.eval.llamacpp_server import LlamaServer
+from mtp.interop.vllm_export import export_vllm_eagle3
+from mtp.interop.llamacpp_export import MANIFEST, export_llamacpp, is_llamacpp_export
+from mtp.interop import llamacpp_env, vllm_env
+from mtp.interop.llamacpp_server import LlamaServer
 
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value
 REPLACED = {"llamacpp": "llamacpp-server", "llamacpp-lookup": "llamacpp-server-ngram"}  # the llama-cpp-python peers

@@ -43,7 +43,8 @@ def _quality(rec: dict, kind: str) -> tuple[float | None, str]:
     return rec.get("rougeL"), "ROUGE-L vs ntp"
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (`mtp bench` and `mtp tune` plots)."""
     import matplotlib  # optional [bench] dependency: only the report's plots need it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -51,7 +52,7 @@ def _plt():
 
 
 def pareto_png(res, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, label in ((axes[0], "tokens_per_s", "tokens / s (median)"),
                            (axes[1], "tokens_per_forward", "tokens per forward pass")):
@@ -77,7 +78,7 @@ def pareto_png(res, path: Path) -> None:
 
 
 def acceptance_png(res, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     drawn = 0
     for rec in res.records:
@@ -100,7 +101,7 @@ def acceptance_png(res, path: Path) -> None:
 
 
 def profile_png(cost, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     qs = list(cost.points)
     ts = [cost.points[q] * 1e3 for q in qs]
     a, b = cost.linear_fit()
@@ -118,7 +119,8 @@ def profile_png(cost, path: Path) -> None:
     plt.close(fig)
 
 
-def _img(path: Path) -> str:
+def img_tag(path: Path) -> str:
+    """An <img> holding the PNG at `path` inline (a report is one self-contained HTML file)."""
     data = base64.b64encode(Path(path).read_bytes()).decode()
     return f'<img alt="{html.escape(Path(path).stem)}" src="data:image/png;base64,{data}">'
 
@@ -176,11 +178,11 @@ def write_html(res, path: Path, engine=None, command: str = "", chunk_examples: 
               "<p>speedup = tokens/s over ntp's in the same run (rows interleaved prompt by prompt), median of "
               "repeats; quality against the ntp output; oracle = tokens/pass an ideal ConfAdapt would reach "
               "from ntp's own confidences.</p>",
-              "<h2 id=pareto>Speed vs quality</h2>", _img(out / "pareto.png"),
-              "<h2 id=acceptance>Per-position acceptance</h2>", _img(out / "acceptance.png")]
+              "<h2 id=pareto>Speed vs quality</h2>", img_tag(out / "pareto.png"),
+              "<h2 id=acceptance>Per-position acceptance</h2>", img_tag(out / "acceptance.png")]
     if res.cost is not None:
         profile_png(res.cost, out / "profile.png")
-        pieces += ["<h2 id=profile>Cost model t(q)</h2>", _img(out / "profile.png"),
+        pieces += ["<h2 id=profile>Cost model t(q)</h2>", img_tag(out / "profile.png"),
                    "<ul>" + "".join(f"<li>{html.escape(a)}</li>" for a in res.advice) + "</ul>"]
     legend = " ".join(f'<span class="from-{n}">{n}</span>' for n in SOURCE_COLOURS if n != "mask-single")
     pieces += ["<h2 id=chunks>Chunk view</h2><p>Tokens emitted by one forward pass share a background colour; "

@@ -1,6 +1,8 @@
-"""`torchrun ... -m mtp.pipeline PROMPT ...`: one pipeline stage per process (the entry point only)."""
+"""`torchrun ... -m mtp.pipeline PROMPT ...`: one pipeline stage per process (the entry point only;
+its options are `mtp pipeline`'s, defined in `mtp.cli.pipeline`)."""
 import sys
 
-from mtp.pipeline.launch import stage_main
+from mtp.cli.pipeline import stage_main
 
 sys.exit(stage_main())
+

@@ -39,7 +39,7 @@ from mtp.core.cache import KVCache
 from mtp.core.model import Transformer
 from mtp.pipeline.transport import (F_CACHE, F_GATE, F_HIDDEN, F_LAYOUT, F_MOVES, F_OUT, F_SLOTS, HEADER,
                                     OP_FORWARD, OP_RESULT, OP_SHUTDOWN, Link, PipelineConfig, PipelineError,
-                                    _header, _store_address, init_group)
+                                    message_header, store_address, init_group)
 from mtp.pipeline.watchdog import Watchdog
 
 
@@ -142,7 +142,7 @@ class PipelineModel:
         S = attn_mask.shape[-1] if attn_mask is not None else 0
         moves = self._take_moves(cache)
         flags |= F_MOVES if moves else 0
-        hdr = _header(OP_FORWARD, B, T, N, flags, self._epoch, rows, cap, round(self.link.delay_s * 1e6), S,
+        hdr = message_header(OP_FORWARD, B, T, N, flags, self._epoch, rows, cap, round(self.link.delay_s * 1e6), S,
                       len(moves))
         ints = [positions.reshape(-1)] + [t.reshape(-1) for t in (slots, out_index, cache_positions)
                                           if t is not None] + ([torch.tensor(moves)] if moves else [])
@@ -173,7 +173,7 @@ class PipelineModel:
         if self.world == 1 or self.link.broken:
             return
         moves = self._take_moves(self._cache)
-        hdr = _header(OP_SHUTDOWN, 0, 0, 0, F_MOVES if moves else 0, self._epoch, 0, 0, 0, 0, len(moves))
+        hdr = message_header(OP_SHUTDOWN, 0, 0, 0, F_MOVES if moves else 0, self._epoch, 0, 0, 0, 0, len(moves))
         self.link.send(1, [hdr] + ([torch.tensor(moves, dtype=torch.long)] if moves else []))
         self.link.recv(self.world - 1, (HEADER,), torch.long)
 
@@ -234,7 +234,7 @@ def serve(model: Transformer, link: Link, watchdog: Watchdog | None = None) -> d
                 out = model.forward_head(x, out_index, bool(flags & F_HIDDEN))
                 logits, hidden = out if flags & F_HIDDEN else (out, None)
                 payload = logits if hidden is None else torch.cat([logits, hidden.to(logits.dtype)], -1)
-                link.send(0, [_header(OP_RESULT, B, logits.shape[1], logits.shape[2], hidden is not None),
+                link.send(0, [message_header(OP_RESULT, B, logits.shape[1], logits.shape[2], hidden is not None),
                               payload])
             else:
                 link.send(nxt, [hdr, ints, x if gate is None else torch.cat([x, gate], -1)]
@@ -259,7 +259,7 @@ def run_stage(rank: int, world: int, model: Transformer, config: PipelineConfig,
         init_group(rank, world, config, backend)
         watchdog = Watchdog(rank, world, config).start()
     except (RuntimeError, dist.DistError) as e:  # unreachable store, a stage that never came up
-        raise PipelineError(f"stage {rank} could not join the pipeline at {':'.join(map(str, _store_address()))}: "
+        raise PipelineError(f"stage {rank} could not join the pipeline at {':'.join(map(str, store_address()))}: "
                             f"{str(e).strip().splitlines()[0][:300]}") from None
     link = Link(rank, world, config, watchdog, dev if backend == "nccl" else torch.device("cpu"))
     clean = False

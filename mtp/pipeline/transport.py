@@ -39,11 +39,13 @@ class PipelineError(RuntimeError):
         self.first = first
 
 
-def _store_address() -> tuple[str, int]:
+def store_address() -> tuple[str, int]:
+    """The rendezvous store's host and port (torchrun's MASTER_ADDR / MASTER_PORT)."""
     return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
 
 
-def _store_prefix() -> str:
+def store_prefix() -> str:
+    """The store's key namespace for this run (torchrun: one per run and restart)."""
     env = os.environ  # torchrun: one namespace per run and restart
     return f"mtp_pipeline/{env.get('TORCHELASTIC_RUN_ID', 'local')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
@@ -51,12 +53,12 @@ def _store_prefix() -> str:
 def init_group(rank: int, world: int, config: PipelineConfig, backend: str) -> None:
     """Join the process group through the TCP store at MASTER_ADDR:MASTER_PORT. Stage 0 hosts the
     store unless torchrun's agent or the `mtp pipeline` launcher already does."""
-    addr, port = _store_address()
+    addr, port = store_address()
     external = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
                 or os.environ.get("MTP_PIPELINE_STORE") == "external")
     timeout = timedelta(seconds=config.timeout_s)
     store = dist.TCPStore(addr, port, world, rank == 0 and not external, timeout=timeout, wait_for_workers=False)
-    dist.init_process_group(backend, store=dist.PrefixStore(_store_prefix() + "/pg", store), rank=rank,
+    dist.init_process_group(backend, store=dist.PrefixStore(store_prefix() + "/pg", store), rank=rank,
                             world_size=world, timeout=timeout)
 
 
@@ -96,7 +98,8 @@ class Link:
             raise self.watchdog.diagnose(peer, e, what) from None
 
 
-def _header(op: int, *values: int) -> torch.Tensor:
+def message_header(op: int, *values: int) -> torch.Tensor:
+    """A message's fixed-size header: the op code, then up to HEADER - 1 integers."""
     h = torch.zeros(HEADER, dtype=torch.long)
     h[0] = op
     h[1:1 + len(values)] = torch.tensor(values, dtype=torch.long)

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from mtp.pipeline.transport import PipelineConfig, PipelineError, _store_address, _store_prefix
+from mtp.pipeline.transport import PipelineConfig, PipelineError, store_address, store_prefix
 
 
 class Watchdog:
@@ -22,9 +22,9 @@ class Watchdog:
 
     def __init__(self, rank: int, world: int, config: PipelineConfig):
         self.rank, self.world, self.config = rank, world, config
-        addr, port = self.address = _store_address()
+        addr, port = self.address = store_address()
         client = dist.TCPStore(addr, port, None, False, timeout=timedelta(seconds=max(config.timeout_s, 5)))
-        self.store = dist.PrefixStore(_store_prefix() + "/watch", client)
+        self.store = dist.PrefixStore(store_prefix() + "/watch", client)
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         now = time.monotonic()

@@ -12,7 +12,6 @@ from typing import Callable
 
 from mtp.core import tree
 from mtp.core.decode import Sequence
-from mtp.core.proposers import Guesses
 
 
 def ranked_confidences(parents: list[int], confidences: list[float]) -> list[float]:
@@ -217,7 +216,7 @@ class AdaptiveK:
                      tree_proposing_s: dict[str, float] | None = None) -> None:
         """One pass of q tokens (with mask tokens or not) took `seconds`, of which proposing_s[name]
         went into `proposals[name]` proposal depths of chain rows and tree_proposing_s[name] into
-        drafting `tree_requests[name]` = (tree rows, nodes asked for) (both timed by `TimedProposer`):
+        drafting `tree_requests[name]` = (tree rows, nodes asked for) (both timed by the decoding loop):
         calibrate `scale`, the observed times, the per-depth costs and the per-row/per-node costs."""
         proposing_s, tree_proposing_s = proposing_s or {}, tree_proposing_s or {}
         trunk = max(seconds - sum(proposing_s.values()) - sum(tree_proposing_s.values()), 1e-9)
@@ -289,7 +288,7 @@ class AdaptiveK:
           one it drafts), so the pass feeds q = rows x the longest block (the in-hand nodes count
           1 each, the profile's by how often trees had them);
         - after the pass asks its proposer for n nodes, priced a per row + b per node (`node_cost`,
-          timed by `TimedProposer`); n = 0 is a plain pass and drafts nothing.
+          timed by the decoding loop); n = 0 is a plain pass and drafts nothing.
         Chain rows in the same batch are priced as `_chain_rates` prices them, at min(K, their K).
         The pass takes t'(q) + chain proposing + tree proposing (t' as for chains); the cap with the
         most expected tokens per second wins under the same margin and exploration (`_pick`).
@@ -358,7 +357,7 @@ class AdaptiveK:
         """([expected tokens], [expected nodes fed]) of a tree row for budgets n = 0..N: its in-hand
         nodes' ranked confidences (each fed), then the profile of its strategy and proposer."""
         n_max = seq.strategy.k - 1
-        mine = ranked_confidences(self.parents(seq), seq.draft_confidences[: len(seq.drafts)]) if seq.drafts else []
+        mine = self.in_hand(seq)
         present, conf = self.tree_profile(self.key(seq), n_max)
         honesty = self.tree_honesty(self.key(seq))
         expected, nodes = [1.0], [0.0]
@@ -369,9 +368,10 @@ class AdaptiveK:
         return expected, nodes
 
     @staticmethod
-    def parents(seq: Sequence) -> list[int]:
-        """The row's draft tree (a chain when the proposer gave none)."""
-        return list(seq.tree) if seq.tree is not None else list(range(-1, len(seq.drafts) - 1))
+    def in_hand(seq: Sequence) -> list[float]:
+        """The row's draft nodes' confidences, ranked (`ranked_confidences`; [] without drafts)."""
+        d = seq.drafts
+        return ranked_confidences(d.parents, d.confidences[: len(d)]) if d else []
 
     @staticmethod
     def trim_tree(seq: Sequence, n: int) -> None:
@@ -379,11 +379,7 @@ class AdaptiveK:
         re-indexed; the decoding loop itself would keep the first n by index. Still lossless."""
         if not seq.strategy.is_tree or len(seq.drafts) <= n:
             return
-        parents = AdaptiveK.parents(seq)
-        g = Guesses(seq.drafts, seq.draft_confidences, seq.draft_probs, parents, seq.draft_sources)
-        g = g.select(top_nodes(parents, seq.draft_confidences, n))
-        seq.drafts, seq.draft_confidences, seq.draft_probs = g.tokens, g.confidences, g.probs
-        seq.tree, seq.draft_sources = g.parents, g.sources
+        seq.drafts = seq.drafts.select(top_nodes(seq.drafts.parents, seq.drafts.confidences, n))
 
     def tree_honesty(self, key: str) -> float:
         """Drafts the trees of strategy|proposer `key` had accepted per unit of confidence they promised
@@ -405,12 +401,12 @@ class AdaptiveK:
             truth[0], truth[1] = truth[0] / 2, truth[1] / 2
 
     def observe_tree(self, seq: Sequence, budget: int) -> None:
-        """A tree row drafted its next tree (seq.drafts, seq.tree, seq.draft_confidences) with room for
+        """A tree row drafted its next tree (seq.drafts) with room for
         `budget` nodes: count, per confidence rank below the budget, whether it had a node there and
         that node's confidence (`tree_profile`). `tree:auto`'s own pruning counts as not drafted."""
         if budget <= 0 or not seq.strategy.is_tree:
             return
-        mine = ranked_confidences(self.parents(seq), seq.draft_confidences[: len(seq.drafts)]) if seq.drafts else []
+        mine = self.in_hand(seq)
         seen = self.ranks.setdefault(self.key(seq), [])
         while len(seen) < budget:
             seen.append([0.0, 0.0, 0.0])

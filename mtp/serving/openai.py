@@ -36,7 +36,8 @@ class MTPOptions(BaseModel):
     adaptive: bool = True
 
 
-class _Common(_Strict):
+class CommonRequest(_Strict):
+    """The fields completions and chat requests share."""
     model: Short | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -51,7 +52,7 @@ class _Common(_Strict):
     mtp: MTPOptions | None = None
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(CommonRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
 
@@ -61,7 +62,7 @@ class ChatMessage(_Strict):
     content: str | list[dict] | None = None
 
 
-class ChatRequest(_Common):
+class ChatRequest(CommonRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
 

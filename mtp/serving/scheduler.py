@@ -14,7 +14,7 @@ A request with `adaptive=False` is never capped (a lossy strategy then emits exa
 generate` does). `drain(timeout)` stops admitting; once `timeout` seconds have passed, whatever still
 runs or waits is cancelled (finish_reason `cancelled`).
 
-The KV cache is allocated (zero-filled) up front: `--max-batch` is at most MAX_BATCH (`mtp.core.options`),
+The KV cache is allocated (zero-filled) up front: `--max-batch` is at most MAX_BATCH (`mtp.core.checks`),
 and a cache that does not fit in the memory available is refused before it is allocated
 (`mtp.serving.memory`).
 """
@@ -34,9 +34,8 @@ import torch
 from mtp.core import batching
 from mtp.core.batching import Batch
 from mtp.core.decode import Sequence, block_slack
-from mtp.core.options import check_batch_size
+from mtp.core.checks import check_batch_size
 from mtp.core.strategy import K_LIMIT
-from mtp.core.proposers import TimedProposer
 from mtp.serving import memory
 from mtp.serving.adaptive import AdaptiveK
 
@@ -45,10 +44,15 @@ log = logging.getLogger("mtp.serve")
 PREFILL_TOKENS = batching.PREFILL_TOKENS  # padded prompt tokens one prefill pass may carry (at least one prompt)
 
 
-def prefill_group(waiting: list["Request"]) -> list["Request"]:
-    """The requests whose prompts one prefill pass takes (`batching.prefill_group`, PREFILL_TOKENS)."""
-    n = len(batching.prefill_group([r.seq for r in waiting], PREFILL_TOKENS))
-    return list(waiting[:n])
+def proposing(seqs: list[Sequence]) -> tuple[dict[str, float], dict[str, float]]:
+    """The seconds the rows' proposers spent drafting after the last pass (`DecodeStats.proposing_s`),
+    per proposer name: in chain rows, and in tree rows (priced per row and node, not depth)."""
+    chains: dict[str, float] = {}
+    trees: dict[str, float] = {}
+    for s in seqs:
+        clock = trees if s.strategy.is_tree else chains
+        clock[s.proposer.name] = clock.get(s.proposer.name, 0.0) + s.stats.proposing_s[-1]
+    return chains, trees
 
 
 class SchedulerClosed(RuntimeError):
@@ -130,8 +134,6 @@ class Scheduler:
         self.capped_passes = 0
         self.chunks: dict[str, collections.deque] = {}  # strategy.metric_label -> tokens per pass, recent passes
         self.k_caps: collections.Counter = collections.Counter()  # cap chosen -> passes
-        self.proposing_s: dict[str, float] = {}  # this pass's time in chain rows' proposers (TimedProposer)
-        self.tree_proposing_s: dict[str, float] = {}  # ... and in tree rows' (priced per row and node, not depth)
 
     # ---- HTTP side ---------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -255,9 +257,6 @@ class Scheduler:
                     break
                 q.popleft()
                 used += r.budget
-                if not isinstance(r.seq.proposer, TimedProposer):
-                    clock = self.tree_proposing_s if r.seq.strategy.is_tree else self.proposing_s
-                    r.seq.proposer = TimedProposer(r.seq.proposer, clock)
                 self.batch.add(r.seq)
                 self.requests[id(r.seq)] = r
                 r.t_admitted = time.perf_counter()
@@ -287,19 +286,17 @@ class Scheduler:
         # what each row can emit at most: the model's own token + drafts (verify) or guesses
         self._offered = [s.strategy.offered(s.k, len(s.drafts)) for s in seqs]
         # what each tree row's checked nodes promise (1 + this = expected tokens; AdaptiveK.tree_honesty)
-        self._promised = [sum(s.draft_confidences[: len(s.drafts)]) if s.strategy.is_tree else 0.0 for s in seqs]
+        self._promised = [sum(s.drafts.confidences[: len(s.drafts)]) if s.strategy.is_tree else 0.0 for s in seqs]
         self._q = len(seqs) * max(AdaptiveK.block(s, s.k) for s in seqs)
         self._masks = any(s.n_appended() > 0 for s in seqs)
         self._proposals = AdaptiveK.proposals(seqs)
         self._tree_requests = AdaptiveK.tree_requests(seqs)
-        self.proposing_s.clear()
-        self.tree_proposing_s.clear()
 
     def _after_pass(self, seqs: list[Sequence], emitted: list[list[int]], seconds: float, prefill: bool) -> None:
         if self.policy is not None and not prefill:  # a prompt pass (1 row, a long block) would skew
             # the times of the decoding passes the policy decides on
-            self.policy.observe_time(self._q, self._proposals, seconds, self.proposing_s, self._masks,
-                                     self._tree_requests, self.tree_proposing_s)
+            chains, trees = proposing(seqs)
+            self.policy.observe_time(self._q, self._proposals, seconds, chains, self._masks, self._tree_requests, trees)
         self.passes += 1
         self.prefill_passes += prefill
         self.row_passes += len(seqs)

@@ -7,7 +7,7 @@ to the shadow log:
 - exact_match: the MTP output's token ids equal the ntp output's;
 - first_divergence: index of the first differing token (the shorter length when one output is a
   prefix of the other; null when identical);
-- answer / shadow_answer / answer_agree: GSM8K-style final answers (`mtp.eval.gsm8k.extract_answer`) and
+- answer / shadow_answer / answer_agree: GSM8K-style final answers (`mtp.core.quality.extract_answer`) and
   whether they agree (null when neither text has a number);
 - latency_s / shadow_latency_s / latency_ratio: decoding time (admission to last token, queueing
   excluded) of the MTP request and of its ntp shadow, and their ratio (< 1: MTP was faster).
@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from mtp.eval.gsm8k import extract_answer
+from mtp.core.quality import extract_answer
 from mtp.core.metrics import percentile
 
 

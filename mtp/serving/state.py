@@ -17,8 +17,8 @@ from mtp.core.engine import Engine
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.serving.config import ServeConfig
-from mtp.serving.openai import APIError, ChatRequest, CompletionRequest, _Common
-from mtp.eval import quality
+from mtp.serving.openai import APIError, ChatRequest, CompletionRequest, CommonRequest
+from mtp.core import quality
 from mtp.serving.prometheus import ServerMetrics
 from mtp.serving.rollout import TUNED, Rollout
 from mtp.serving.scheduler import Request, Scheduler, SchedulerClosed
@@ -45,7 +45,7 @@ class ServerState:
         self.created = int(time.time())
 
     # -- building a Sequence from a request
-    def sampling(self, body: _Common) -> SamplingParams:
+    def sampling(self, body: CommonRequest) -> SamplingParams:
         stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else list(self.config.stop)
         if len(stop) > 4:
             raise APIError(400, "at most 4 stop sequences are supported", "stop")
@@ -64,14 +64,14 @@ class ServerState:
             raise APIError(400, str(e), param if param in ("temperature", "top_p", "top_k", "seed") else None) \
                 from None
 
-    def strategy(self, body: _Common) -> Strategy:
+    def strategy(self, body: CommonRequest) -> Strategy:
         text = body.mtp.strategy if body.mtp and body.mtp.strategy is not None else self.config.strategy
         try:
             return Strategy.parse(text)  # K is capped there, for every front end
         except ValueError as e:
             raise APIError(400, str(e), "mtp.strategy") from None
 
-    def new_request(self, body: _Common, ids: list[int], max_tokens: int | None) -> Request:
+    def new_request(self, body: CommonRequest, ids: list[int], max_tokens: int | None) -> Request:
         if body.model is not None and body.model != self.config.model_name:
             raise APIError(404, f"The model {body.model!r} does not exist; this server serves "
                                 f"{self.config.model_name!r}", "model", "model_not_found")

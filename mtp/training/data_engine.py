@@ -39,7 +39,7 @@ from pathlib import Path
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mtp.core.artifacts import ArtifactError, base_hash
-from mtp.core.options import check_batch_size
+from mtp.core.checks import check_batch_size
 from mtp.core.sampling import SamplingParams
 from mtp.training import shards
 from mtp.training.data import Job, generate, load_prompts, response_of

@@ -15,8 +15,6 @@ and its own chain's keys of steps 1..j: exactly what it sees while drafting toke
 """
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from mtp.core.proposers.eagle3 import (CONFIG, FORMAT, WEIGHTS, Eagle3Config, Ea
                                        exportable_layers)
 from mtp.training import feature_cache
 from mtp.training.heads_train import split_rows
-from mtp.training.trainer import (CHECKPOINT, Trainer, TrainerConfig, check_lr, recover_run_out,
+from mtp.training.trainer import (CHECKPOINT, Trainer, TrainerConfig, accuracy_line, check_lr, recover_run_out,
                                   run_dir_kinds)
 
 RESUME_KEYS = ("aux_layers", "draft_vocab", "ttt_steps", "batch_size", "max_len", "seed", "lr", "warmup",
@@ -362,7 +360,7 @@ def train_eagle3(model: Transformer, feats: dict, cfg: TrainEagle3Config, out, r
     trainer = Trainer(TrainerConfig(cfg.steps, cfg.lr, cfg.warmup, cfg.save_every, log_every=10, clip_norm=1.0,
                                     what="training run"),
                       params, opt, out / CHECKPOINT, step_fn, lambda: {WEIGHTS: dict(drafter.state_dict())},
-                      load_fn, settings, RESUME_KEYS, is_drafter_checkpoint, describe=describe, log=log,
+                      load_fn, settings, RESUME_KEYS, is_drafter_checkpoint, describe=accuracy_line("tokens"), log=log,
                       progress=progress)
     n_params = sum(p.numel() for p in params)
     if not exportable_layers(ecfg.aux_layers, model.config.n_layers):
@@ -370,22 +368,12 @@ def train_eagle3(model: Transformer, feats: dict, cfg: TrainEagle3Config, out, r
             f"needs three ascending layers below {model.config.n_layers}")
     log(f"eagle3: layers {list(ecfg.aux_layers)}, draft vocabulary {len(vocab)}, {n_params:,} parameters; "
         f"{len(train)} train / {len(val)} val examples; {cfg.steps} steps of {cfg.batch_size}, TTT {cfg.ttt_steps}")
-    t0 = time.perf_counter()
-    drafter.train()
-    trainer.run(resume, on_step)
-    drafter.eval()
-    metrics = evaluate(drafter, embed, feats, val, cfg.ttt_steps) if len(val) else {}
-    metrics.update({"steps": cfg.steps, "train_examples": len(train), "n_params": n_params,
-                    "train_s": round(time.perf_counter() - t0, 1)})
-    log("held-out: " + json.dumps(metrics))
+    metrics = trainer.train_module(drafter, resume, on_step,
+                                   lambda: evaluate(drafter, embed, feats, val, cfg.ttt_steps) if len(val) else {},
+                                   {"steps": cfg.steps, "train_examples": len(train), "n_params": n_params})
     write_dir_atomic(out, drafter_files(drafter, model, {**(meta or {}), "train": settings, "metrics": metrics}),
                      kind=is_drafter_dir)
     return metrics
-
-
-def describe(rec: dict) -> str:
-    return (f"loss {rec['loss']:.3f} acc {' '.join(f'{a:.2f}' for a in rec['acc'])} "
-            f"{rec['tokens'] / rec['step_s']:.0f} tokens/s")
 
 
 is_drafter_dir, is_drafter_checkpoint = run_dir_kinds(FORMAT, WEIGHTS)

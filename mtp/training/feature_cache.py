@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mtp.core.artifacts import ArtifactError, write_text_atomic
+from mtp.core.artifacts import ArtifactError, pid_alive, write_text_atomic
 
 BLOCK = 256  # examples per cached file (~5 min of one core for SmolLM2-135M, 256-token answers)
 
@@ -51,23 +51,13 @@ def block_key(depends_on: str, examples) -> str:
 _TEMP = re.compile(r"^\..+\.tmp-(\d+)$")  # `.NAME.tmp-PID`: a block or index file being written by PID
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
-
-
 def remove_stale_temps(folder: Path) -> list[Path]:
     """Remove the temporary files (`.NAME.tmp-PID`) of block or index writes whose process is gone
     (or is this one: no write of ours is in flight between blocks); returns them."""
     gone = []
     for p in Path(folder).iterdir():
         m = _TEMP.match(p.name)
-        if m and p.is_file() and not p.is_symlink() and (int(m[1]) == os.getpid() or not _alive(int(m[1]))):
+        if m and p.is_file() and not p.is_symlink() and (int(m[1]) == os.getpid() or not pid_alive(int(m[1]))):
             p.unlink(missing_ok=True)
             gone.append(p)
     return gone

@@ -8,8 +8,6 @@ than mask-token training. The network and its proposer are `mtp.core.proposers.h
 """
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,8 +19,8 @@ from mtp.core.model import Transformer
 from mtp.core.proposers.heads import (CONFIG, FORMAT, MAX_AHEAD, WEIGHTS, HeadsConfig, MTPHeads, bf16_readout,
                                       heads_files)
 from mtp.training import feature_cache
-from mtp.training.trainer import (CHECKPOINT, Trainer, TrainerConfig, batch_indices, check_lr, recover_run_out,
-                                  run_dir_kinds)
+from mtp.training.trainer import (CHECKPOINT, Trainer, TrainerConfig, accuracy_line, batch_indices, check_lr,
+                                  recover_run_out, run_dir_kinds)
 
 # settings that must match when resuming (they shape the heads, the data or the optimisation)
 RESUME_KEYS = ("depths", "blocks", "width", "batch_size", "seed", "lr", "warmup", "val_fraction", "draft_vocab")
@@ -300,29 +298,22 @@ def train_heads(model: Transformer, feats: dict, cfg: TrainHeadsConfig, out, res
 
     trainer = Trainer(TrainerConfig(cfg.steps, cfg.lr, cfg.warmup, cfg.save_every, log_every=10, what="training run"),
                       params, opt, ckpt, step_fn, lambda: {WEIGHTS: dict(heads.state_dict())}, load_fn, settings,
-                      RESUME_KEYS, is_heads_checkpoint, describe=describe, log=log, progress=progress)
+                      RESUME_KEYS, is_heads_checkpoint, describe=accuracy_line("predictions"), log=log, progress=progress)
     log(f"heads: {hcfg.label()}, {heads.n_params():,} parameters; {len(train_rows):,} train rows, "
         f"{len(val_rows):,} val rows; {cfg.steps} steps of {cfg.batch_size}")
-    t0 = time.perf_counter()
-    heads.train()
-    trainer.run(resume, on_step)
-    heads.eval()
-    if vocab is not None:
-        heads.draft_vocab = vocab
-        log(f"draft vocabulary: {len(heads.draft_vocab)} tokens")
-    metrics = evaluate(heads, model, feats, val_rows, readout) if len(val_rows) else {}
-    metrics.update({"steps": cfg.steps, "train_rows": len(train_rows), "n_params": heads.n_params(),
-                    "train_s": round(time.perf_counter() - t0, 1)})
-    log("held-out: " + json.dumps(metrics))
+
+    def held_out() -> dict:
+        if vocab is not None:
+            heads.draft_vocab = vocab
+            log(f"draft vocabulary: {len(heads.draft_vocab)} tokens")
+        return evaluate(heads, model, feats, val_rows, readout) if len(val_rows) else {}
+
+    metrics = trainer.train_module(heads, resume, on_step, held_out,
+                                   {"steps": cfg.steps, "train_rows": len(train_rows), "n_params": heads.n_params()})
     # the finished directory replaces `out` whole: the resumable checkpoint goes with it
     write_dir_atomic(out, heads_files(heads, model, {**(meta or {}), "train": asdict(cfg), "metrics": metrics}),
                      kind=is_heads_dir)
     return metrics
-
-
-def describe(rec: dict) -> str:
-    return (f"loss {rec['loss']:.3f} acc {' '.join(f'{a:.2f}' for a in rec['acc'])} "
-            f"{rec['predictions'] / rec['step_s']:.0f} predictions/s")
 
 
 is_heads_dir, is_heads_checkpoint = run_dir_kinds(FORMAT, WEIGHTS)

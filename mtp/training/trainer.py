@@ -18,6 +18,7 @@ that must match to resume. The trainer owns everything else, written once:
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -104,6 +105,13 @@ def use_bf16(choice: str, device) -> bool:
     if torch.device(device).type == "cuda":
         return True
     return torch.device(device).type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def accuracy_line(counted: str) -> Callable[[dict], str]:
+    """A `Trainer.describe` for records {loss, acc: per depth, `counted`, step_s}: loss, the
+    accuracies and `counted` per second, e.g. "loss 2.310 acc 0.61 0.40 5200 tokens/s"."""
+    return lambda rec: (f"loss {rec['loss']:.3f} acc {' '.join(f'{a:.2f}' for a in rec['acc'])} "
+                        f"{rec[counted] / rec['step_s']:.0f} {counted}/s")
 
 
 def lr_at(step: int, lr: float, warmup: int, steps: int) -> float:
@@ -249,6 +257,19 @@ class Trainer:
             dist.barrier()
 
     # ---- the loop ------------------------------------------------------------------------------
+    def train_module(self, module: torch.nn.Module, resume: bool, on_step: Callable[[int], None] | None,
+                     held_out: Callable[[], dict], counts: dict) -> dict:
+        """`run` with `module` in training mode; then, in eval mode, its held-out metrics (`held_out()`)
+        with `counts` and the seconds all of it took (`train_s`), logged and returned."""
+        t0 = time.perf_counter()
+        module.train()
+        self.run(resume, on_step)
+        module.eval()
+        metrics = held_out()
+        metrics.update({**counts, "train_s": round(time.perf_counter() - t0, 1)})
+        self.log("held-out: " + json.dumps(metrics))
+        return metrics
+
     def run(self, resume: bool = False, on_step: Callable[[int], None] | None = None) -> dict:
         """Train from the checkpoint's step (or 0) to `config.steps`; return the trainer state."""
         cfg = self.config

@@ -5,7 +5,7 @@ outputs, acceptance and block sizes without paying one single-stream decode per 
 Per prompt it keeps the output ids and text, the tokens emitted and fed per pass (`chunks`,
 `blocks`), and with `record=True` the confidences of every proposal the row's proposer made, one
 list per pass (`proposals`); the proposer's time per guess is clocked over the whole run
-(`TimedProposer`). Rows of one batch share each pass, so wall times here are not single-stream
+(`DecodeStats.proposing_s`, timed by the decoding loop). Rows of one batch share each pass, so wall times here are not single-stream
 speeds: `mtp tune` prices candidates with the cost model and measures the best ones alone.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from mtp.core.batching import Batch
 from mtp.core.decode import block_slack
-from mtp.core.proposers import Proposer, TimedProposer
+from mtp.core.proposers import DraftRequest, Guesses, Proposer
 from mtp.core.proposers.base import WrappedProposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
@@ -52,14 +52,12 @@ class RecordingProposer(WrappedProposer):
         super().__init__(inner)
         self.log, self.trees = log, trees if trees is not None else []
 
-    def propose(self, view, k, params, gen):
-        g = self.inner.propose(view, k, params, gen)
-        self.log.append(list(g.confidences))
-        return g
-
-    def propose_tree(self, view, n):
-        g = self.inner.propose_tree(view, n)
-        self.trees.append((list(g.tokens), list(g.parents or range(-1, len(g.tokens) - 1)), list(g.confidences)))
+    def propose(self, request: DraftRequest) -> Guesses:
+        g = self.inner.propose(request)
+        if request.tree:
+            self.trees.append((list(g.tokens), list(g.parents), list(g.confidences)))
+        else:
+            self.log.append(list(g.confidences))
         return g
 
 
@@ -72,8 +70,7 @@ def decode_all(engine, prompts: list[list[int]], strategy: Strategy, proposer: s
     longest = max(len(p) for p in prompts)
     rows = Batch(engine.model, engine.mask_id, max(1, min(batch, len(prompts))),
                  min(engine.context_window, longest + max_new_tokens + block_slack(strategy.k)))
-    clock: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    proposing_s, guesses = 0.0, 0
     done: dict[int, Output] = {}
     logs: dict[int, list[list[float]]] = {}
     trees: dict[int, list[tuple]] = {}
@@ -85,16 +82,16 @@ def decode_all(engine, prompts: list[list[int]], strategy: Strategy, proposer: s
             while todo and rows.free and not stopped:
                 j = todo.pop(0)
                 seq = engine.new_sequence(prompts[j], strategy, params, proposer)
-                inner = seq.proposer
                 if record:
                     logs[j], trees[j] = [], []
-                    inner = RecordingProposer(inner, logs[j], trees[j])
-                seq.proposer = TimedProposer(inner, clock, counts)
+                    seq.proposer = RecordingProposer(seq.proposer, logs[j], trees[j])
                 rows.add(seq)
                 index[id(seq)] = j
             rows.step()
             for seq in [s for s in rows.active if s.finished]:
                 rows.remove(seq)
+                proposing_s += sum(seq.stats.proposing_s)
+                guesses += sum(seq.stats.guesses)
                 j = index.pop(id(seq))
                 done[j] = Output(list(seq.output), engine.decode_text(seq.output), list(seq.stats.chunks),
                                  list(seq.stats.blocks), seq.finish_reason or "length", logs.get(j, []),
@@ -106,7 +103,7 @@ def decode_all(engine, prompts: list[list[int]], strategy: Strategy, proposer: s
         if j not in done:
             break
         ordered.append(done[j])
-    return RunStats(ordered, sum(clock.values()), sum(counts.values()))
+    return RunStats(ordered, proposing_s, guesses)
 
 
 def chain_pairs(out: Output) -> list[list[tuple[float, bool]]]:

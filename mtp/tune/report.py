@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from mtp.eval.report import PAGE_CSS, _img, _plt
+from mtp.eval.report import PAGE_CSS, img_tag, pyplot
 
 COLUMNS = [("name", "candidate"), ("tokens_per_forward", "tokens/pass"), ("predicted_speedup", "priced speedup"),
            ("measured_tps", "measured tok/s"), ("measured_speedup", "measured speedup"), ("probe_loss", "probe loss"),
@@ -20,7 +20,7 @@ COLUMNS = [("name", "candidate"), ("tokens_per_forward", "tokens/pass"), ("predi
 
 
 def pareto_png(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8))
     ntp = next(r for r in result["rows"] if r["name"] == "ntp")
     for i, r in enumerate(result["rows"]):
@@ -51,7 +51,7 @@ def pareto_png(result: dict, path: Path) -> None:
 
 
 def reliability_png(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     cal = result["calibration"]
     cols = min(3, max(1, len(cal)))
     nrows = max(1, -(-len(cal) // cols))
@@ -127,12 +127,12 @@ def write(result: dict, out: Path) -> None:
         "<p>priced speedup: steady-state tokens / (Σ t(block) + proposing time) on the probe prompts, "
         "against ntp's; loss: mean per-prompt loss against the ntp answer; lossless candidates are exact by "
         "construction.</p>",
-        "<h2>Speed vs quality</h2>", _img(out / "pareto.png"),
+        "<h2>Speed vs quality</h2>", img_tag(out / "pareto.png"),
         "<h2>Predictability</h2>", f"<table>{pred_head}{pred_rows}</table>",
         "<h3>What each candidate accepts, by depth and category (probe prompts)</h3>",
         "<p>fraction of passes emitting more than 1, 2, 3, ... tokens</p>", f"<table>{acc_head}{acc_rows}</table>",
         "<h2>Calibration</h2>", f"<ul>{cal_rows or '<li>no candidate with confidences</li>'}</ul>",
-        _img(out / "reliability.png")]
+        img_tag(out / "reliability.png")]
     (out / "report.html").write_text(f"<!doctype html><html><head><meta charset=utf-8><title>mtp tune</title>"
                                      f"<style>{PAGE_CSS}</style></head><body>{''.join(pieces)}</body></html>",
                                      encoding="utf-8")

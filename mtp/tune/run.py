@@ -38,6 +38,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from mtp.core import calibration as calib
 from mtp.core import metrics
@@ -45,7 +46,7 @@ from mtp.core import deploy as D
 from mtp.core.costmodel import measure
 from mtp.core.engine import TREE_SUFFIX
 from mtp.core.strategy import Strategy
-from mtp.eval import quality
+from mtp.core import quality
 from mtp.eval.bench import BenchConfig, Spec, environment, load_data, run_bench
 from mtp.tune import candidates as C
 from mtp.tune import predictability
@@ -151,244 +152,348 @@ def steady_price(cost, outs, proposing_s: float) -> tuple[float, float]:
 
 
 def run(engine, cfg: TuneConfig, log=print) -> dict:
-    t_start = time.perf_counter()
-    say = log
+    """The module docstring's checklist, section by section (`Tuning`); the result `write` saves."""
+    t = Tuning.start(engine, cfg, log)
+    t.reference()  # 1-3
+    t.calibrate()  # 4
+    t.probe()  # 5
+    deferred = t.qualify()  # 6
+    chosen, fallback, price_pick = t.measure(deferred)  # 7
+    return t.result(chosen, fallback, price_pick)  # 8
 
-    def log(line: str) -> None:  # every line says how long the run has taken so far
-        say(f"{line} [{time.perf_counter() - t_start:.0f}s]")
 
-    kind, items = load_data(cfg.data, cfg.limit)
-    metric = cfg.metric or ("answer" if kind == "gsm8k" else "rougeL")
-    cands = C.parse(cfg.candidates) if cfg.candidates else C.defaults()
-    cands, unavailable = C.loadable(engine, cands)
-    for name, why in unavailable.items():
-        log(f"tune: proposer {name} left out: {why}")
-    if not cands:
-        raise ValueError("no candidate can run on this engine (see the lines above)")
-    prompts = [engine.encode(it["prompt"], chat=True) for it in items]
-    for j, ids in enumerate(prompts):
-        if len(ids) + cfg.max_new_tokens > engine.context_window:
-            raise ValueError(f"prompt {j} ({len(ids)} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the "
-                             f"context window of {engine.context_window}")
-    n, probe = len(items), min(cfg.probe, len(items))
-    log(f"tune: {n} prompts ({cfg.data}), tolerance {cfg.tolerance:g} on {metric}, {len(cands)} candidates")
+@dataclass
+class Tuning:
+    """One `mtp tune` run: its inputs, and what each section of the checklist found for the next."""
+    engine: object
+    cfg: TuneConfig
+    log: Callable[[str], None]  # every line says how long the run has taken so far
+    t_start: float
+    kind: str
+    items: list[dict]
+    metric: str
+    cands: list[C.Candidate]
+    unavailable: dict[str, str]  # proposer -> why it cannot run on this engine
+    prompts: list[list[int]]
+    # 1-3: reference, hardware, predictability
+    ref: list = field(default_factory=list)  # offline.Output of every prompt under ntp
+    cost: object = None  # costmodel.CostModel of this machine
+    hidden: dict = field(default_factory=dict)  # teacher-forced hidden states per prompt (every replay reads it)
+    kept: dict = field(default_factory=dict)  # the heads' answers per prompt and position (simulate.MemoProposer)
+    predict: dict = field(default_factory=dict)
+    ntp_tpf: float = 0.0
+    ntp_price: float = 0.0
+    # 4: calibration
+    calibrations: dict = field(default_factory=dict)  # proposer (a merge part: + TREE_SUFFIX) -> its map
+    cal_report: dict = field(default_factory=dict)
+    probe_runs: dict = field(default_factory=dict)  # str(arm) -> the offline.RunStats of its calibration run
+    # 5-7: every candidate's row, what sets a lossy candidate aside
+    rows: dict[str, Row] = field(default_factory=dict)
+    unprobed: set[str] = field(default_factory=set)  # lossy candidates not decoded: their optimistic price loses
+    failed_families: dict[tuple, float] = field(default_factory=dict)  # family -> least risky member over tolerance
+    by_price: list[Row] = field(default_factory=list)  # the finalists a default run measures
+    measured_prompts: int = 0
 
-    # 1-3. reference, hardware, predictability
-    ntp = Strategy()
-    ref = decode_all(engine, prompts, ntp, None, cfg.max_new_tokens, cfg.batch).outputs
-    refs = [(o.ids, o.text) for o in ref]
-    log(f"tune: reference ntp answers: {sum(len(o.ids) for o in ref):,} tokens")
-    q_max = Q_POINTS[-1]
-    cache_len = max(0, min(300, engine.context_window - q_max))
-    cost = measure(engine.model, Q_POINTS, cache_len, 1, cfg.profile_repeats)  # interpolated between
-    engine.cost_model = cost  # what tree:auto candidates size their trees by
-    log(f"tune: t(1) {1e3 * cost.pass_time(1):.1f} ms, t(8) {1e3 * cost.pass_time(8):.1f} ms, "
-        f"t(32) {1e3 * cost.pass_time(32):.1f} ms")
-    hidden: dict = {}  # teacher-forced hidden states per prompt: predictability fills it, every replay reads it
-    kept: dict = {}  # the heads' answers per prompt and position, shared by every replay (simulate.MemoProposer)
-    predict = predictability.report(engine.model, items, prompts, [o.ids for o in ref], hidden)
-    ntp_tpf, ntp_price = steady_price(cost, ref[:probe], 0.0)
+    @classmethod
+    def start(cls, engine, cfg: TuneConfig, log) -> "Tuning":
+        """The data, the candidates this engine can run and the prompts, checked before any work."""
+        t_start = time.perf_counter()
 
-    # 4. calibration: chains of each confidence proposer (conf_adapt reads them), trees of each part of a
-    # merged candidate (the merge then compares calibrated node probabilities)
-    calibrations, cal_report = {}, {}
-    probe_runs: dict[str, object] = {}
-    chain_parts = sorted({c.proposer for c in cands if c.strategy.thresholded})
-    tree_parts = sorted({p for c in cands if c.strategy.is_tree and "+" in c.proposer for p in c.proposer.split("+")})
-    def lossless(strategy: Strategy, proposer: str, record: bool = False):
+        def timed_log(line: str) -> None:
+            log(f"{line} [{time.perf_counter() - t_start:.0f}s]")
+
+        kind, items = load_data(cfg.data, cfg.limit)
+        metric = cfg.metric or ("answer" if kind == "gsm8k" else "rougeL")
+        cands, unavailable = C.loadable(engine, C.parse(cfg.candidates) if cfg.candidates else C.defaults())
+        for name, why in unavailable.items():
+            timed_log(f"tune: proposer {name} left out: {why}")
+        if not cands:
+            raise ValueError("no candidate can run on this engine (see the lines above)")
+        prompts = [engine.encode(it["prompt"], chat=True) for it in items]
+        for j, ids in enumerate(prompts):
+            if len(ids) + cfg.max_new_tokens > engine.context_window:
+                raise ValueError(f"prompt {j} ({len(ids)} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the "
+                                 f"context window of {engine.context_window}")
+        timed_log(f"tune: {len(items)} prompts ({cfg.data}), tolerance {cfg.tolerance:g} on {metric}, "
+                  f"{len(cands)} candidates")
+        return cls(engine, cfg, timed_log, t_start, kind, items, metric, cands, unavailable, prompts)
+
+    @property
+    def n(self) -> int:
+        return len(self.items)
+
+    @property
+    def n_probe(self) -> int:
+        return min(self.cfg.probe, self.n)
+
+    @property
+    def refs(self) -> list[tuple[list[int], str]]:
+        return [(o.ids, o.text) for o in self.ref]
+
+    @property
+    def budget(self) -> float:
+        return self.cfg.tolerance * self.n  # the most item losses a qualifying candidate may have
+
+    def reference(self) -> None:
+        """1-3: greedy ntp answers of every prompt (batched), this machine's t(q), and the model's
+        predictability on its own answers; ntp's steady price on the probe prompts."""
+        engine, cfg = self.engine, self.cfg
+        self.ref = decode_all(engine, self.prompts, Strategy(), None, cfg.max_new_tokens, cfg.batch).outputs
+        self.log(f"tune: reference ntp answers: {sum(len(o.ids) for o in self.ref):,} tokens")
+        cache_len = max(0, min(300, engine.context_window - Q_POINTS[-1]))
+        self.cost = measure(engine.model, Q_POINTS, cache_len, 1, cfg.profile_repeats)  # interpolated between
+        engine.cost_model = self.cost  # what tree:auto candidates size their trees by
+        self.log(f"tune: t(1) {1e3 * self.cost.pass_time(1):.1f} ms, t(8) {1e3 * self.cost.pass_time(8):.1f} ms, "
+                 f"t(32) {1e3 * self.cost.pass_time(32):.1f} ms")
+        self.predict = predictability.report(engine.model, self.items, self.prompts, [o.ids for o in self.ref],
+                                             self.hidden)
+        self.ntp_tpf, self.ntp_price = steady_price(self.cost, self.ref[:self.n_probe], 0.0)
+
+    def lossless(self, strategy: Strategy, proposer: str, record: bool = False):
         """A lossless candidate's passes: replayed on every reference answer where its proposer allows
         (mtp.tune.simulate), else decoded on the probe prompts."""
         if can_replay(proposer):
-            return replay(engine, prompts, ref, strategy, proposer, record, hidden, kept)
-        m = max(probe, min(cfg.calibrate, n)) if record else probe
-        return decode_all(engine, prompts[:m], strategy, proposer, cfg.max_new_tokens, cfg.batch, record=record)
+            return replay(self.engine, self.prompts, self.ref, strategy, proposer, record, self.hidden, self.kept)
+        m = max(self.n_probe, min(self.cfg.calibrate, self.n)) if record else self.n_probe
+        return decode_all(self.engine, self.prompts[:m], strategy, proposer, self.cfg.max_new_tokens, self.cfg.batch,
+                          record=record)
 
-    for key, arm, pairs_of in ([(p, D.Arm(Strategy.parse("verify:4"), p), chain_pairs) for p in chain_parts]
-                               + [(p + TREE_SUFFIX, D.Arm(Strategy.parse("tree:16"), p), tree_pairs)
-                                  for p in tree_parts]):
-        stats = lossless(arm.strategy, arm.proposer, record=True)
-        probe_runs[str(arm)] = stats
-        fitted, cal_report[key] = fit_held_out([pairs_of(o) for o in stats.outputs])
-        calibrations[key] = fitted
-        engine.config.calibration[key] = fitted
-        log(f"tune: calibration of {key}: ECE {_f(cal_report[key]['ece_before'], 3)} -> "
-            f"{_f(cal_report[key]['ece_after'], 3)} on {cal_report[key]['test_pairs']} held-out guesses "
-            f"(noise floor {_f(cal_report[key]['ece_floor'], 3)})"
-            + ("" if cal_report[key]["used"] else " (worse: not used, raw confidences kept)"))
+    def calibrate(self) -> None:
+        """4: chains of each confidence proposer (conf_adapt reads them), trees of each part of a merged
+        candidate (the merge then compares calibrated node probabilities); the engine reads the maps."""
+        chain_parts = sorted({c.proposer for c in self.cands if c.strategy.thresholded})
+        tree_parts = sorted({p for c in self.cands if c.strategy.is_tree and "+" in c.proposer
+                             for p in c.proposer.split("+")})
+        for key, arm, pairs_of in ([(p, D.Arm(Strategy.parse("verify:4"), p), chain_pairs) for p in chain_parts]
+                                   + [(p + TREE_SUFFIX, D.Arm(Strategy.parse("tree:16"), p), tree_pairs)
+                                      for p in tree_parts]):
+            stats = self.lossless(arm.strategy, arm.proposer, record=True)
+            self.probe_runs[str(arm)] = stats
+            fitted, rep = fit_held_out([pairs_of(o) for o in stats.outputs])
+            self.calibrations[key], self.cal_report[key] = fitted, rep
+            self.engine.config.calibration[key] = fitted
+            self.log(f"tune: calibration of {key}: ECE {_f(rep['ece_before'], 3)} -> {_f(rep['ece_after'], 3)} on "
+                     f"{rep['test_pairs']} held-out guesses (noise floor {_f(rep['ece_floor'], 3)})"
+                     + ("" if rep["used"] else " (worse: not used, raw confidences kept)"))
 
-    # 5. probe every candidate
-    unprobed: set[str] = set()  # lossy candidates not decoded: their optimistic price loses already
-    def _bound(c):
-        records = probe_runs.get(str(D.Arm(Strategy.parse("verify:4"), c.proposer)))
+    def bound(self, c: C.Candidate):
+        """A lossy candidate's optimistic (tokens per pass, price) from its proposer's recorded
+        calibration passes (mtp.tune.bound); None without them."""
+        records = self.probe_runs.get(str(D.Arm(Strategy.parse("verify:4"), c.proposer)))
         if records is None:
             return None
-        return lossy_bound(c.strategy, engine.proposer(c.proposer).n_appended(c.strategy.k, 0), cost, records,
-                           calibrations.get(c.proposer))
+        return lossy_bound(c.strategy, self.engine.proposer(c.proposer).n_appended(c.strategy.k, 0), self.cost,
+                           records, self.calibrations.get(c.proposer))
 
-    rows: dict[str, Row] = {"ntp": Row("ntp", True, ntp_tpf, ntp_price, 1.0, 0.0, 0.0, n, True)}
-    budget = cfg.tolerance * n  # the most item losses a qualifying candidate may have
-    failed_families: dict[tuple, float] = {}  # family -> the least risky member that exceeded the tolerance
-    order = [c for c in cands if c.lossless] + sorted((c for c in cands if not c.lossless),
-                                                      key=lambda c: (c.family, c.risk))
-    for c in order:
-        if not c.lossless and c.family in failed_families and c.risk > failed_families[c.family]:
-            rows[str(c)] = Row(str(c), False, qualifies=False,
-                               note="not probed: a less lossy member of its family already exceeded the tolerance")
-            continue
-        if not c.lossless:
-            bound = _bound(c)
-            best = max(r.predicted_tps for r in rows.values() if r.lossless)
-            if bound is not None and not cfg.measure_all and bound[1] < (1 - BOUND_MARGIN) * best:
-                rows[str(c)] = Row(str(c), False, bound[0], bound[1], bound[1] / ntp_price, bound_speedup=bound[1] / ntp_price,
-                                   note="not decoded: even its optimistic price from the recorded passes is below "
-                                        "the best lossless candidate's")
-                unprobed.add(str(c))
-                log(f"tune: skip {c}: at most {bound[0]:.2f} tokens/pass, {bound[1] / ntp_price:.2f}x ntp "
-                    f"(the best lossless: {best / ntp_price:.2f}x)")
+    def probe(self) -> None:
+        """5: every candidate priced in steady state on its replayed or decoded probe passes; a lossy one
+        not decoded when even its optimistic price loses, and set aside when its probe alone exceeds the
+        tolerance (and with it its family's lossier members)."""
+        self.rows = {"ntp": Row("ntp", True, self.ntp_tpf, self.ntp_price, 1.0, 0.0, 0.0, self.n, True)}
+        order = [c for c in self.cands if c.lossless] + sorted((c for c in self.cands if not c.lossless),
+                                                               key=lambda c: (c.family, c.risk))
+        for c in order:
+            if not c.lossless and c.family in self.failed_families and c.risk > self.failed_families[c.family]:
+                self.rows[str(c)] = Row(str(c), False, qualifies=False,
+                                        note="not probed: a less lossy member of its family already exceeded the "
+                                             "tolerance")
                 continue
-        stats = probe_runs.get(str(c))
+            bound = None if c.lossless else self.bound(c)
+            if bound is not None and self._bound_loses(c, bound):
+                continue
+            self.rows[str(c)] = self._probe_row(c, bound)
+
+    def _bound_loses(self, c: C.Candidate, bound) -> bool:
+        """Whether lossy `c`'s optimistic price is already below the best lossless one's (unless
+        `measure_all`): then its row says so and it is never decoded."""
+        best = max(r.predicted_tps for r in self.rows.values() if r.lossless)
+        if self.cfg.measure_all or bound[1] >= (1 - BOUND_MARGIN) * best:
+            return False
+        self.rows[str(c)] = Row(str(c), False, bound[0], bound[1], bound[1] / self.ntp_price,
+                                bound_speedup=bound[1] / self.ntp_price,
+                                note="not decoded: even its optimistic price from the recorded passes is below "
+                                     "the best lossless candidate's")
+        self.unprobed.add(str(c))
+        self.log(f"tune: skip {c}: at most {bound[0]:.2f} tokens/pass, {bound[1] / self.ntp_price:.2f}x ntp "
+                 f"(the best lossless: {best / self.ntp_price:.2f}x)")
+        return True
+
+    def _probe_row(self, c: C.Candidate, bound) -> Row:
+        """Candidate `c`'s row from its probe passes: price, acceptance (by category too), probe loss."""
+        cfg, probe, kind = self.cfg, self.n_probe, self.kind
+        stats = self.probe_runs.get(str(c))
         if stats is None:
-            stats = lossless(c.strategy, c.proposer) if c.lossless else \
-                decode_all(engine, prompts[:probe], c.strategy, c.proposer, cfg.max_new_tokens, cfg.batch)
-        tpf, price = steady_price(cost, stats.outputs, stats.proposing_s)
-        row = Row(str(c), c.lossless, tpf, price, price / ntp_price if ntp_price else None)
+            stats = self.lossless(c.strategy, c.proposer) if c.lossless else \
+                decode_all(self.engine, self.prompts[:probe], c.strategy, c.proposer, cfg.max_new_tokens, cfg.batch)
+        tpf, price = steady_price(self.cost, stats.outputs, stats.proposing_s)
+        row = Row(str(c), c.lossless, tpf, price, price / self.ntp_price if self.ntp_price else None)
         chunks = [x for o in stats.outputs for x in o.chunks[1:]]
         k = c.strategy.k
         row.acceptance_by_position = metrics.acceptance_by_position(chunks, k)
-        for cat in sorted({it.get("category", kind) for it in items[:len(stats.outputs)]}):  # per depth, by category
-            cc = [x for it, o in zip(items, stats.outputs) if it.get("category", kind) == cat for x in o.chunks[1:]]
+        for cat in sorted({it.get("category", kind) for it in self.items[:len(stats.outputs)]}):  # by category
+            cc = [x for it, o in zip(self.items, stats.outputs) if it.get("category", kind) == cat
+                  for x in o.chunks[1:]]
             row.by_category[cat] = {"tokens_per_forward": metrics.tokens_per_forward(cc),
                                     "acceptance_by_position": metrics.acceptance_by_position(cc, k)}
-        row.probe_loss = quality.mean_loss(metric, [(o.ids, o.text) for o in stats.outputs], refs[:len(stats.outputs)])
+        row.probe_loss = quality.mean_loss(self.metric, [(o.ids, o.text) for o in stats.outputs],
+                                           self.refs[:len(stats.outputs)])
         row.note = f"replayed on {len(stats.outputs)} answers" if c.lossless and can_replay(c.proposer) else \
             f"decoded on {len(stats.outputs)} prompts"
         if c.lossless:
-            row.loss, row.loss_items, row.qualifies = 0.0, n, True
-        elif row.probe_loss * probe > budget:
+            row.loss, row.loss_items, row.qualifies = 0.0, self.n, True
+        elif row.probe_loss * probe > self.budget:
             row.qualifies, row.note = False, "exceeds the tolerance on the probe prompts alone"
             row.loss, row.loss_items = row.probe_loss, probe
-            failed_families[c.family] = min(failed_families.get(c.family, 9.0), c.risk)
+            self.failed_families[c.family] = min(self.failed_families.get(c.family, 9.0), c.risk)
         if not c.lossless and bound is not None:
-            row.bound_speedup = bound[1] / ntp_price
-        rows[str(c)] = row
-        log(f"tune: probe {c}: {tpf:.2f} tokens/pass, priced {row.predicted_speedup:.2f}x ntp"
-            + ("" if c.lossless else f", loss {row.probe_loss:.3f} on {probe} prompts"
-               + ("" if bound is None else f" (optimistic price {row.bound_speedup:.2f}x)")))
+            row.bound_speedup = bound[1] / self.ntp_price
+        self.log(f"tune: probe {c}: {tpf:.2f} tokens/pass, priced {row.predicted_speedup:.2f}x ntp"
+                 + ("" if c.lossless else f", loss {row.probe_loss:.3f} on {probe} prompts"
+                    + ("" if bound is None else f" (optimistic price {row.bound_speedup:.2f}x)")))
+        return row
 
-    # 6. quality of the lossy candidates that could win
-    def check_quality(c: C.Candidate, row: Row) -> None:
+    def check_quality(self, c: C.Candidate, row: Row) -> None:
         """Decode every prompt with lossy `c`, stopping once its loss can no longer stay within the tolerance."""
         spent = {"loss": 0.0, "items": 0}
+        refs = self.refs
 
         def over(j, out):
-            spent["loss"] += quality.item_loss(metric, out.ids, out.text, *refs[j])
+            spent["loss"] += quality.item_loss(self.metric, out.ids, out.text, *refs[j])
             spent["items"] += 1
-            return spent["loss"] > budget
+            return spent["loss"] > self.budget
 
-        outs = decode_all(engine, prompts, c.strategy, c.proposer, cfg.max_new_tokens, cfg.batch,
+        outs = decode_all(self.engine, self.prompts, c.strategy, c.proposer, self.cfg.max_new_tokens, self.cfg.batch,
                           stop_after=over).outputs
         row.loss_items = len(outs)
-        row.loss = quality.mean_loss(metric, [(o.ids, o.text) for o in outs], refs[: len(outs)])
-        row.qualifies = spent["loss"] <= budget and len(outs) == n
+        row.loss = quality.mean_loss(self.metric, [(o.ids, o.text) for o in outs], refs[: len(outs)])
+        row.qualifies = spent["loss"] <= self.budget and len(outs) == self.n
         if not row.qualifies:
             row.note = f"exceeds the tolerance (stopped after {spent['items']} prompts)"
-            failed_families[c.family] = min(failed_families.get(c.family, 9.0), c.risk)
-        log(f"tune: quality {c}: loss {row.loss:.3f} over {row.loss_items} prompts -> "
-            f"{'within' if row.qualifies else 'outside'} the tolerance")
+            self.failed_families[c.family] = min(self.failed_families.get(c.family, 9.0), c.risk)
+        self.log(f"tune: quality {c}: loss {row.loss:.3f} over {row.loss_items} prompts -> "
+                 f"{'within' if row.qualifies else 'outside'} the tolerance")
 
-    best_lossless = max(r.predicted_tps for r in rows.values() if r.lossless)
-    lossy = sorted((c for c in cands if not c.lossless), key=lambda c: (c.family, c.risk))
-    deferred: dict[str, C.Candidate] = {}  # --measure-all: lossy candidates whose speed is measured first
-    for c in lossy:
-        row = rows[str(c)]
-        if row.qualifies is False or row.name in unprobed:
-            continue  # decided by its probe, or by its optimistic price
-        if c.family in failed_families and c.risk > failed_families[c.family]:
-            row.qualifies, row.note = False, "a less lossy member of its family already exceeded the tolerance"
-            continue
-        if cfg.measure_all:  # only one measured faster than every lossless candidate needs its quality
-            deferred[row.name] = c
-            continue
-        if row.predicted_tps < best_lossless:
-            row.qualifies, row.note = None, "not run on every prompt: priced slower than the best lossless candidate"
-            continue
-        check_quality(c, row)
+    def qualify(self) -> dict[str, C.Candidate]:
+        """6: the quality of the lossy candidates that could win (priced at least as fast as the best
+        lossless one). Returns, with `measure_all`, those whose speed is measured first instead."""
+        best_lossless = max(r.predicted_tps for r in self.rows.values() if r.lossless)
+        deferred: dict[str, C.Candidate] = {}
+        for c in sorted((c for c in self.cands if not c.lossless), key=lambda c: (c.family, c.risk)):
+            row = self.rows[str(c)]
+            if row.qualifies is False or row.name in self.unprobed:
+                continue  # decided by its probe, or by its optimistic price
+            if c.family in self.failed_families and c.risk > self.failed_families[c.family]:
+                row.qualifies, row.note = False, "a less lossy member of its family already exceeded the tolerance"
+                continue
+            if self.cfg.measure_all:  # only one measured faster than every lossless candidate needs its quality
+                deferred[row.name] = c
+                continue
+            if row.predicted_tps < best_lossless:
+                row.qualifies = None
+                row.note = "not run on every prompt: priced slower than the best lossless candidate"
+                continue
+            self.check_quality(c, row)
+        return deferred
 
-    # 7. measure the finalists one prompt at a time, interleaved with ntp
-    qualifying = sorted((r for r in rows.values() if r.qualifies and r.name != "ntp"),
-                        key=lambda r: -r.predicted_tps)
-    could_win = sorted(qualifying + [rows[k] for k in deferred if rows[k].predicted_tps >= best_lossless],
-                       key=lambda r: -r.predicted_tps)  # what a default run would have checked and ranked
-    top = could_win[0].predicted_tps if could_win else 0.0
-    by_price = [r for i, r in enumerate(could_win)  # the finalists by price (what a default run measures)
-                if i < cfg.measure_rows or ("@mask" in r.name and r.predicted_tps >= (1 - UNCERTAIN_BAND) * top)]
-    finalists = qualifying + [rows[k] for k in deferred] if cfg.measure_all else by_price
-    specs = [Spec(ntp)] + [Spec(Strategy.parse(r.name.split("@")[0]), r.name.split("@")[1]) for r in finalists]
-    m = min(cfg.measure, n)
-    log(f"tune: measuring ntp and {len(finalists)} finalists on {m} prompts, one at a time: "
-        + ", ".join(r.name for r in finalists))
-    bench = run_bench(engine, kind, items[:m], BenchConfig(specs, max_new_tokens=cfg.max_new_tokens))
-    for rec in bench.records:
-        r = rows.get(rec["strategy"])
-        if r is not None:
-            r.measured_tps, r.measured_speedup, r.measured_exact = rec["tokens_per_s"], rec["speedup_vs_ntp"], \
-                rec["exact_match"]
-    fastest_lossless = max(r.measured_tps for r in rows.values() if r.lossless and r.measured_tps is not None)
-    for name, c in deferred.items():
-        row = rows[name]
-        if row.measured_tps is not None and row.measured_tps > fastest_lossless:
-            check_quality(c, row)
-        else:
-            row.note = "measured slower than the fastest lossless candidate: its quality cannot change the choice"
-    measured = [r for r in rows.values() if r.measured_tps is not None and r.qualifies]
-    chosen = max(measured, key=lambda r: r.measured_tps)
-    # with --measure-all: what the default rule would have chosen, from the same interleaved run
-    price_pick = max([rows["ntp"]] + [r for r in by_price if r.qualifies], key=lambda r: r.measured_tps or 0.0)
-    for r in sorted(measured, key=lambda r: -r.measured_tps):
-        log(f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
-            f"(priced {_f(r.predicted_speedup)}x)")
-    for r in sorted((r for r in rows.values() if r.measured_tps is not None and not r.qualifies),
-                    key=lambda r: -r.measured_tps):
-        log(f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
-            f"(priced {_f(r.predicted_speedup)}x; not qualifying: {r.note})")
-    if cfg.measure_all:
-        log(f"tune: full sweep's best {chosen.name} {chosen.measured_tps:.2f} tokens/s; the default rule "
-            f"(finalists by price) would pick {price_pick.name} {price_pick.measured_tps:.2f} tokens/s "
-            f"({price_pick.measured_tps / chosen.measured_tps:.3f} of the best)")
-    lossless_measured = [r for r in measured if r.lossless and r is not chosen]
-    fallback = "ntp" if chosen.lossless else max(lossless_measured, key=lambda r: r.measured_tps).name
+    def finalists(self, deferred: dict[str, C.Candidate]) -> list[Row]:
+        """The candidates measured one prompt at a time: the best qualifying ones by price (plus
+        mask-token ones near the top), or with `measure_all` every qualifying and deferred one."""
+        rows = self.rows
+        best_lossless = max(r.predicted_tps for r in rows.values() if r.lossless)
+        qualifying = sorted((r for r in rows.values() if r.qualifies and r.name != "ntp"),
+                            key=lambda r: -r.predicted_tps)
+        could_win = sorted(qualifying + [rows[k] for k in deferred if rows[k].predicted_tps >= best_lossless],
+                           key=lambda r: -r.predicted_tps)  # what a default run would have checked and ranked
+        top = could_win[0].predicted_tps if could_win else 0.0
+        self.by_price = [r for i, r in enumerate(could_win)  # the finalists by price (what a default run measures)
+                         if i < self.cfg.measure_rows
+                         or ("@mask" in r.name and r.predicted_tps >= (1 - UNCERTAIN_BAND) * top)]
+        return qualifying + [rows[k] for k in deferred] if self.cfg.measure_all else self.by_price
 
-    # 8. the deploy file
-    tuned_arm, fallback_arm = _arm(chosen.name, engine), _arm(fallback, engine)
-    used = {a.proposer for a in (tuned_arm, fallback_arm) if not a.strategy.plain}
-    caps = {"max_k": tuned_arm.strategy.k}
-    if tuned_arm.strategy.thresholded:
-        caps["min_tau"] = tuned_arm.strategy.tau
-    env = environment(engine)
-    latency = None if chosen.measured_tps is None else 1e3 / chosen.measured_tps
-    deploy = D.Deploy(tuned=tuned_arm, fallback=fallback_arm, tolerance=cfg.tolerance, metric=metric, caps=caps,
-                      calibration={k: v for k, v in calibrations.items()
-                                   if k.split("/")[0] in used or any(k.split("/")[0] in u.split("+") for u in used)},
-                      hashes=D.engine_hashes(engine, [a.proposer for a in (tuned_arm, fallback_arm)
-                                                                   if not a.strategy.plain]),
-                      extra={"measured": {"arm": str(tuned_arm), "tokens_per_s": chosen.measured_tps, "speedup_vs_ntp": chosen.measured_speedup,
-                                          "ms_per_token": latency, "loss": chosen.loss, "loss_items": chosen.loss_items,
-                                          "tokens_per_forward": chosen.tokens_per_forward,
-                                          "measure_prompts": m, "data": cfg.data, "prompts": n},
-                             "latency_target_ms": cfg.latency_ms,
-                             "latency_target_met": None if cfg.latency_ms is None or latency is None
-                             else latency <= cfg.latency_ms,
-                             "hardware": {**env, "t_q_ms": {str(q): round(1e3 * t, 3) for q, t in cost.points.items()}}})
-    result = {"chosen": chosen.name, "fallback": fallback, "measure_all": cfg.measure_all,
-              "price_pick": price_pick.name, "price_pick_vs_best": (price_pick.measured_tps / chosen.measured_tps
-                                                                    if chosen.measured_tps else None), "metric": metric, "tolerance": cfg.tolerance,
-              "kind": kind, "prompts": n, "probe": probe, "measure": m, "rows": [r.__dict__ for r in rows.values()],
-              "calibration": cal_report, "predictability": predict, "unavailable": unavailable,
-              "seconds": time.perf_counter() - t_start, "deploy": deploy}
-    if cfg.latency_ms is not None and latency is not None and latency > cfg.latency_ms:
-        log(f"tune: no configuration meets {cfg.latency_ms:g} ms per token on this machine; the fastest "
-            f"within the tolerance, {chosen.name}, takes {latency:.1f} ms")
-    return result
+    def measure(self, deferred: dict[str, C.Candidate]) -> tuple[Row, str, Row]:
+        """7: the finalists decoded one prompt at a time, interleaved with ntp (`run_bench`); a deferred
+        lossy candidate measured faster than every lossless one then decodes every prompt for its
+        quality. Returns (the fastest measured qualifying row, the fallback's name: the fastest measured
+        lossless one, ntp for a lossless choice; what the default rule would have picked)."""
+        rows, cfg = self.rows, self.cfg
+        finalists = self.finalists(deferred)
+        specs = [Spec(Strategy())] + [Spec(Strategy.parse(r.name.split("@")[0]), r.name.split("@")[1])
+                                      for r in finalists]
+        m = self.measured_prompts = min(cfg.measure, self.n)
+        self.log(f"tune: measuring ntp and {len(finalists)} finalists on {m} prompts, one at a time: "
+                 + ", ".join(r.name for r in finalists))
+        bench = run_bench(self.engine, self.kind, self.items[:m], BenchConfig(specs, max_new_tokens=cfg.max_new_tokens))
+        for rec in bench.records:
+            r = rows.get(rec["strategy"])
+            if r is not None:
+                r.measured_tps, r.measured_speedup, r.measured_exact = rec["tokens_per_s"], rec["speedup_vs_ntp"], \
+                    rec["exact_match"]
+        fastest_lossless = max(r.measured_tps for r in rows.values() if r.lossless and r.measured_tps is not None)
+        for name, c in deferred.items():
+            row = rows[name]
+            if row.measured_tps is not None and row.measured_tps > fastest_lossless:
+                self.check_quality(c, row)
+            else:
+                row.note = "measured slower than the fastest lossless candidate: its quality cannot change the choice"
+        measured = [r for r in rows.values() if r.measured_tps is not None and r.qualifies]
+        chosen = max(measured, key=lambda r: r.measured_tps)
+        # with --measure-all: what the default rule would have chosen, from the same interleaved run
+        price_pick = max([rows["ntp"]] + [r for r in self.by_price if r.qualifies], key=lambda r: r.measured_tps or 0.0)
+        self._log_measured(measured, chosen, price_pick)
+        lossless_measured = [r for r in measured if r.lossless and r is not chosen]
+        fallback = "ntp" if chosen.lossless else max(lossless_measured, key=lambda r: r.measured_tps).name
+        return chosen, fallback, price_pick
+
+    def _log_measured(self, measured: list[Row], chosen: Row, price_pick: Row) -> None:
+        for r in sorted(measured, key=lambda r: -r.measured_tps):
+            self.log(f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
+                     f"(priced {_f(r.predicted_speedup)}x)")
+        for r in sorted((r for r in self.rows.values() if r.measured_tps is not None and not r.qualifies),
+                        key=lambda r: -r.measured_tps):
+            self.log(f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
+                     f"(priced {_f(r.predicted_speedup)}x; not qualifying: {r.note})")
+        if self.cfg.measure_all:
+            self.log(f"tune: full sweep's best {chosen.name} {chosen.measured_tps:.2f} tokens/s; the default rule "
+                     f"(finalists by price) would pick {price_pick.name} {price_pick.measured_tps:.2f} tokens/s "
+                     f"({price_pick.measured_tps / chosen.measured_tps:.3f} of the best)")
+
+    def result(self, chosen: Row, fallback: str, price_pick: Row) -> dict:
+        """8: the deploy file (`mtp.core.deploy`: the tuned arm and its fallback, their caps,
+        calibrations and hashes, what was measured) and the results every candidate's row holds."""
+        engine, cfg, m = self.engine, self.cfg, self.measured_prompts
+        tuned_arm, fallback_arm = _arm(chosen.name, engine), _arm(fallback, engine)
+        used = {a.proposer for a in (tuned_arm, fallback_arm) if not a.strategy.plain}
+        caps = {"max_k": tuned_arm.strategy.k}
+        if tuned_arm.strategy.thresholded:
+            caps["min_tau"] = tuned_arm.strategy.tau
+        env = environment(engine)
+        latency = None if chosen.measured_tps is None else 1e3 / chosen.measured_tps
+        deploy = D.Deploy(tuned=tuned_arm, fallback=fallback_arm, tolerance=cfg.tolerance, metric=self.metric,
+                          caps=caps, calibration={k: v for k, v in self.calibrations.items() if k.split("/")[0] in used
+                                                  or any(k.split("/")[0] in u.split("+") for u in used)},
+                          hashes=D.engine_hashes(engine, [a.proposer for a in (tuned_arm, fallback_arm)
+                                                          if not a.strategy.plain]),
+                          extra={"measured": {"arm": str(tuned_arm), "tokens_per_s": chosen.measured_tps,
+                                              "speedup_vs_ntp": chosen.measured_speedup, "ms_per_token": latency,
+                                              "loss": chosen.loss, "loss_items": chosen.loss_items,
+                                              "tokens_per_forward": chosen.tokens_per_forward,
+                                              "measure_prompts": m, "data": cfg.data, "prompts": self.n},
+                                 "latency_target_ms": cfg.latency_ms,
+                                 "latency_target_met": None if cfg.latency_ms is None or latency is None
+                                 else latency <= cfg.latency_ms,
+                                 "hardware": {**env, "t_q_ms": {str(q): round(1e3 * t, 3)
+                                                                for q, t in self.cost.points.items()}}})
+        result = {"chosen": chosen.name, "fallback": fallback, "measure_all": cfg.measure_all,
+                  "price_pick": price_pick.name,
+                  "price_pick_vs_best": price_pick.measured_tps / chosen.measured_tps if chosen.measured_tps else None,
+                  "metric": self.metric, "tolerance": cfg.tolerance, "kind": self.kind, "prompts": self.n,
+                  "probe": self.n_probe, "measure": m, "rows": [r.__dict__ for r in self.rows.values()],
+                  "calibration": self.cal_report, "predictability": self.predict, "unavailable": self.unavailable,
+                  "seconds": time.perf_counter() - self.t_start, "deploy": deploy}
+        if cfg.latency_ms is not None and latency is not None and latency > cfg.latency_ms:
+            self.log(f"tune: no configuration meets {cfg.latency_ms:g} ms per token on this machine; the fastest "
+                     f"within the tolerance, {chosen.name}, takes {latency:.1f} ms")
+        return result
 
 
 def fit_held_out(per_prompt: list[list[list[tuple[float, bool]]]]) -> tuple[calib.Calibration, dict]:

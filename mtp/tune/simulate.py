@@ -16,7 +16,7 @@ replayed pass hands the drafter the rows of the positions its predecessor commit
 Mask proposers (their guesses come from mask tokens inside the pass) cannot be replayed this way:
 those are decoded.
 
-The proposer's calls are timed (`TimedProposer`), so pricing includes its cost, as for a decode.
+The proposer's calls are timed, as the decoding loop times them, so pricing includes its cost.
 A proposer that reads the hidden state (the heads) answers the same question at the same position
 of the same answer whichever candidate asks, so its answers are kept across replays (`memo`,
 `MemoProposer`), and a kept answer is charged the seconds it took when it was computed.
@@ -28,7 +28,7 @@ import time
 import torch
 
 from mtp.core import tree
-from mtp.core.proposers import Guesses, PassView, TimedProposer, check_proposer
+from mtp.core.proposers import DraftRequest, Guesses, PassView, check_proposer
 from mtp.core.proposers.base import GREEDY, WrappedProposer
 from mtp.core.strategy import Strategy
 from mtp.tune.offline import Output, RecordingProposer, RunStats
@@ -53,14 +53,11 @@ class MemoProposer(WrappedProposer):
             self.saved += hit[1]
         return hit[0]
 
-    def propose_tree(self, view, n):
-        return self._kept((self.key, len(view.context), "tree", n), lambda: self.inner.propose_tree(view, n))
-
-    def propose(self, view, k, params, gen):
-        if params is not GREEDY:
-            return self.inner.propose(view, k, params, gen)
-        return self._kept((self.key, len(view.context), "chain", k),
-                          lambda: self.inner.propose(view, k, params, gen))
+    def propose(self, request: DraftRequest) -> Guesses:
+        if not request.tree and request.params is not GREEDY:
+            return self.inner.propose(request)
+        return self._kept((self.key, len(request.view.context), request.tree, request.n),
+                          lambda: self.inner.propose(request))
 
 
 def can_replay(proposer: str) -> bool:
@@ -77,10 +74,10 @@ def accepted(guesses: Guesses, truth: list[int], is_tree: bool) -> int:
         while a < len(guesses.tokens) and a < len(truth) and guesses.tokens[a] == truth[a]:
             a += 1
         return a
-    parents = guesses.parents or list(range(-1, len(guesses.tokens) - 1))
     node, a = -1, 0
     while a < len(truth):
-        nxt = next((j for j, (t, p) in enumerate(zip(guesses.tokens, parents)) if p == node and t == truth[a]), None)
+        nxt = next((j for j, (t, p) in enumerate(zip(guesses.tokens, guesses.parents)) if p == node and t == truth[a]),
+                   None)
         if nxt is None:
             break
         node, a = nxt, a + 1
@@ -97,8 +94,7 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
     passes; `memo` (prompt index -> kept answers) the heads' repeated answers across replays."""
     if not strategy.verifies:
         raise ValueError(f"only lossless strategies can be replayed, not {strategy}")
-    clock: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    proposing_s, guesses = 0.0, 0
     eos = list(engine.loaded.eos_ids[:1])
     outs, saved = [], 0.0
     for j, (prompt, ref) in enumerate(zip(prompts, answers)):
@@ -123,8 +119,7 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
                 hidden_cache[j] = hidden
         aux = trunk_streams(engine.model, prompt, ref.ids, base.aux_layers, hidden_cache, j)
         logs, trees = [], []
-        inner = RecordingProposer(base, logs, trees) if record else base
-        timed = TimedProposer(inner, clock, counts)
+        prop = RecordingProposer(base, logs, trees) if record else base
         P = len(prompt)
         chunks, blocks = [1], [P]  # the prompt's pass emits the first token
         e, state, start = 1, {}, 0  # start: the cache length before the pass that emitted seq[e - 1]
@@ -134,15 +129,15 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
                 view = PassView(context=list(prompt) + seq[:e], mask_logits=torch.empty(0), hidden=None if hidden is None else hidden[P + e - 2],
                                 masks_valid=False, aux=None if aux is None else aux[start: P + e - 1],
                                 start=start, state=state)
-                if strategy.is_tree:
-                    g = timed.propose_tree(view, strategy.k - 1)
-                    if strategy.auto and g.tokens:
-                        t, p, c = tree.prune(g.tokens, g.parents or list(range(-1, len(g.tokens) - 1)),
-                                             g.confidences, engine.pass_time())
-                        g = Guesses(t, c, None, p)
-                else:
-                    g = timed.propose(view, strategy.k, GREEDY, None)
-                    g = Guesses(g.tokens[: strategy.k - 1], g.confidences[: strategy.k - 1], None)
+                t0 = time.perf_counter()
+                g = prop.propose(DraftRequest(view, strategy.k - 1, strategy.is_tree))
+                proposing_s += time.perf_counter() - t0
+                guesses += len(g)
+                if strategy.auto and g.tokens:
+                    t, p, c = tree.prune(g.tokens, g.parents, g.confidences, engine.pass_time())
+                    g = Guesses(t, c, None, p)
+                elif not strategy.is_tree:
+                    g = g.prefix(strategy.k - 1)
                 a = accepted(g, seq[e:], strategy.is_tree)
                 n = min(a + 1, len(seq) - e)
                 chunks.append(n)
@@ -151,7 +146,7 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
                 e += n
         outs.append(Output(list(ref.ids), ref.text, chunks, blocks, ref.finish, logs, trees))
         saved += sum(m.saved for m in memos)
-    return RunStats(outs, sum(clock.values()) + saved, sum(counts.values()))
+    return RunStats(outs, proposing_s + saved, guesses)
 
 
 def trunk_streams(model, prompt: list[int], answer: list[int], aux_layers: tuple[int, ...],

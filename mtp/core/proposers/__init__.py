@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from mtp.core.proposers.base import (MAX_MASK_GROUPS, DraftRequest, Guesses, PassView, Proposer, TimedProposer,
-                                     max_appended)
+from mtp.core.proposers.base import MAX_MASK_GROUPS, DraftRequest, Guesses, PassView, Proposer, max_appended
 from mtp.core.proposers.eagle3 import load_eagle3_proposer
 from mtp.core.proposers.heads import load_heads_proposer
 from mtp.core.proposers.lookup import PromptLookupProposer
@@ -20,7 +19,7 @@ from mtp.core.proposers.mask import MaskProposer
 from mtp.core.proposers.merged import MergedProposer
 from mtp.core.proposers.suffix import load_suffix_proposer
 
-__all__ = ["MAX_MASK_GROUPS", "DraftRequest", "Guesses", "PassView", "Proposer", "TimedProposer", "max_appended",
+__all__ = ["MAX_MASK_GROUPS", "DraftRequest", "Guesses", "PassView", "Proposer", "max_appended",
            "MaskProposer", "MergedProposer",
            "PromptLookupProposer", "ProposerSpec", "REGISTRY", "check_proposer", "make_proposer"]
 

@@ -4,23 +4,25 @@ A proposer answers two questions for the decoding loop (mtp.core.decode):
 1. `n_appended(k, drafts)`: how many extra tokens to append to the next pass's block so that this pass
    also yields guesses (mask tokens append k-1 masks, and under `verify` one such group per possible
    number of accepted drafts; heads and prompt lookup append nothing);
-2. `propose(...)`: after the pass, the guesses for the tokens that follow the model's own token,
-   with a confidence each (top-1 probability) and, under sampling, the distribution they came from.
-   Before any row's `propose`, every row announces its call (`prepare`, a `DraftRequest`); a proposer
+2. `propose(request)`: after the pass, the guesses for the tokens that follow the model's own token
+   (a `DraftRequest`: at most n of them, as a token tree or as a chain, the tree each node of which is
+   the child of the one before), with a confidence each (top-1 probability) and, for a chain drawn
+   under sampling, the distribution each came from.
+   Before any row's `propose`, every row announces its request (`prepare`); a proposer
    shared by rows (the heads) may then draft them all at once (`draft_prepared`) and hand each row its
    answer when asked, what it would draft alone (up to the last bits of a matmul over more rows: CPU
-   kernels are not batch-invariant); the default does nothing (drafting per row).
+   kernels are not batch-invariant); the default does nothing (drafting per row). The loop times both
+   into the row's stats (`DecodeStats.proposing_s`: a batched draft's time split evenly over its rows).
 The strategy decides what to do with the guesses: emit them unverified (`static`, `conf_adapt`) or
 send them as drafts to be checked by the next pass (`verify`).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
+from mtp.core import tree
 from mtp.core.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -34,12 +36,22 @@ def max_appended(k: int) -> int:
 
 @dataclass
 class Guesses:
+    """Proposed tokens as a token tree (a chain being the tree `tree.chain(n)`), with what the decoding
+    loop needs beside each: a proposer's answer, and a sequence's drafts (`Sequence.drafts`)."""
     tokens: list[int]
     confidences: list[float]  # top-1 probability of each guess's own distribution
     probs: torch.Tensor | None = None  # [n, V] distributions sampled from (None = greedy/deterministic)
-    parents: list[int] | None = None  # a token tree (mtp.core.tree): each guess's parent, -1 = root; None = chain
+    # each guess's parent in the tree (mtp.core.tree), -1 = root; always set: None given = a chain
+    parents: list[int] | None = None
     # which proposers drafted each guess (a merge's parts, mtp.core.proposers.merged); None = the proposer itself
     sources: list[tuple[str, ...]] | None = None
+
+    def __post_init__(self):
+        if self.parents is None:
+            self.parents = tree.chain(len(self.tokens))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
     @classmethod
     def none(cls) -> "Guesses":
@@ -51,9 +63,13 @@ class Guesses:
         index = {j: i for i, j in enumerate(keep)}
         return Guesses([self.tokens[j] for j in keep], [self.confidences[j] for j in keep],
                        None if self.probs is None else self.probs[keep],
-                       None if self.parents is None else [index[self.parents[j]] if self.parents[j] >= 0 else -1
-                                                          for j in keep],
+                       [index[self.parents[j]] if self.parents[j] >= 0 else -1 for j in keep],
                        None if self.sources is None else [self.sources[j] for j in keep])
+
+    def prefix(self, n: int) -> "Guesses":
+        """The first n guesses (parents precede their children: still a tree)."""
+        return Guesses(self.tokens[:n], self.confidences[:n], None if self.probs is None else self.probs[:n],
+                       self.parents[:n], None if self.sources is None else self.sources[:n])
 
 
 @dataclass
@@ -71,15 +87,16 @@ class PassView:
 
 @dataclass
 class DraftRequest:
-    """One row's coming `propose_tree(view, n)` (tree) or `propose(view, n, params, gen)` (chain: n is
-    the block size k), announced to `Proposer.prepare` before any row of the pass drafts."""
+    """One row's drafting after a pass: at most `n` guesses for the tokens after `view.context[-1]`.
+    `tree`: a token tree, chosen without randomness (`tree:N` stays exact under sampling only when
+    drafts do not depend on the random state); else a chain (parents `tree.chain`), each guess drawn
+    under `params` with `gen`. Announced to `Proposer.prepare` before any row of the pass drafts,
+    then asked of `Proposer.propose`."""
     view: PassView
     n: int
-    tree: bool
+    tree: bool = False
     params: SamplingParams = field(default_factory=lambda: GREEDY)
     gen: torch.Generator | None = None
-    # wrappers' clocks (TimedProposer): each is called with this row's share of a batched draft's seconds
-    charges: list[Callable[[float], None]] = field(default_factory=list)
 
 
 class Proposer:
@@ -100,24 +117,18 @@ class Proposer:
         return []
 
     def draft_prepared(self) -> None:
-        """Draft every request taken since the last call, so that the announced `propose` /
-        `propose_tree` calls return at once, with the guesses they would have drafted alone (up to float
-        rounding where the arithmetic is not batch-invariant: `HeadsProposer._draft`)."""
+        """Draft every request taken since the last call, so that the announced `propose` calls
+        return at once, with the guesses they would have drafted alone (up to float rounding where
+        the arithmetic is not batch-invariant: `HeadsProposer._draft`)."""
 
-    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
+    def propose(self, request: DraftRequest) -> Guesses:
+        """What `request` asks: at most request.n guesses, a tree (Guesses.parents) or a chain."""
         raise NotImplementedError
-
-    def propose_tree(self, view: PassView, n: int) -> Guesses:
-        """At most n draft nodes as a tree (Guesses.parents), chosen without randomness (`tree:N`
-        stays exact under sampling only when drafts do not depend on the random state). The default
-        is the proposer's greedy chain."""
-        g = self.propose(view, n + 1, GREEDY, None)
-        return Guesses(g.tokens, g.confidences, None, list(range(-1, len(g.tokens) - 1)))
 
 
 class WrappedProposer(Proposer):
     """A proposer around another one: same name, needs and appended tokens; subclasses change what
-    `propose` / `propose_tree` return or record (timing, calibration, recording)."""
+    `propose` returns or record it (calibration, recording)."""
 
     def __init__(self, inner: Proposer):
         self.inner = inner
@@ -130,44 +141,5 @@ class WrappedProposer(Proposer):
     def prepare(self, request: DraftRequest) -> list[Proposer]:
         return self.inner.prepare(request)
 
-    def propose(self, view, k, params, gen):
-        return self.inner.propose(view, k, params, gen)
-
-    def propose_tree(self, view, n):
-        return self.inner.propose_tree(view, n)
-
-
-class TimedProposer(WrappedProposer):
-    """A row's proposer with its `propose` calls timed into a shared clock (proposer name -> seconds)
-    and, given `guesses`, its guesses counted there (name -> count), so a policy can price proposing
-    apart from the forward pass (the server's adaptive K; `mtp bench`'s best K: seconds per guess).
-    Drafting done for many rows at once (`prepare` / `draft_prepared`, the heads) is charged split
-    evenly over the rows it served: each row's clock gets batch seconds / rows, beside the time of
-    its own `propose` call (which then only hands out the answer and runs the parts that draft alone)."""
-
-    def __init__(self, inner: Proposer, clock: dict[str, float], guesses: dict[str, int] | None = None):
-        super().__init__(inner)
-        self.clock, self.guesses = clock, guesses
-
-    def prepare(self, request: DraftRequest) -> list[Proposer]:
-        request.charges.append(self._charge)
-        return self.inner.prepare(request)
-
-    def _charge(self, seconds: float) -> None:
-        self.clock[self.name] = self.clock.get(self.name, 0.0) + seconds
-
-    def propose_tree(self, view, n):
-        t0 = time.perf_counter()
-        out = self.inner.propose_tree(view, n)
-        self.clock[self.name] = self.clock.get(self.name, 0.0) + time.perf_counter() - t0
-        if self.guesses is not None:
-            self.guesses[self.name] = self.guesses.get(self.name, 0) + len(out.tokens)
-        return out
-
-    def propose(self, view, k, params, gen):
-        t0 = time.perf_counter()
-        out = self.inner.propose(view, k, params, gen)
-        self.clock[self.name] = self.clock.get(self.name, 0.0) + time.perf_counter() - t0
-        if self.guesses is not None:
-            self.guesses[self.name] = self.guesses.get(self.name, 0) + len(out.tokens)
-        return out
+    def propose(self, request: DraftRequest) -> Guesses:
+        return self.inner.propose(request)

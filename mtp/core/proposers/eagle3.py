@@ -37,15 +37,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp.core.artifacts import ArtifactError, base_hash, check_finite, check_trained_on, load_safetensors, read_json
+from mtp.core.artifacts import ArtifactError, base_hash, check_finite, check_trained_on, load_safetensors, read_config
 from mtp.core.model import Linear, ModelConfig, RMSNorm, Transformer, rope_inv_freq, rotate_half
-from mtp.core.proposers.base import Guesses, PassView, Proposer
+from mtp.core.proposers.base import DraftRequest, Guesses, PassView, Proposer
 from mtp.core.sampling import pick
 
 FORMAT = "mtp-eagle3"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what vLLM's registry maps to its EAGLE-3 Llama drafter
+TOP_K = 4  # a tree's candidates under each expanded node (Eagle3Proposer._tree)
 
 
 def default_aux_layers(n_layers: int) -> list[int]:
@@ -226,12 +227,12 @@ class Eagle3Drafter(nn.Module):
 
 
 class Eagle3Proposer(Proposer):
-    """Drafts k-1 tokens per pass (`propose`), or a tree of n nodes (`propose_tree`, `tree:N`), with an
-    EAGLE-3 drafter; see the module docstring.
+    """Drafts a chain of n tokens per pass, or a tree of n nodes (`_tree`, `tree:N`), with an EAGLE-3
+    drafter; see the module docstring.
 
     Each pass: (1) run the drafter over the positions the trunk just committed (their features are
     `view.aux`, the token after each is in `view.context`) and keep their KV in the sequence's
-    state; (2) draft token 1 from the last of them, then tokens 2..k-1 one decoder-layer step each
+    state; (2) draft token 1 from the last of them, then tokens 2..n one decoder-layer step each
     from its own hidden state, on scratch KV that the next pass drops. Drafts come from the draft
     vocabulary only, so `verify` stays lossless (under sampling the proposal is zero elsewhere,
     which rejection sampling handles exactly)."""
@@ -268,109 +269,112 @@ class Eagle3Proposer(Proposer):
         st["h"] = h[:, -1:]
         return st["h"]
 
-    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
+    def propose(self, request: DraftRequest) -> Guesses:
+        """Step (1) (`ingest`, every pass, whatever is asked), then step (2): a chain (`_chain`) or a
+        tree (`_tree`) of at most request.n guesses."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            h = self.ingest(view)
-            n = k - 1
-            if n <= 0 or h is None:
+            h = self.ingest(request.view)  # [1, 1, dim]
+            if request.n <= 0 or h is None:
                 return Guesses.none()
-            st, d = view.state, self.drafter
-            dev = d.d2t.device
-            pk, pv = st["k"], st["v"]
-            tokens, confs, dists = [], [], []
-            for j in range(n):
-                if j > 0:  # step 2..: the drafted token and the previous step's hidden state
-                    pos = torch.tensor([[st["len"] - 1 + j]], device=dev)
-                    emb = self.model.embed_tokens(torch.tensor([[tokens[-1]]], device=dev))
-                    h, kk, vv = d.step(emb, h, pos, pk, pv)
-                    pk, pv = torch.cat([pk, kk], 2), torch.cat([pv, vv], 2)
-                logits = d.logits(h).view(1, -1).float().cpu()  # [1, Vd]
-                t, probs = pick(logits, params, gen)
-                tokens.append(int(self.ids[t[0]]))
-                confs.append(float(torch.softmax(logits, -1).max()))
-                if probs is not None:
-                    full = probs.new_zeros(1, self.model.lm_head.weight.shape[0])
-                    dists.append(full.index_copy_(1, self.ids, probs))
+            if request.tree:
+                out = self._tree(request.view, h, request.n)
+            else:
+                out = self._chain(request.view, h, request.n, request.params, request.gen)
         self.draft_s += time.perf_counter() - t0
         self.draft_calls += 1
+        return out
+
+    def _chain(self, view: PassView, h: torch.Tensor, n: int, params, gen) -> Guesses:
+        """n tokens from the last committed state h [1, 1, dim], each picked under `params` with `gen`."""
+        st, d = view.state, self.drafter
+        dev = d.d2t.device
+        pk, pv = st["k"], st["v"]
+        tokens, confs, dists = [], [], []
+        for j in range(n):
+            if j > 0:  # step 2..: the drafted token and the previous step's hidden state
+                pos = torch.tensor([[st["len"] - 1 + j]], device=dev)
+                emb = self.model.embed_tokens(torch.tensor([[tokens[-1]]], device=dev))
+                h, kk, vv = d.step(emb, h, pos, pk, pv)
+                pk, pv = torch.cat([pk, kk], 2), torch.cat([pv, vv], 2)
+            logits = d.logits(h).view(1, -1).float().cpu()  # [1, Vd]
+            t, probs = pick(logits, params, gen)
+            tokens.append(int(self.ids[t[0]]))
+            confs.append(float(torch.softmax(logits, -1).max()))
+            if probs is not None:
+                full = probs.new_zeros(1, self.model.lm_head.weight.shape[0])
+                dists.append(full.index_copy_(1, self.ids, probs))
         return Guesses(tokens, confs, torch.cat(dists) if dists else None)
 
-    def propose_tree(self, view: PassView, n: int, top_k: int = 4) -> Guesses:
+    def _tree(self, view: PassView, h: torch.Tensor, n: int) -> Guesses:
         """At most n nodes: the candidates of highest cumulative probability (the product of the
         drafter's probabilities along the path; each node's confidence), grown depth by depth as
         EAGLE-2/3 do. Deterministic (top-k, never sampled), so `tree:N` stays exact under sampling.
 
-        After step (1) (`ingest`, as `propose`), a candidate is a child among the top_k of its parent's
-        distribution. Depth d expands the top_k candidates of depth d that can still enter the n best
-        with one batched drafter step at RoPE position len - 1 + d, each row reading its token and its
-        parent's hidden state (depth 1: the last committed one) and attending, by a tree mask, to the
-        committed KV, its ancestors' scratch KV and its own entry: what the chain would compute along
-        that path, with no per-path recomputation. A child's cumulative probability never exceeds its
-        parent's, so the growth stops once the n best are at least as likely as any unexpanded node,
-        and the n best (ties: shallower first) always include their ancestors.
+        From the last committed state h [1, 1, dim] (step (1)), a candidate is a child among the TOP_K
+        of its parent's distribution. Depth d expands the TOP_K candidates of depth d that can still
+        enter the n best with one batched drafter step at RoPE position len - 1 + d, each row reading
+        its token and its parent's hidden state (depth 1: the last committed one) and attending, by a
+        tree mask, to the committed KV, its ancestors' scratch KV and its own entry: what the chain
+        would compute along that path, with no per-path recomputation. A child's cumulative
+        probability never exceeds its parent's, so the growth stops once the n best are at least as
+        likely as any unexpanded node, and the n best (ties: shallower first) always include their
+        ancestors.
 
         The scratch KV lives in this call only: `view.state` keeps the committed entries alone, and the
         next pass's `ingest` adds the accepted path's from the trunk's features (decode gathers them)."""
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            h = self.ingest(view)  # [1, 1, dim]
-            if n <= 0 or h is None:
-                return Guesses.none()
-            st, d = view.state, self.drafter
-            dev = d.d2t.device
-            # every candidate c: its draft id, parent candidate (-1 = root), cumulative log-probability, depth
-            tok: list[int] = []
-            par: list[int] = []
-            cum: list[float] = []
-            depth: list[int] = []
-            hid: dict[int, torch.Tensor] = {-1: h[0, 0]}  # candidate -> drafter state after its step [dim]
-            col: dict[int, int] = {}  # expanded candidate -> its column in the scratch KV
-            sk, sv = st["k"][:, :, :0], st["v"][:, :, :0]  # scratch KV [1, kv, M, hd]
-            S0 = st["k"].shape[2]  # committed drafter entries
-            frontier, logits = [-1], d.logits(h).view(1, -1)  # logits [F, Vd]: row f gives frontier[f]'s children
-            level = 0
-            while True:
-                logp = torch.log_softmax(logits.float().cpu(), -1)  # [F, Vd]
-                val, idx = logp.topk(min(top_k, logp.shape[-1]), -1)  # [F, top_k]
-                level += 1
-                for f, p in enumerate(frontier):
-                    base = cum[p] if p >= 0 else 0.0
-                    for r in range(val.shape[1]):
-                        tok.append(int(idx[f, r]))
-                        par.append(p)
-                        cum.append(base + float(val[f, r]))
-                        depth.append(level)
-                nth = sorted(cum, reverse=True)[n - 1] if len(cum) >= n else float("-inf")
-                new = sorted((c for c in range(len(cum)) if depth[c] == level and cum[c] > nth),
-                             key=lambda c: -cum[c])[:top_k]
-                if not new:
-                    break
-                # one drafter step for the F = w candidates in `new`, tree-masked
-                w = len(new)
-                M = sk.shape[2]
-                mask = torch.zeros(w, S0 + M + w, dtype=torch.bool, device=dev)  # [F, committed|scratch|new]
-                mask[:, :S0] = True
-                for i, c in enumerate(new):
-                    a = par[c]
-                    while a >= 0:
-                        mask[i, S0 + col[a]] = True
-                        a = par[a]
-                    mask[i, S0 + M + i] = True
-                ids = self.ids[torch.tensor([tok[c] for c in new])].to(dev).view(1, w)
-                g = torch.stack([hid[par[c]] for c in new]).unsqueeze(0)  # [1, F, dim]
-                pos = torch.full((1, w), st["len"] - 1 + level, device=dev)
-                hh, kk, vv = d.step(self.model.embed_tokens(ids), g, pos, torch.cat([st["k"], sk], 2),
-                                    torch.cat([st["v"], sv], 2), mask=mask)
-                sk, sv = torch.cat([sk, kk], 2), torch.cat([sv, vv], 2)
-                for i, c in enumerate(new):
-                    hid[c], col[c] = hh[0, i], M + i
-                frontier, logits = new, d.logits(hh)[0]  # [F, Vd]
-            best = sorted(range(len(cum)), key=lambda c: (-cum[c], depth[c], c))[:n]
-            keep = sorted(best)  # candidates are numbered after their parents: parents first
-            index = {c: i for i, c in enumerate(keep)}
-        self.draft_s += time.perf_counter() - t0
-        self.draft_calls += 1
+        st, d = view.state, self.drafter
+        dev = d.d2t.device
+        # every candidate c: its draft id, parent candidate (-1 = root), cumulative log-probability, depth
+        tok: list[int] = []
+        par: list[int] = []
+        cum: list[float] = []
+        depth: list[int] = []
+        hid: dict[int, torch.Tensor] = {-1: h[0, 0]}  # candidate -> drafter state after its step [dim]
+        col: dict[int, int] = {}  # expanded candidate -> its column in the scratch KV
+        sk, sv = st["k"][:, :, :0], st["v"][:, :, :0]  # scratch KV [1, kv, M, hd]
+        S0 = st["k"].shape[2]  # committed drafter entries
+        frontier, logits = [-1], d.logits(h).view(1, -1)  # logits [F, Vd]: row f gives frontier[f]'s children
+        level = 0
+        while True:
+            logp = torch.log_softmax(logits.float().cpu(), -1)  # [F, Vd]
+            val, idx = logp.topk(min(TOP_K, logp.shape[-1]), -1)  # [F, TOP_K]
+            level += 1
+            for f, p in enumerate(frontier):
+                base = cum[p] if p >= 0 else 0.0
+                for r in range(val.shape[1]):
+                    tok.append(int(idx[f, r]))
+                    par.append(p)
+                    cum.append(base + float(val[f, r]))
+                    depth.append(level)
+            nth = sorted(cum, reverse=True)[n - 1] if len(cum) >= n else float("-inf")
+            new = sorted((c for c in range(len(cum)) if depth[c] == level and cum[c] > nth),
+                         key=lambda c: -cum[c])[:TOP_K]
+            if not new:
+                break
+            # one drafter step for the F = w candidates in `new`, tree-masked
+            w = len(new)
+            M = sk.shape[2]
+            mask = torch.zeros(w, S0 + M + w, dtype=torch.bool, device=dev)  # [F, committed|scratch|new]
+            mask[:, :S0] = True
+            for i, c in enumerate(new):
+                a = par[c]
+                while a >= 0:
+                    mask[i, S0 + col[a]] = True
+                    a = par[a]
+                mask[i, S0 + M + i] = True
+            ids = self.ids[torch.tensor([tok[c] for c in new])].to(dev).view(1, w)
+            g = torch.stack([hid[par[c]] for c in new]).unsqueeze(0)  # [1, F, dim]
+            pos = torch.full((1, w), st["len"] - 1 + level, device=dev)
+            hh, kk, vv = d.step(self.model.embed_tokens(ids), g, pos, torch.cat([st["k"], sk], 2),
+                                torch.cat([st["v"], sv], 2), mask=mask)
+            sk, sv = torch.cat([sk, kk], 2), torch.cat([sv, vv], 2)
+            for i, c in enumerate(new):
+                hid[c], col[c] = hh[0, i], M + i
+            frontier, logits = new, d.logits(hh)[0]  # [F, Vd]
+        best = sorted(range(len(cum)), key=lambda c: (-cum[c], depth[c], c))[:n]
+        keep = sorted(best)  # candidates are numbered after their parents: parents first
+        index = {c: i for i, c in enumerate(keep)}
         return Guesses([int(self.ids[tok[c]]) for c in keep], [math.exp(cum[c]) for c in keep],
                        None, [index[par[c]] if par[c] >= 0 else -1 for c in keep])
 
@@ -386,9 +390,7 @@ def drafter_files(drafter: Eagle3Drafter, model: Transformer, meta: dict | None 
 
 def read_drafter_config(path) -> dict:
     path = Path(path)
-    cfg = read_json(path / CONFIG, "EAGLE-3 drafter config")
-    if cfg.get("format") != FORMAT:
-        raise ArtifactError(f"{path / CONFIG} is not an mtp EAGLE-3 drafter config")
+    cfg = read_config(path, FORMAT, "EAGLE-3 drafter")
     if ARCHITECTURE not in (cfg.get("architectures") or []):
         raise ArtifactError(f"{path / CONFIG}: architectures must name {ARCHITECTURE}")
     return cfg

@@ -29,16 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp.core import tree
-from mtp.core.artifacts import base_hash, check_finite, check_trained_on, load_safetensors, read_json
+from mtp.core.artifacts import base_hash, check_finite, check_trained_on, load_safetensors, read_config
 from mtp.core.model import Block, Linear, ModelConfig, RMSNorm, Transformer
-from mtp.core.proposers.base import DraftRequest, Guesses, PassView, Proposer
+from mtp.core.proposers.base import DraftRequest, Guesses, Proposer
 from mtp.core.sampling import pick
 
 FORMAT = "mtp-heads"
 WEIGHTS = "heads.safetensors"
 CONFIG = "config.json"
 MAX_AHEAD = 8  # the feature cache stores this many tokens ahead of each row (so depths <= 8)
-TOP_K = 4  # a tree's candidates under each frontier node (HeadsProposer.propose_tree)
+TOP_K = 4  # a tree's candidates under each frontier node (HeadsProposer.propose)
 
 
 @dataclass
@@ -159,8 +159,12 @@ def bf16_readout(model: Transformer, rows: torch.Tensor | None = None):
 class HeadsProposer(Proposer):
     """Guesses from MTP heads on the hidden state the verifying pass already produced (no trunk pass).
 
-    `propose` chains up to k-1 depths from view.hidden (the last accepted position's state, whose
-    prediction is view.context[-1]): depth 1 sees that token, depth d the guess of depth d-1.
+    A chain request of n chains up to n depths from view.hidden (the last accepted position's state,
+    whose prediction is view.context[-1]): depth 1 sees that token, depth d the guess of depth d-1.
+    A tree request of n nodes grows them depth by depth (`mtp.core.tree.grow`, EAGLE-2's idea): depth
+    d's head runs on every frontier node (its parent's head state and its own token) and gives its
+    TOP_K next tokens; the candidates with the highest path probability are kept, ceil(n / depths) per
+    depth. Deterministic (top-k, never sampled), so `tree:N` stays exact under sampling too.
     With a draft vocabulary (`--draft-vocab N`, the N most frequent target tokens; FR-Spec's idea)
     the readout scores only those rows of the output head: drafting gets ~V/N times cheaper, and
     `verify` stays lossless (a draft outside it is simply never proposed; under sampling the
@@ -194,11 +198,14 @@ class HeadsProposer(Proposer):
     def depths(self) -> int:
         return self.heads.config.depths
 
+    def _nodes(self, request: DraftRequest) -> int:
+        """Guesses `request` can get: its n (a chain: at most the depths)."""
+        return request.n if request.tree else min(request.n, self.depths)
+
     def prepare(self, request: DraftRequest) -> list[Proposer]:
-        """Take the row's request for the next `draft_prepared` (not: nothing to draft, a tree asked
-        with another top_k, or sampling whose random draws a batch could reorder: no generator of
-        its own, or one already taken)."""
-        if request.view.hidden is None or (min(request.n - 1, self.depths) if not request.tree else request.n) <= 0:
+        """Take the row's request for the next `draft_prepared` (not: nothing to draft, or sampling
+        whose random draws a batch could reorder: no generator of its own, or one already taken)."""
+        if request.view.hidden is None or self._nodes(request) <= 0:
             return []
         if not request.tree and not request.params.greedy and (
                 request.gen is None or any(r.gen is request.gen for r in self._pending)):
@@ -208,58 +215,41 @@ class HeadsProposer(Proposer):
 
     def draft_prepared(self) -> None:
         """Draft every taken request in one `_draft` (each depth's head and readout once over all the
-        rows' frontiers); the time is split evenly over the requests' `charges`."""
+        rows' frontiers)."""
         requests, self._pending = self._pending, []
         self._ready = {}
         if not requests:
             return
         t0 = time.perf_counter()
         out = self._draft(requests)
-        seconds = time.perf_counter() - t0
+        self.draft_s += time.perf_counter() - t0
+        self.draft_calls += len(requests)
         for r, g in zip(requests, out):
             self._ready[(id(r.view), r.tree, r.n)] = (r, g)
-            for charge in r.charges:
-                charge(seconds / len(requests))
-        self.draft_s += seconds
-        self.draft_calls += len(requests)
 
-    def _prepared(self, view: PassView, tree_: bool, n: int, params=None, gen=None) -> Guesses | None:
-        """The answer `draft_prepared` drafted for this call, if it did (each handed out once)."""
-        hit = self._ready.pop((id(view), tree_, n), None)
-        if hit is None or hit[0].view is not view or (not tree_ and (hit[0].params != params or hit[0].gen is not gen)):
+    def _prepared(self, request: DraftRequest) -> Guesses | None:
+        """The answer `draft_prepared` drafted for this request, if it did (each handed out once)."""
+        r = request
+        hit = self._ready.pop((id(r.view), r.tree, r.n), None)
+        if hit is None or hit[0].view is not r.view or (
+                not r.tree and (hit[0].params != r.params or hit[0].gen is not r.gen)):
             return None
         return hit[1]
 
-    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
-        """Up to k-1 guesses, a chain: depth d's head on depth d-1's state and guess (`_draft`)."""
-        if min(k - 1, self.depths) <= 0 or view.hidden is None:
+    def propose(self, request: DraftRequest) -> Guesses:
+        """The request's guesses (`_draft`), or what `draft_prepared` drafted for it."""
+        if self._nodes(request) <= 0 or request.view.hidden is None:
             return Guesses.none()
-        hit = self._prepared(view, False, k, params, gen)
+        hit = self._prepared(request)
         if hit is not None:
             return hit
         t0 = time.perf_counter()
-        out = self._draft([DraftRequest(view, k, False, params, gen)])[0]
+        out = self._draft([request])[0]
         self.draft_s += time.perf_counter() - t0
         self.draft_calls += 1
         return out
 
-    def propose_tree(self, view: PassView, n: int, top_k: int = TOP_K) -> Guesses:
-        """At most n nodes, depth by depth (`mtp.core.tree.grow`, EAGLE-2's idea): depth d's head runs on
-        every frontier node (its parent's head state and its own token) and gives its top_k next tokens;
-        the candidates with the highest path probability are kept, ceil(n / depths) per depth.
-        Deterministic (top-k, never sampled), so `tree:N` stays exact under sampling too."""
-        if n <= 0 or view.hidden is None:
-            return Guesses.none()
-        hit = self._prepared(view, True, n) if top_k == TOP_K else None
-        if hit is not None:
-            return hit
-        t0 = time.perf_counter()
-        out = self._draft([DraftRequest(view, n, True)], top_k)[0]
-        self.draft_s += time.perf_counter() - t0
-        self.draft_calls += 1
-        return out
-
-    def _draft(self, requests: list[DraftRequest], top_k: int = TOP_K) -> list[Guesses]:
+    def _draft(self, requests: list[DraftRequest]) -> list[Guesses]:
         """Every request's guesses (trees by `tree.Grower`, chains by `pick`), each depth's head and
         readout run once over the frontier nodes of all requests still growing, concatenated in request
         order. E.g. a tree whose frontier holds 3 nodes and a chain (1 node): depth d runs on 4 rows,
@@ -269,9 +259,9 @@ class HeadsProposer(Proposer):
         dev = self.model.device
         mid = self.model.config.mask_token_id
         R = len(requests)
-        growers = [tree.Grower(r.n, self.depths, r.view.context[-1], top_k, self.vocab) if r.tree else None
+        growers = [tree.Grower(r.n, self.depths, r.view.context[-1], TOP_K, self.vocab) if r.tree else None
                    for r in requests]
-        depth = [self.depths if r.tree else min(r.n - 1, self.depths) for r in requests]  # chains: k-1 at most
+        depth = [self.depths if r.tree else min(r.n, self.depths) for r in requests]  # chains: n at most
         chain_tok = [r.view.context[-1] for r in requests]  # a chain's last token (its next depth's input)
         chains: list[tuple[list, list, list]] = [([], [], []) for _ in requests]  # tokens, confidences, dists
         h = torch.stack([r.view.hidden for r in requests]).to(dev, self.model.embed_tokens.weight.dtype)  # [R, dim]
@@ -325,13 +315,7 @@ def heads_files(heads: MTPHeads, model: Transformer, meta: dict | None = None) -
 
 
 def read_heads_config(path) -> dict:
-    path = Path(path)
-    if not (path / CONFIG).exists():
-        raise ValueError(f"no {CONFIG} in heads directory {path}")
-    cfg = read_json(path / CONFIG, "heads config")
-    if cfg.get("format") != FORMAT:
-        raise ValueError(f"{path / CONFIG} is not an mtp heads config")
-    return cfg
+    return read_config(path, FORMAT, "heads")
 
 
 def load_heads(model: Transformer, path) -> MTPHeads:

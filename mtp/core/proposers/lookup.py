@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from mtp.core import tree
-from mtp.core.proposers.base import Guesses, PassView, Proposer
+from mtp.core.proposers.base import DraftRequest, Guesses, Proposer
 
 
 class PromptLookupProposer(Proposer):
@@ -26,11 +26,12 @@ class PromptLookupProposer(Proposer):
                     if cont:
                         yield cont
 
-    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
-        cont = next(self.continuations(view.context, k - 1), None)
+    def propose(self, request: DraftRequest) -> Guesses:
+        """A chain: the latest occurrence's continuation; a tree: every earlier occurrence's, merged
+        into one tree (shared prefixes once)."""
+        ctx, n = request.view.context, request.n
+        if request.tree:
+            tokens, parents = tree.build(list(self.continuations(ctx, n)), n)
+            return Guesses(tokens, [1.0] * len(tokens), None, parents)
+        cont = next(self.continuations(ctx, n), None)
         return Guesses(cont, [1.0] * len(cont), None) if cont else Guesses.none()
-
-    def propose_tree(self, view: PassView, n: int) -> Guesses:
-        """Every earlier occurrence's continuation, merged into one tree (shared prefixes once)."""
-        tokens, parents = tree.build(list(self.continuations(view.context, n)), n)
-        return Guesses(tokens, [1.0] * len(tokens), None, parents)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from mtp.core import tree
-from mtp.core.proposers.base import MAX_MASK_GROUPS, Guesses, PassView, Proposer
+from mtp.core.proposers.base import MAX_MASK_GROUPS, DraftRequest, Guesses, PassView, Proposer
 from mtp.core.sampling import pick
 
 
@@ -20,7 +20,7 @@ class MaskProposer(Proposer):
     latency-bound (pipelines, GPUs).
     At most MAX_MASK_GROUPS groups: the extra ones go after 0, 1, ... accepted drafts, the likeliest.
 
-    Under `tree:N` (`propose_tree`) a group holds g = min(N, TREE_MASK_DEPTH) masks (the decoding loop
+    Under `tree:N` (a tree request) a group holds g = min(N, TREE_MASK_DEPTH) masks (the decoding loop
     asks `n_appended` with `Strategy.guess_k`), one distribution per depth, and the groups follow the
     root and the likeliest nodes (mtp.core.decode: Sequence.mask_anchors); `mask-single` keeps the
     root's group only."""
@@ -37,15 +37,18 @@ class MaskProposer(Proposer):
             return 0
         return (k - 1) * (1 + (min(drafts, MAX_MASK_GROUPS - 1) if self.branch else 0))
 
-    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
-        logits = _guess_rows(view, k - 1)  # [<= k-1, V]
+    def propose(self, request: DraftRequest) -> Guesses:
+        """A chain: one guess per mask row, picked under the request's sampling; or a tree (`_tree`)."""
+        if request.tree:
+            return self._tree(request.view, request.n)
+        logits = _guess_rows(request.view, request.n)  # [<= n, V]
         if logits is None:
             return Guesses.none()
-        tokens, probs = pick(logits, params, gen)
+        tokens, probs = pick(logits, request.params, request.gen)
         conf = torch.softmax(logits.float(), -1).amax(-1)
         return Guesses(tokens.tolist(), conf.tolist(), probs)
 
-    def propose_tree(self, view: PassView, n: int) -> Guesses:
+    def _tree(self, view: PassView, n: int) -> Guesses:
         """At most n nodes over the depths the group's masks guess (row d-1: the token d places after
         the model's own), grown by the heads' builder (mtp.core.tree.grow): under every frontier node
         the top tokens of the next depth's distribution, kept by path probability (the product of the

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mtp.core.proposers.base import GREEDY, DraftRequest, Guesses, PassView, Proposer
+from mtp.core.proposers.base import GREEDY, DraftRequest, Guesses, Proposer
 
 WEIGHTS = {"heads": 1.0, "suffix": 0.8, "lookup": 0.5}  # prior trust in each part's confidences
 
@@ -39,20 +39,37 @@ class MergedProposer(Proposer):
         self.needs_hidden = any(p.needs_hidden for p in parts)
 
     def prepare(self, request: DraftRequest) -> list[Proposer]:
-        """Each part is asked for a tree: of n nodes, or of 4 (k-1) for a chain of block size k (`propose`)."""
-        n = request.n if request.tree else 4 * (request.n - 1)
-        part_request = replace(request, n=n, tree=True, params=GREEDY, gen=None)  # the same `charges` list
-        return [p for part in self.parts for p in part.prepare(part_request)]
+        return [p for part in self.parts for p in part.prepare(self._part_request(request))]
 
-    def propose_tree(self, view: PassView, n: int) -> Guesses:
+    @staticmethod
+    def _part_request(request: DraftRequest) -> DraftRequest:
+        """What each part is asked: a tree of n nodes, or of 4n for a chain of n."""
+        n = request.n if request.tree else 4 * request.n
+        return replace(request, n=n, tree=True, params=GREEDY, gen=None)
+
+    def propose(self, request: DraftRequest) -> Guesses:
+        """A tree: the merged parts' trees; a chain: the best-scoring root path of the merged tree."""
+        g = self._merge(self._part_request(request))
+        if request.tree:
+            return g
+        chain: list[int] = []
+        for j in range(len(g.tokens)):
+            if g.parents[j] == (chain[-1] if chain else -1) and len(chain) < request.n:
+                chain.append(j)
+        return Guesses([g.tokens[j] for j in chain], [g.confidences[j] for j in chain], None, None,
+                       [g.sources[j] for j in chain])
+
+    def _merge(self, request: DraftRequest) -> Guesses:
+        """The n best nodes of the parts' trees (tree `request` of n nodes), scored as the module says."""
+        n = request.n
         score: dict[tuple, float] = {}
         drafted_by: dict[tuple, list[str]] = {}  # path -> the parts that drafted it, in part order
         for part in self.parts:
-            g = part.propose_tree(view, n)
+            g = part.propose(request)
             # a part calibrated for trees (mtp tune) scores a node by its probability of being right: no prior
             w = 1.0 if getattr(part, "tree_calibration", None) is not None else WEIGHTS.get(part.name, 0.5)
             paths: list[tuple] = []
-            for j, (t, p) in enumerate(zip(g.tokens, g.parents or list(range(-1, len(g.tokens) - 1)))):
+            for j, (t, p) in enumerate(zip(g.tokens, g.parents)):
                 paths.append((paths[p] if p >= 0 else ()) + (t,))
                 conf = g.confidences[j] if j < len(g.confidences) else 1.0
                 score[paths[-1]] = max(score.get(paths[-1], 0.0), w * float(conf))
@@ -74,13 +91,3 @@ class MergedProposer(Proposer):
             confs.append(score[path])
             sources.append(tuple(drafted_by[path]))
         return Guesses(tokens, confs, None, parents, sources)
-
-    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
-        """A chain: the best-scoring root path of the merged tree."""
-        g = self.propose_tree(view, 4 * (k - 1))
-        chain: list[int] = []
-        for j in range(len(g.tokens)):
-            if g.parents[j] == (chain[-1] if chain else -1) and len(chain) < k - 1:
-                chain.append(j)
-        return Guesses([g.tokens[j] for j in chain], [g.confidences[j] for j in chain], None, None,
-                       [g.sources[j] for j in chain])

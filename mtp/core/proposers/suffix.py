@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtp.core.artifacts import base_hash, has_format, load_safetensors, read_json, write_dir_atomic
-from mtp.core.proposers.base import Guesses, PassView, Proposer
+from mtp.core.artifacts import base_hash, has_format, load_safetensors, read_config, read_json, write_dir_atomic
+from mtp.core.proposers.base import DraftRequest, Guesses, Proposer
 
 FORMAT = "mtp-datastore"
 WEIGHTS, CONFIG = "datastore.safetensors", "config.json"
@@ -107,9 +107,7 @@ class Datastore:
         if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
             raise ValueError(f"{path}: not a datastore (needs {CONFIG} and {WEIGHTS}); build one with "
                              f"`mtp datastore build`")
-        cfg = read_json(path / CONFIG, "datastore config")
-        if cfg.get("format") != FORMAT:
-            raise ValueError(f"{path / CONFIG} is not an mtp datastore config")
+        cfg = read_config(path, FORMAT, "datastore")
         if model is not None and cfg.get("base_hash") not in (None, base_hash(model)):
             raise ValueError(f"{path}: this datastore was made for another model (base weights hash differs)")
         tokens = load_safetensors(path / WEIGHTS).get("tokens")
@@ -187,20 +185,21 @@ class SuffixProposer(Proposer):
         # the context's own repeats first when they match at least as long a suffix
         return (from_ctx + cands) if n_ctx >= n_store else (cands + from_ctx)
 
-    def propose(self, view: PassView, k: int, params, gen) -> Guesses:
-        cands = self._candidates(view.context, k - 1)
-        t, p, c = frequent_tree(cands, len(cands) * (k - 1))  # the whole trie
+    def propose(self, request: DraftRequest) -> Guesses:
+        """A tree: the n trie nodes most candidates pass through; a chain: the most frequent root path."""
+        ctx, n = request.view.context, request.n
+        if request.tree:
+            t, p, c = frequent_tree(self._candidates(ctx, min(n, self.depth)), n)
+            return Guesses(t, c, None, p)
+        cands = self._candidates(ctx, n)
+        t, p, c = frequent_tree(cands, len(cands) * n)  # the whole trie
         chain: list[int] = []
-        while len(chain) < k - 1:  # the most frequent root path: at each depth the most travelled child
+        while len(chain) < n:  # the most frequent root path: at each depth the most travelled child
             kids = [j for j in range(len(t)) if p[j] == (chain[-1] if chain else -1)]
             if not kids:
                 break
             chain.append(max(kids, key=lambda j: (c[j], -j)))
         return Guesses([t[j] for j in chain], [c[j] for j in chain], None)
-
-    def propose_tree(self, view: PassView, n: int) -> Guesses:
-        t, p, c = frequent_tree(self._candidates(view.context, min(n, self.depth)), n)
-        return Guesses(t, c, None, p)
 
 
 def build_datastore(answers: list[list[int]], model=None, meta: dict | None = None, out=None) -> Datastore:

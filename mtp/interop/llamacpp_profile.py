@@ -24,7 +24,7 @@ import json
 import subprocess
 
 from mtp.core.costmodel import CostModel
-from mtp.eval import llamacpp_env
+from mtp.interop import llamacpp_env
 
 QS = (1, 2, 3, 4, 5, 6, 8)  # blocks llama-bench measures (drafts per step up to 7)
 

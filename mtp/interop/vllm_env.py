@@ -1,5 +1,5 @@
 """Running vLLM from mtp: it lives in its own environment (`make vllm` -> `.venv-vllm`, its own torch and
-transformers pins), so mtp starts `mtp/eval/vllm_runner.py` with that environment's python and reads
+transformers pins), so mtp starts `mtp/interop/vllm_runner.py` with that environment's python and reads
 JSON back. Used by the vLLM tests, `benchmarks/eagle3_vllm.py` and the vLLM peers of `mtp bench`."""
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def strip_eos(ids: list[int], eos) -> list[int]:
     return ids
 
 
-if __name__ == "__main__":  # quick check: python -m mtp.eval.vllm_env
+if __name__ == "__main__":  # quick check: python -m mtp.interop.vllm_env
     print(vllm_python() or f"absent; {HINT}", file=sys.stderr)
 
 

@@ -17,7 +17,7 @@ Contract:
   dies of an illegal instruction on any pass over more than one token, so the build turns native tuning
   off and enables the CPU's other instruction sets one by one without AMX, and `run_flags()` adds
   `--no-repack` for a build made with AMX (belt and braces: a build copied from another machine).
-- Standard library only: `python mtp/eval/llamacpp_env.py build` runs before any environment exists.
+- Standard library only: `python mtp/interop/llamacpp_env.py build` runs before any environment exists.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from mtp.eval import llamacpp_env
+from mtp.interop import llamacpp_env
 
 READY_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 900

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 from mtp.core.artifacts import ArtifactError, atomic_dir, base_hash, read_json
-from mtp.core.export import export_vllm_eagle3
+from mtp.interop.vllm_export import export_vllm_eagle3
 from mtp.core.proposers.eagle3 import CONFIG, read_drafter_config
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # what convert_hf_to_gguf.py writes for a Llama and its drafter

@@ -3,7 +3,7 @@
 vLLM pins its own torch and transformers, so it lives in its own environment (`make vllm` builds
 `.venv-vllm`) and mtp talks to it through this file, run by that environment's python:
 
-    .venv-vllm/bin/python mtp/eval/vllm_runner.py JOB.json
+    .venv-vllm/bin/python mtp/interop/vllm_runner.py JOB.json
 
 JOB.json: {"model": HF_DIR, "prompts": [[ids], ...], "max_tokens": N, "runs": [{"name": str,
 "speculative_config": {...} | null, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}, ...]}.
