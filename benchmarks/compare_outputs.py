@@ -8,6 +8,7 @@ answers. Reads OUT/outputs.jsonl of each run (`strategy`, `prompt_index`, `text`
     python benchmarks/compare_outputs.py --a benchmarks/results/trees/gsm8k100 --b runs/bf16/gsm8k100-bf16 \\
         --row ntp --gsm8k $MTP_DATA_DIR/gsm8k/test.jsonl --out benchmarks/results/dtype/gsm8k100.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from mtp.core import loading
+
     tok = loading.load(args.model or loading.DEFAULT_MODEL).tokenizer
     a, b = texts(Path(args.a), args.row), texts(Path(args.b), args.row)
     common = sorted(set(a) & set(b))
@@ -55,15 +57,27 @@ def main(argv=None) -> None:
     for j in common:
         ia, ib = tok.encode(a[j]), tok.encode(b[j])
         ans_a, ans_b = quality.extract_answer(a[j]), quality.extract_answer(b[j])
-        per.append({"prompt_index": j, "identical": a[j] == b[j], "first_difference_token": first_difference(ia, ib),
-                    "answer_a": ans_a, "answer_b": ans_b,
-                    "gold": None if gold is None else gold[j]})
+        per.append(
+            {
+                "prompt_index": j,
+                "identical": a[j] == b[j],
+                "first_difference_token": first_difference(ia, ib),
+                "answer_a": ans_a,
+                "answer_b": ans_b,
+                "gold": None if gold is None else gold[j],
+            }
+        )
     diffs = [p["first_difference_token"] for p in per if p["first_difference_token"] is not None]
-    summary = {"a": args.a, "b": args.b, "row": args.row, "prompts": len(per),
-               "identical": sum(p["identical"] for p in per),
-               "answer_agreement": metrics.match_rate([p["answer_b"] for p in per], [p["answer_a"] for p in per]),
-               "first_difference_median": sorted(diffs)[len(diffs) // 2] if diffs else None,
-               "first_difference_min_max": [min(diffs), max(diffs)] if diffs else None}
+    summary = {
+        "a": args.a,
+        "b": args.b,
+        "row": args.row,
+        "prompts": len(per),
+        "identical": sum(p["identical"] for p in per),
+        "answer_agreement": metrics.match_rate([p["answer_b"] for p in per], [p["answer_a"] for p in per]),
+        "first_difference_median": sorted(diffs)[len(diffs) // 2] if diffs else None,
+        "first_difference_min_max": [min(diffs), max(diffs)] if diffs else None,
+    }
     if gold is not None:
         summary["accuracy_a"] = metrics.match_rate([p["answer_a"] for p in per], [p["gold"] for p in per])
         summary["accuracy_b"] = metrics.match_rate([p["answer_b"] for p in per], [p["gold"] for p in per])

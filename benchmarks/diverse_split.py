@@ -9,6 +9,7 @@ file whose `category` is the group (bench then reports tokens per pass per group
     python benchmarks/diverse_split.py --heldout $MTP_CACHE_DIR/data/mix-v1/heldout --per-group 20 \\
         --out benchmarks/results/final/diverse60.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ def main() -> int:
     ap.add_argument("--per-group", type=int, default=20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    rows = [json.loads(x) for f in sorted(Path(args.heldout).glob("*.jsonl"))
-            for x in f.read_text(encoding="utf-8").splitlines() if x.strip()]
+    rows = [
+        json.loads(x)
+        for f in sorted(Path(args.heldout).glob("*.jsonl"))
+        for x in f.read_text(encoding="utf-8").splitlines()
+        if x.strip()
+    ]
     order = sorted(rows, key=lambda r: hashlib.sha256(f"diverse:{r['id']}".encode()).hexdigest())
     picked = []
     for g in ("self-instruct seed task", "self-instruct user-oriented", "self-written"):

@@ -10,6 +10,7 @@ not batch-invariant), over `--check-passes` passes at B = 16.
 
     python benchmarks/draft_batching.py [--threads 1] [--passes 8] [--reps 3] [--out FILE.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ def run(engine: Engine, prompts: list[list[int]], strategy: str, proposer: str, 
         s = engine.new_sequence(p, strategy, params, proposer)
         s.proposer, s.slot = engine.proposer(proposer, wrap) if wrap else s.proposer, i
         seqs.append(s)
-    cache = KVCache.for_model(engine.model, len(seqs), max(map(len, prompts)) + params.max_new_tokens
-                              + block_slack(seqs[0].strategy.k))
+    cache = KVCache.for_model(
+        engine.model, len(seqs), max(map(len, prompts)) + params.max_new_tokens + block_slack(seqs[0].strategy.k)
+    )
     row_passes, forward_s = 0, 0.0
     with torch.inference_mode():
         decode_step(engine.model, cache, seqs, engine.mask_id)  # the prefill pass: not timed
@@ -96,28 +98,46 @@ def main(argv=None) -> None:
             for B in (1, 4, 16):
                 ms = {"per-row": [], "batched": []}
                 for rep in range(args.reps):
-                    for mode in (("per-row", "batched") if rep % 2 == 0 else ("batched", "per-row")):
+                    for mode in ("per-row", "batched") if rep % 2 == 0 else ("batched", "per-row"):
                         heads.prepare = batched_prepare if mode == "batched" else (lambda request: [])
                         s, n, fwd = run(engine, prompts[:B], strategy, proposer, args.passes)
                         ms[mode].append(1e3 * s / max(n, 1))
                 heads.prepare = batched_prepare
-                row = {"strategy": strategy, "proposer": proposer, "B": B,
-                       **{f"{m}_ms": round(statistics.median(v), 3) for m, v in ms.items()}}
+                row = {
+                    "strategy": strategy,
+                    "proposer": proposer,
+                    "B": B,
+                    **{f"{m}_ms": round(statistics.median(v), 3) for m, v in ms.items()},
+                }
                 row["ratio"] = round(row["batched_ms"] / row["per-row_ms"], 3) if row["per-row_ms"] else None
                 results.append(row)
-                print(f"{strategy:9s} {proposer:20s} B={B:2d}  drafting ms/row/pass: per-row "
-                      f"{row['per-row_ms']:6.2f}  batched {row['batched_ms']:6.2f}  (x{row['ratio']})", flush=True)
+                print(
+                    f"{strategy:9s} {proposer:20s} B={B:2d}  drafting ms/row/pass: per-row "
+                    f"{row['per-row_ms']:6.2f}  batched {row['batched_ms']:6.2f}  (x{row['ratio']})",
+                    flush=True,
+                )
     checks = []
     for strategy in ("tree:8", "verify:4"):
         counts = {"drafts": 0, "tokens_differ": 0, "confidences_differ": 0}
-        wrap = (lambda name, p: Compare(p, counts) if name == "heads" else p)
+        wrap = lambda name, p: Compare(p, counts) if name == "heads" else p
         run(engine, prompts, strategy, "heads+suffix+lookup", args.check_passes, wrap)
         checks.append({"strategy": strategy, "B": len(prompts), **counts})
         print(f"{strategy}: batched vs alone heads drafts at B={len(prompts)}: {counts}", flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"threads": args.threads, "passes": args.passes, "reps": args.reps,
-                                        "note": "contended machine", "rows": results, "exactness": checks},
-                                       indent=1) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "threads": args.threads,
+                    "passes": args.passes,
+                    "reps": args.reps,
+                    "note": "contended machine",
+                    "rows": results,
+                    "exactness": checks,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

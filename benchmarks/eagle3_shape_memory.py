@@ -9,6 +9,7 @@ varying lengths padded to the bucket. One process per case, so each starts from 
 
     python benchmarks/eagle3_shape_memory.py --steps 200 --out benchmarks/results/eagle3/shape_buckets
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,19 @@ def rss_mb() -> int:
 def one_case(lengths: str, bucket: int, steps: int, amp: bool) -> dict:
     from mtp.core.proposers.eagle3 import Eagle3Config, Eagle3Drafter
     from mtp.training.eagle3_train import ttt_loss
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = Eagle3Config(dim=576, n_heads=9, n_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
-                       draft_vocab=4096, aux_layers=[2, 15, 27])
+    cfg = Eagle3Config(
+        dim=576,
+        n_heads=9,
+        n_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        draft_vocab=4096,
+        aux_layers=[2, 15, 27],
+    )
     drafter = Eagle3Drafter(cfg)
     drafter.set_vocab(torch.arange(4096))
     embed = torch.nn.Embedding(49152, 576).requires_grad_(False)
@@ -46,8 +56,12 @@ def one_case(lengths: str, bucket: int, steps: int, amp: bool) -> dict:
         T = rng.randint(64, 400) if lengths == "vary" else 256
         T = -(-T // bucket) * bucket
         shapes.add(T)
-        batch = {"tokens": torch.randint(0, 4096, (8, T)), "aux": torch.randn(8, T, 1728),
-                 "length": torch.full((8,), T), "prompt_len": torch.full((8,), 10)}
+        batch = {
+            "tokens": torch.randint(0, 4096, (8, T)),
+            "aux": torch.randn(8, T, 1728),
+            "length": torch.full((8,), T),
+            "prompt_len": torch.full((8,), 10),
+        }
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             loss, _ = ttt_loss(drafter, embed, batch, 3)
         opt.zero_grad()
@@ -69,14 +83,30 @@ def main() -> int:
         lengths, bucket = CASES[args.case]
         print(json.dumps(one_case(lengths, bucket, args.steps, args.amp == "on")))
         return 0
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            x.split(":", 1)[1].strip()
+            for x in Path("/proc/cpuinfo").read_text().splitlines()
+            if x.startswith("model name")
+        ),
+        platform.processor(),
+    )
     rows = []
     for case in CASES:
-        got = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--amp", args.amp, "--case", case],
-                             check=True, capture_output=True, text=True).stdout
-        rec = {"case": case, "amp": args.amp, "steps": args.steps, **json.loads(got.strip().splitlines()[-1]),
-               "cpu": cpu, "torch": torch.__version__}
+        got = subprocess.run(
+            [sys.executable, __file__, "--steps", str(args.steps), "--amp", args.amp, "--case", case],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        rec = {
+            "case": case,
+            "amp": args.amp,
+            "steps": args.steps,
+            **json.loads(got.strip().splitlines()[-1]),
+            "cpu": cpu,
+            "torch": torch.__version__,
+        }
         print(json.dumps(rec), flush=True)
         rows.append(rec)
     if args.out:

@@ -5,6 +5,7 @@ after one untimed warm-up step each. The batch is random features of the real tr
 
     python benchmarks/eagle3_step_amp.py --threads 1 --rounds 6 --batch 8 --length 300 --out results.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,12 @@ def main() -> int:
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     B, T, A = args.batch, args.length, len(ecfg.aux_layers) * model.config.dim
-    batch = {"tokens": torch.randint(0, args.draft_vocab, (B, T), generator=g), "aux": torch.randn(B, T, A, generator=g),
-             "length": torch.full((B,), T), "prompt_len": torch.full((B,), min(20, T - 3))}
+    batch = {
+        "tokens": torch.randint(0, args.draft_vocab, (B, T), generator=g),
+        "aux": torch.randn(B, T, A, generator=g),
+        "length": torch.full((B,), T),
+        "prompt_len": torch.full((B,), min(20, T - 3)),
+    }
 
     def step(amp: bool) -> float:
         t0 = time.perf_counter()
@@ -54,15 +59,23 @@ def main() -> int:
     times = {"fp32": [], "bf16": []}
     step(False), step(True)
     for r in range(args.rounds):
-        for amp in ((False, True) if r % 2 == 0 else (True, False)):
+        for amp in (False, True) if r % 2 == 0 else (True, False):
             times["bf16" if amp else "fp32"].append(step(amp))
     med = {k: statistics.median(v) for k, v in times.items()}
-    rec = {"batch": B, "length": T, "threads": args.threads, "draft_vocab": args.draft_vocab,
-           "ttt_steps": args.ttt_steps, "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
-           "median_s": {k: round(v, 3) for k, v in med.items()},
-           "tokens_per_s": {k: round(B * T / v, 1) for k, v in med.items()},
-           "speedup": round(med["fp32"] / med["bf16"], 2), "cpu": platform.processor() or platform.machine(),
-           "mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "time": time.time()}
+    rec = {
+        "batch": B,
+        "length": T,
+        "threads": args.threads,
+        "draft_vocab": args.draft_vocab,
+        "ttt_steps": args.ttt_steps,
+        "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
+        "median_s": {k: round(v, 3) for k, v in med.items()},
+        "tokens_per_s": {k: round(B * T / v, 1) for k, v in med.items()},
+        "speedup": round(med["fp32"] / med["bf16"], 2),
+        "cpu": platform.processor() or platform.machine(),
+        "mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "time": time.time(),
+    }
     print(json.dumps(rec))
     if args.out:
         with open(args.out, "a") as f:

@@ -11,6 +11,7 @@ exported (`mtp export --format vllm-eagle3`) and vLLM decodes the same token-id 
 `method: eagle3`, K-1 speculative tokens; reported: output identical to vLLM plain (and to our ntp),
 vLLM's mean acceptance length (1 + accepted / drafts) and tokens/s. Writes results.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,13 @@ def read_prompts(path: str, limit: int) -> list[str]:
 
 
 def decode(engine, ids, strategy, proposer, max_new):
-    seq = Sequence(list(ids), Strategy.parse(strategy), SamplingParams(max_new_tokens=max_new), proposer,
-                   eos_ids=engine.loaded.eos_ids)
+    seq = Sequence(
+        list(ids),
+        Strategy.parse(strategy),
+        SamplingParams(max_new_tokens=max_new),
+        proposer,
+        eos_ids=engine.loaded.eos_ids,
+    )
     t0 = time.perf_counter()
     for _ in engine.stream(seq):
         pass
@@ -62,15 +68,20 @@ def main() -> int:
     ap.add_argument("--out", default="runs/eagle3")
     args = ap.parse_args()
     engine = Engine.load(EngineConfig(adapter="none", proposer="eagle3", eagle3=args.eagle3, threads=args.threads))
-    rows = {"ntp": ("ntp", engine.proposer("lookup")),
-            f"verify:{args.k} heads": (f"verify:{args.k}", load_heads_proposer(engine.model, SHIPPED["smollm2-135m"] / "heads")),
-            f"verify:{args.k} eagle3": (f"verify:{args.k}", engine.proposer("eagle3"))}
+    rows = {
+        "ntp": ("ntp", engine.proposer("lookup")),
+        f"verify:{args.k} heads": (
+            f"verify:{args.k}",
+            load_heads_proposer(engine.model, SHIPPED["smollm2-135m"] / "heads"),
+        ),
+        f"verify:{args.k} eagle3": (f"verify:{args.k}", engine.proposer("eagle3")),
+    }
     prompts = [engine.encode(p) for p in read_prompts(args.data, args.limit)]
     decode(engine, prompts[0], "verify:2", rows[f"verify:{args.k} eagle3"][1], 8)  # warm-up
     res = {name: {"chunks": [], "tokens": 0, "wall_s": 0.0, "identical": 0, "outputs": []} for name in rows}
     names = list(rows)
     for i, ids in enumerate(prompts):
-        order = names[i % len(names):] + names[:i % len(names)]
+        order = names[i % len(names) :] + names[: i % len(names)]
         outs = {}
         for name in order:
             strategy, proposer = rows[name]
@@ -83,24 +94,44 @@ def main() -> int:
             r["outputs"].append(seq.output)
         for name in names:
             res[name]["identical"] += int(outs[name] == outs["ntp"])
-        print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
-            f"{n} {metrics.tokens_per_forward(res[n]['chunks']):.2f}" for n in names), file=sys.stderr, flush=True)
+        print(
+            f"prompt {i + 1}/{len(prompts)}: "
+            + ", ".join(f"{n} {metrics.tokens_per_forward(res[n]['chunks']):.2f}" for n in names),
+            file=sys.stderr,
+            flush=True,
+        )
     table = {}
     for name, r in res.items():
-        table[name] = {"tokens_per_pass": round(metrics.tokens_per_forward(r["chunks"]), 4),
-                       "acceptance_by_position": [round(a, 4) for a in metrics.acceptance_by_position(r["chunks"], args.k)],
-                       "tokens_per_s": round(r["tokens"] / r["wall_s"], 2), "identical_to_ntp": r["identical"],
-                       "prompts": len(prompts)}
+        table[name] = {
+            "tokens_per_pass": round(metrics.tokens_per_forward(r["chunks"]), 4),
+            "acceptance_by_position": [round(a, 4) for a in metrics.acceptance_by_position(r["chunks"], args.k)],
+            "tokens_per_s": round(r["tokens"] / r["wall_s"], 2),
+            "identical_to_ntp": r["identical"],
+            "prompts": len(prompts),
+        }
     out = {"args": vars(args), "engine": table}
     if args.vllm:
         with tempfile.TemporaryDirectory() as tmp:
             export_vllm_eagle3(args.eagle3, Path(tmp) / "vllm")
-            recs = run_vllm(target_dir(), prompts, args.max_new_tokens, [
-                {"name": "vllm"},
-                {"name": "vllm-eagle3", "speculative_config": {"method": "eagle3", "model": str(Path(tmp) / "vllm"),
-                                                               "num_speculative_tokens": args.k - 1}}],
-                log=lambda e: Path(args.out).mkdir(parents=True, exist_ok=True) or
-                (Path(args.out) / "vllm.log").write_text(e))
+            recs = run_vllm(
+                target_dir(),
+                prompts,
+                args.max_new_tokens,
+                [
+                    {"name": "vllm"},
+                    {
+                        "name": "vllm-eagle3",
+                        "speculative_config": {
+                            "method": "eagle3",
+                            "model": str(Path(tmp) / "vllm"),
+                            "num_speculative_tokens": args.k - 1,
+                        },
+                    },
+                ],
+                log=lambda e: (
+                    Path(args.out).mkdir(parents=True, exist_ok=True) or (Path(args.out) / "vllm.log").write_text(e)
+                ),
+            )
         eos = set(engine.loaded.eos_ids)
         plain = [strip_eos(o, eos) for o in recs[0]["outputs"]]
         for rec in recs:

@@ -14,6 +14,7 @@ trunk streams they read), beside or instead of heads.
     python benchmarks/heads_compare.py --data gsm8k:$MTP_DATA_DIR/gsm8k/test.jsonl --limit 100 \\
         --heads auto,runs/heads6-1600/heads-5000 --strategies verify:4,tree:16 --out runs/heads_compare/gsm8k100
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,15 +54,30 @@ def reference(engine, prompts: list[list[int]], args) -> list[Output]:
     if path is not None and path.exists():
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if [r["prompt_ids"] for r in rows] != prompts or any(r["max_new_tokens"] != args.max_new_tokens for r in rows):
-            raise SystemExit(f"{path}: not the ntp answers of these prompts at --max-new-tokens "
-                             f"{args.max_new_tokens}; remove it or pass another --reference")
+            raise SystemExit(
+                f"{path}: not the ntp answers of these prompts at --max-new-tokens "
+                f"{args.max_new_tokens}; remove it or pass another --reference"
+            )
         return [Output(r["ids"], r["text"], [], [], r["finish"]) for r in rows]
     ref = decode_all(engine, prompts, Strategy(), None, args.max_new_tokens, args.batch).outputs
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": args.max_new_tokens, "ids": o.ids,
-                                           "text": o.text, "finish": o.finish}) + "\n" for p, o in zip(prompts, ref)))
+        tmp.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "prompt_ids": p,
+                        "max_new_tokens": args.max_new_tokens,
+                        "ids": o.ids,
+                        "text": o.text,
+                        "finish": o.finish,
+                    }
+                )
+                + "\n"
+                for p, o in zip(prompts, ref)
+            )
+        )
         tmp.replace(path)
     return ref
 
@@ -75,9 +91,12 @@ def protocol_parser(doc: str, strategies_help: str, batch_help: str) -> argparse
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16, help=batch_help)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reference", default=None,
-                    help="JSONL of the ntp answers: read when it exists (its prompts and length must match), "
-                         "else decoded and written there")
+    ap.add_argument(
+        "--reference",
+        default=None,
+        help="JSONL of the ntp answers: read when it exists (its prompts and length must match), "
+        "else decoded and written there",
+    )
     ap.add_argument("--out", required=True)
     return ap
 
@@ -92,8 +111,9 @@ def write_rows(out: Path, rows: list[dict], **env) -> None:
 
 
 def main(argv=None) -> None:
-    ap = protocol_parser(__doc__, "comma list of lossless strategies (verify:K, tree:N)",
-                         "rows of the batched reference decode")
+    ap = protocol_parser(
+        __doc__, "comma list of lossless strategies (verify:K, tree:N)", "rows of the batched reference decode"
+    )
     ap.add_argument("--heads", default="", help="comma list of heads directories; 'auto' = the shipped heads")
     ap.add_argument("--eagle3", default="", help="comma list of EAGLE-3 drafter directories; 'auto' = the shipped one")
     args = ap.parse_args(argv)
@@ -109,24 +129,34 @@ def main(argv=None) -> None:
     hidden: dict = {}  # teacher-forced hidden states per prompt: the trunk's, shared by every set of heads
     ref, rows = None, []
     for proposer, h in heads:
-        engine = Engine.load(EngineConfig(adapter="none", proposer=proposer, threads=args.threads,
-                                          **{proposer: h}))
+        engine = Engine.load(EngineConfig(adapter="none", proposer=proposer, threads=args.threads, **{proposer: h}))
         prompts = [engine.encode(it["prompt"], chat=True) for it in items]
         if ref is None:
             ref = reference(engine, prompts, args)
-            print(f"reference: {len(ref)} ntp answers, {sum(len(o.ids) for o in ref):,} tokens "
-                  f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+            print(
+                f"reference: {len(ref)} ntp answers, {sum(len(o.ids) for o in ref):,} tokens "
+                f"[{time.perf_counter() - t0:.0f}s]",
+                flush=True,
+            )
         for s in strategies:
             stats = replay(engine, prompts, ref, s, proposer, hidden_cache=hidden, memo={})
             chunks = [c for o in stats.outputs for c in o.chunks]
             where = engine.asset_dirs.get(proposer)
-            row = {"proposer": proposer, proposer: h, f"{proposer}_dir": portable(where), "strategy": str(s),
-                   "data": portable(args.data),
-                   "n_prompts": len(prompts), "tokens_per_forward": metrics.tokens_per_forward(chunks),
-                   "acceptance_by_position": metrics.acceptance_by_position(chunks, s.k)}
+            row = {
+                "proposer": proposer,
+                proposer: h,
+                f"{proposer}_dir": portable(where),
+                "strategy": str(s),
+                "data": portable(args.data),
+                "n_prompts": len(prompts),
+                "tokens_per_forward": metrics.tokens_per_forward(chunks),
+                "acceptance_by_position": metrics.acceptance_by_position(chunks, s.k),
+            }
             rows.append(row)
-            print(f"{h:40s} {str(s):10s} {row['tokens_per_forward']:.3f} tokens/pass "
-                  f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+            print(
+                f"{h:40s} {str(s):10s} {row['tokens_per_forward']:.3f} tokens/pass [{time.perf_counter() - t0:.0f}s]",
+                flush=True,
+            )
     write_rows(out, rows, threads=args.threads, seconds=round(time.perf_counter() - t0, 1))
 
 

@@ -7,6 +7,7 @@ the relative norm of the hidden-state difference and how often the trunk's greed
     python benchmarks/heads_features_amp.py --examples runs/mix-v1-shards1-12.jsonl --start 3000 --n 24 \
         --threads 2 --out benchmarks/results/heads_amp
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    examples = load_examples(args.examples)[args.start:args.start + args.n]
+    examples = load_examples(args.examples)[args.start : args.start + args.n]
     model = Engine.load(EngineConfig(adapter="none", pack=False)).model
     feats, rows = {}, []
     for rnd in range(args.repeat):
@@ -40,20 +41,35 @@ def main() -> int:
             t0 = time.perf_counter()
             feats[mode] = extract_features(model, examples, amp=mode == "bf16")
             dt = time.perf_counter() - t0
-            rec = {"round": rnd, "mode": mode, "rows": len(feats[mode]["hidden"]), "seconds": round(dt, 2),
-                   "rows_per_s": round(len(feats[mode]["hidden"]) / dt, 1)}
+            rec = {
+                "round": rnd,
+                "mode": mode,
+                "rows": len(feats[mode]["hidden"]),
+                "seconds": round(dt, 2),
+                "rows_per_s": round(len(feats[mode]["hidden"]) / dt, 1),
+            }
             print(json.dumps(rec), flush=True)
             rows.append(rec)
     a, b = feats["fp32"], feats["bf16"]
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), platform.processor())
-    summary = {"hidden_rel_diff": round(float((a["hidden"] - b["hidden"]).norm() / a["hidden"].norm()), 5),
-               "agree_fp32": round(float(a["agree"].float().mean()), 4),
-               "agree_bf16": round(float(b["agree"].float().mean()), 4),
-               "targets_equal": bool(torch.equal(a["ahead"], b["ahead"])),
-               "examples": f"{args.examples}[{args.start}:{args.start + args.n}]", "threads": args.threads,
-               "cpu": cpu, "bf16_native": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-               "torch": torch.__version__}
+    cpu = next(
+        (
+            x.split(":", 1)[1].strip()
+            for x in Path("/proc/cpuinfo").read_text().splitlines()
+            if x.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    summary = {
+        "hidden_rel_diff": round(float((a["hidden"] - b["hidden"]).norm() / a["hidden"].norm()), 5),
+        "agree_fp32": round(float(a["agree"].float().mean()), 4),
+        "agree_bf16": round(float(b["agree"].float().mean()), 4),
+        "targets_equal": bool(torch.equal(a["ahead"], b["ahead"])),
+        "examples": f"{args.examples}[{args.start}:{args.start + args.n}]",
+        "threads": args.threads,
+        "cpu": cpu,
+        "bf16_native": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "torch": torch.__version__,
+    }
     print(json.dumps(summary), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ line per size to OUT/results.jsonl (`mask_scaling.py` writes the mask adapter's 
     python benchmarks/heads_scaling.py --examples $MTP_CACHE_DIR/data/mix/train.jsonl \\
         --sizes 100,300,1000 --steps 600 --out runs/heads_scaling
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ from mtp.training.trainer import AMP_CHOICES, use_bf16
 
 
 def held_out(key: str, fraction: float) -> bool:
-    return int.from_bytes(hashlib.sha256(f"val:{key}".encode()).digest()[:8], "big") / 2 ** 64 < fraction
+    return int.from_bytes(hashlib.sha256(f"val:{key}".encode()).digest()[:8], "big") / 2**64 < fraction
 
 
 def main() -> int:
@@ -48,21 +49,34 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--amp", choices=AMP_CHOICES, default="auto",
-                    help="extract the trunk's states under bf16 autocast (auto: on a CPU with native bf16)")
-    ap.add_argument("--reference", default="shipped",
-                    help="heads directory scored on the same held-out answers first ('shipped', 'none')")
-    ap.add_argument("--repeat", default="",
-                    help="SOURCE:N, e.g. gsm8k:2: every training row of answers from SOURCE seen N times as often "
-                         "(rows are independent: each carries its own targets); held-out rows are never repeated")
+    ap.add_argument(
+        "--amp",
+        choices=AMP_CHOICES,
+        default="auto",
+        help="extract the trunk's states under bf16 autocast (auto: on a CPU with native bf16)",
+    )
+    ap.add_argument(
+        "--reference",
+        default="shipped",
+        help="heads directory scored on the same held-out answers first ('shipped', 'none')",
+    )
+    ap.add_argument(
+        "--repeat",
+        default="",
+        help="SOURCE:N, e.g. gsm8k:2: every training row of answers from SOURCE seen N times as often "
+        "(rows are independent: each carries its own targets); held-out rows are never repeated",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     src = Path(args.examples)  # an `mtp data` folder (its shards, then its working file) or a JSONL of answers
-    records = (list(shards.read(src, "train", repair=False)[0].values()) if src.is_dir()
-               else [json.loads(x) for x in src.read_text().splitlines() if x.strip()])
+    records = (
+        list(shards.read(src, "train", repair=False)[0].values())
+        if src.is_dir()
+        else [json.loads(x) for x in src.read_text().splitlines() if x.strip()]
+    )
     ids = [r.get("id", str(i)) for i, r in enumerate(records)]
     sources = [r.get("source", "?") for r in records]
     examples = load_examples(args.examples)
@@ -75,10 +89,13 @@ def main() -> int:
     model = engine.model
     order = train[: max(sizes)] + val  # one feature file: the largest training set, then the held-out answers
     t0 = time.perf_counter()
-    feats, path = cached_features(model, [examples[i] for i in order], cache_root(),
-                                  amp=use_bf16(args.amp, model.device))
-    print(f"features of {len(order)} answers ({len(feats['hidden']):,} rows) in {time.perf_counter() - t0:.0f} s: {path}",
-          flush=True)
+    feats, path = cached_features(
+        model, [examples[i] for i in order], cache_root(), amp=use_bf16(args.amp, model.device)
+    )
+    print(
+        f"features of {len(order)} answers ({len(feats['hidden']):,} rows) in {time.perf_counter() - t0:.0f} s: {path}",
+        flush=True,
+    )
     n_train_max = max(sizes)
     example = feats["example"]
     val_rows = (example >= n_train_max).nonzero().squeeze(1)
@@ -111,17 +128,32 @@ def main() -> int:
             again = mine.nonzero().squeeze(1).repeat(int(times) - 1)
             n_rows = len(rows)
             rows = rows[torch.cat([torch.arange(n_rows), again])]
-            print(f"--repeat {args.repeat}: {int(mine.sum()):,} of {n_rows:,} training rows from {source}, "
-                  f"{len(rows):,} rows after repeating", flush=True)
-        cfg = TrainHeadsConfig(depths=args.depths, blocks=args.blocks, steps=args.steps, batch_size=args.batch_size,
-                               lr=args.lr, save_every=args.steps, val_fraction=0.0, draft_vocab=args.draft_vocab)
+            print(
+                f"--repeat {args.repeat}: {int(mine.sum()):,} of {n_rows:,} training rows from {source}, "
+                f"{len(rows):,} rows after repeating",
+                flush=True,
+            )
+        cfg = TrainHeadsConfig(
+            depths=args.depths,
+            blocks=args.blocks,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            save_every=args.steps,
+            val_fraction=0.0,
+            draft_vocab=args.draft_vocab,
+        )
         t0 = time.perf_counter()
         run = out / f"heads-{n}"
         if run.exists():
             shutil.rmtree(run)
         train_heads(model, feats, cfg, run, log=lambda m: None, rows=rows)
-        rec = {"answers": n, "train_rows": int((example < n).sum()), "steps": args.steps,
-               "train_s": round(time.perf_counter() - t0, 1)}
+        rec = {
+            "answers": n,
+            "train_rows": int((example < n).sum()),
+            "steps": args.steps,
+            "train_s": round(time.perf_counter() - t0, 1),
+        }
         emit({**rec, **by_source(load_heads(model, run), feats, val_rows)})
     return 0
 

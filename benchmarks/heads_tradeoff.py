@@ -13,6 +13,7 @@ inside the proposer), verification ms per pass (the rest of the wall time), and 
 tokens/s over ntp's tokens/s on the same prompts. Writes results.json, table.md and tradeoff.png
 (net speedup against module parameters, the mask adapter as one more point).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,14 +49,19 @@ def load_prompts(path: str, limit: int) -> list[str]:
 
 def adapter_params(path: Path) -> int:
     from safetensors.torch import load_file
+
     return sum(t.numel() for t in load_file(str(path / "adapter.safetensors")).values())
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--heads", nargs="+", default=[],
-                   help="MTP heads checkpoint directories; DIR@2,4 runs only those K for that one")
+    p.add_argument(
+        "--heads",
+        nargs="+",
+        default=[],
+        help="MTP heads checkpoint directories; DIR@2,4 runs only those K for that one",
+    )
     p.add_argument("--adapter", default="auto", help="mask-token adapter directory ('auto' = shipped, 'none')")
     p.add_argument("--data", required=True, help="JSONL with a 'question' (or 'prompt') field")
     p.add_argument("--limit", type=int, default=8)
@@ -75,11 +81,20 @@ def main() -> None:
         cfg = read_heads_config(d)
         proposer = load_heads_proposer(base.model, d)
         label = Path(d).name
-        for k in (sorted(int(x) for x in own_k.split(",")) if own_k else ks):
+        for k in sorted(int(x) for x in own_k.split(",")) if own_k else ks:
             if 2 <= k <= cfg["depths"] + 1:
-                cands.append({"name": f"heads {label} verify:{k}", "kind": "heads", "dir": str(d), "k": k,
-                              "engine": base, "proposer": proposer, "params": cfg["n_params"],
-                              "size": f"L={cfg['blocks']} width={cfg['width']} D={cfg['depths']}"})
+                cands.append(
+                    {
+                        "name": f"heads {label} verify:{k}",
+                        "kind": "heads",
+                        "dir": str(d),
+                        "k": k,
+                        "engine": base,
+                        "proposer": proposer,
+                        "params": cfg["n_params"],
+                        "size": f"L={cfg['blocks']} width={cfg['width']} D={cfg['depths']}",
+                    }
+                )
     mask_engine = None
     if args.adapter != "none":
         mask_engine = Engine.load(EngineConfig(model=args.model, adapter=args.adapter, threads=args.threads))
@@ -90,11 +105,21 @@ def main() -> None:
             n = adapter_params(mask_engine.adapter_dir)
             for k in ks:
                 if k >= 2:
-                    cands.append({"name": f"mask adapter verify:{k}", "kind": "mask", "k": k,
-                                  "dir": str(mask_engine.adapter_dir), "engine": mask_engine,
-                                  "proposer": MaskProposer(), "params": n, "size": "gated LoRA + mask token"})
-    rows = [{"name": "ntp", "kind": "ntp", "k": 1, "engine": base, "proposer": MaskProposer(), "params": 0,
-             "size": "-"}] + cands
+                    cands.append(
+                        {
+                            "name": f"mask adapter verify:{k}",
+                            "kind": "mask",
+                            "k": k,
+                            "dir": str(mask_engine.adapter_dir),
+                            "engine": mask_engine,
+                            "proposer": MaskProposer(),
+                            "params": n,
+                            "size": "gated LoRA + mask token",
+                        }
+                    )
+    rows = [
+        {"name": "ntp", "kind": "ntp", "k": 1, "engine": base, "proposer": MaskProposer(), "params": 0, "size": "-"}
+    ] + cands
     for r in rows:
         strategy = Strategy.parse("ntp" if r["k"] == 1 else f"verify:{r['k']}")
         r.update(stats=[], draft_s=0.0, outputs=[], strategy=strategy)
@@ -103,8 +128,14 @@ def main() -> None:
 
     def decode(row, ids, max_new, record=True):
         eng = row["engine"]
-        seq = Sequence(ids, row["strategy"], SamplingParams(max_new_tokens=max_new), row["proposer"],
-                       eos_ids=eng.loaded.eos_ids, decode_text=eng.decode_text)
+        seq = Sequence(
+            ids,
+            row["strategy"],
+            SamplingParams(max_new_tokens=max_new),
+            row["proposer"],
+            eos_ids=eng.loaded.eos_ids,
+            decode_text=eng.decode_text,
+        )
         d0 = getattr(row["proposer"], "draft_s", 0.0)
         for _ in eng.stream(seq):
             pass
@@ -118,7 +149,7 @@ def main() -> None:
         decode(row, ids_all[0], 8, record=False)
     t0 = time.perf_counter()
     for i, ids in enumerate(ids_all):
-        order = rows[i % len(rows):] + rows[:i % len(rows)]
+        order = rows[i % len(rows) :] + rows[: i % len(rows)]
         for row in order:
             decode(row, ids, args.max_new_tokens)
         print(f"prompt {i + 1}/{len(ids_all)} done ({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
@@ -130,28 +161,45 @@ def main() -> None:
         s = metrics.merge(row["stats"], k_max=row["k"])
         passes = s["forward_passes"]
         draft_ms = 1000 * row["draft_s"] / passes
-        results.append({
-            "name": row["name"], "kind": row["kind"], "size": row["size"], "params": row["params"], "k": row["k"],
-            "acceptance_by_position": [round(a, 3) for a in s["acceptance_by_position"]],
-            "tokens_per_pass": round(s["tokens_per_forward"], 3),
-            "draft_ms_per_pass": round(draft_ms, 2),
-            "verify_ms_per_pass": round(1000 * s["wall_s"] / passes - draft_ms, 2),
-            "tokens_per_s": round(s["tokens_per_s"], 2),
-            "speedup_vs_ntp": round(s["tokens_per_s"] / ntp_sum["tokens_per_s"], 3),
-            "lossless": all(o == r for o, r in zip(row["outputs"], ntp["outputs"])),
-            "tokens": s["tokens"], "forward_passes": passes,
-        })
-    meta = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
-            "data": Path(args.data).name, "command": " ".join(sys.argv)}
+        results.append(
+            {
+                "name": row["name"],
+                "kind": row["kind"],
+                "size": row["size"],
+                "params": row["params"],
+                "k": row["k"],
+                "acceptance_by_position": [round(a, 3) for a in s["acceptance_by_position"]],
+                "tokens_per_pass": round(s["tokens_per_forward"], 3),
+                "draft_ms_per_pass": round(draft_ms, 2),
+                "verify_ms_per_pass": round(1000 * s["wall_s"] / passes - draft_ms, 2),
+                "tokens_per_s": round(s["tokens_per_s"], 2),
+                "speedup_vs_ntp": round(s["tokens_per_s"] / ntp_sum["tokens_per_s"], 3),
+                "lossless": all(o == r for o, r in zip(row["outputs"], ntp["outputs"])),
+                "tokens": s["tokens"],
+                "forward_passes": passes,
+            }
+        )
+    meta = {
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "data": Path(args.data).name,
+        "command": " ".join(sys.argv),
+    }
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
-    table = ["| candidate | size | params | acceptance by position | tokens/pass | draft ms/pass | "
-             "verify ms/pass | tokens/s | speedup vs ntp | lossless |", "|" + " --- |" * 10]
+    table = [
+        "| candidate | size | params | acceptance by position | tokens/pass | draft ms/pass | "
+        "verify ms/pass | tokens/s | speedup vs ntp | lossless |",
+        "|" + " --- |" * 10,
+    ]
     for r in results:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
-        table.append(f"| {r['name']} | {r['size']} | {r['params'] / 1e6:.2f} M | {acc} | "
-                     f"{r['tokens_per_pass']:.2f} | {r['draft_ms_per_pass']:.1f} | {r['verify_ms_per_pass']:.1f} | "
-                     f"{r['tokens_per_s']:.1f} | "
-                     f"{r['speedup_vs_ntp']:.2f}x | {'yes' if r['lossless'] else 'NO'} |")
+        table.append(
+            f"| {r['name']} | {r['size']} | {r['params'] / 1e6:.2f} M | {acc} | "
+            f"{r['tokens_per_pass']:.2f} | {r['draft_ms_per_pass']:.1f} | {r['verify_ms_per_pass']:.1f} | "
+            f"{r['tokens_per_s']:.1f} | "
+            f"{r['speedup_vs_ntp']:.2f}x | {'yes' if r['lossless'] else 'NO'} |"
+        )
     (out / "table.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
     plot(results, out / "tradeoff.png", meta)
@@ -161,6 +209,7 @@ def plot(results: list[dict], path: Path, meta: dict) -> None:
     try:
         import matplotlib
         import matplotlib.ticker
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -174,8 +223,9 @@ def plot(results: list[dict], path: Path, meta: dict) -> None:
         colour = "tab:red" if r["kind"] == "mask" else "tab:blue"
         ax.scatter(r["params"] / 1e6, r["speedup_vs_ntp"], c=colour, marker=markers.get(r["k"], "x"), s=50)
         label = r["name"].replace("heads ", "").replace(" verify:", " K=")
-        ax.annotate(label, (r["params"] / 1e6, r["speedup_vs_ntp"]), fontsize=7, xytext=(4, 3),
-                    textcoords="offset points")
+        ax.annotate(
+            label, (r["params"] / 1e6, r["speedup_vs_ntp"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+        )
     ax.axhline(1.0, color="grey", lw=1, ls="--", label="ntp")
     ax.set_xscale("log")
     ax.set_xlabel("module parameters (millions, log scale)")
@@ -186,8 +236,11 @@ def plot(results: list[dict], path: Path, meta: dict) -> None:
     ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     who = "MTP heads (blue) vs mask adapter (red)" if any(r["kind"] == "mask" for r in results) else "MTP heads"
-    ax.set_title(f"{who}, verify:K (marker: o K=2, s K=3, ^ K=4); {meta['prompts']} prompts of "
-                 f"{meta['data']}, {meta['threads']} threads", fontsize=9)
+    ax.set_title(
+        f"{who}, verify:K (marker: o K=2, s K=3, ^ K=4); {meta['prompts']} prompts of "
+        f"{meta['data']}, {meta['threads']} threads",
+        fontsize=9,
+    )
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -11,6 +11,7 @@ Candidates are timed interleaved (one call batch of each per round, the rounds r
 median per call is reported, in milliseconds. Weights are random valid blocks (timings do not depend
 on the values). Other processes on the machine move the numbers: say so when quoting them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,13 @@ from mtp.core import kernels
 from mtp.core.kernels.qlinear import FORMATS, KernelWeight, linear, linear_int8
 from mtp.core.model import packed_matmul
 
-SHAPES = {"qo 576->576": (576, 576), "kv 576->192": (576, 192), "up 576->1536": (576, 1536),
-          "down 1536->576": (1536, 576), "head 576->49152": (576, 49152)}
+SHAPES = {
+    "qo 576->576": (576, 576),
+    "kv 576->192": (576, 192),
+    "up 576->1536": (576, 1536),
+    "down 1536->576": (1536, 576),
+    "head 576->49152": (576, 49152),
+}
 ROWS = (1, 2, 4, 8, 16, 32)
 
 
@@ -46,8 +52,23 @@ def cpu_summary() -> dict:
                 model = line.split(":", 1)[1].strip()
             if line.startswith("Flags:"):
                 have = set(line.split(":", 1)[1].split())
-                flags = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-                                     "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile") if f in have]
+                flags = [
+                    f
+                    for f in (
+                        "avx2",
+                        "fma",
+                        "f16c",
+                        "avx512f",
+                        "avx512bw",
+                        "avx512vl",
+                        "avx512dq",
+                        "avx512_vnni",
+                        "avx_vnni",
+                        "avx512_bf16",
+                        "amx_tile",
+                    )
+                    if f in have
+                ]
     except (OSError, subprocess.SubprocessError):
         pass
     return {"model": model, "flags": flags}
@@ -112,11 +133,19 @@ def bench(args) -> dict:
             for _ in range(args.repeats):
                 for name, fn in cands.items():
                     times[name].append(time_round(fn, x, args.min_ms / 1e3))
-            row = {"shape": label, "K": k, "N": n, "M": m,
-                   "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()}}
+            row = {
+                "shape": label,
+                "K": k,
+                "N": n,
+                "M": m,
+                "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
+            }
             results.append(row)
-            print(f"{label:>16} M={m:<3}" + "".join(f" {name}={v:.4f}" for name, v in row["ms"].items()),
-                  file=sys.stderr, flush=True)
+            print(
+                f"{label:>16} M={m:<3}" + "".join(f" {name}={v:.4f}" for name, v in row["ms"].items()),
+                file=sys.stderr,
+                flush=True,
+            )
     return {"results": results}
 
 
@@ -142,9 +171,9 @@ def check(args) -> dict:
             full = fn(x)
             worst = 0.0
             for m in range(32):
-                alone = fn(x[m:m + 1])[0]
+                alone = fn(x[m : m + 1])[0]
                 worst = max(worst, (alone - full[m]).abs().max().item())
-                moved = torch.cat([x[m:m + 1], torch.randn(7, k, generator=gen)])  # row first, other neighbours
+                moved = torch.cat([x[m : m + 1], torch.randn(7, k, generator=gen)])  # row first, other neighbours
                 worst = max(worst, (fn(moved)[0] - full[m]).abs().max().item())
             out.append({"shape": label, "op": name, "max_abs_diff": worst})
             print(f"{label:>16} {name:>22}: max|row alone - row in batch| = {worst:.3g}")
@@ -156,8 +185,12 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     p.add_argument("--shapes", nargs="+", default=None, help="substrings of shape labels (qo kv up down head)")
-    p.add_argument("--formats", nargs="+", default=["f32", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8"],
-                   help="f32 q8_0 q4_0 q4_1, and q8_0-i8 q4_0-i8 q4_1-i8 for int8 activations")
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        default=["f32", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8"],
+        help="f32 q8_0 q4_0 q4_1, and q8_0-i8 q4_0-i8 q4_1-i8 for int8 activations",
+    )
     p.add_argument("--isa", nargs="+", default=None, help="ISA paths to time (default: avx2 and avx512 if run)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--min-ms", type=float, default=20.0, help="time per candidate per round")
@@ -169,14 +202,21 @@ def main(argv=None):
         sys.exit(f"kernel_matmul: the kernels are not available ({kernels.why_unavailable()})")
     if args.isa is None:
         args.isa = [i for i in kernels.supported_isas() if i != "scalar"] or ["scalar"]
-    meta = {"cpu": cpu_summary(), "threads": args.threads, "torch": torch.__version__,
-            "isas": args.isa, "formats": args.formats}
+    meta = {
+        "cpu": cpu_summary(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "isas": args.isa,
+        "formats": args.formats,
+    }
     if args.check:
         res = {**meta, **check(args)}
     else:
         res = {**meta, **bench(args)}
-        print(f"CPU: {meta['cpu']['model']} ({' '.join(meta['cpu']['flags'])}); threads {args.threads}; "
-              "ms per call, median")
+        print(
+            f"CPU: {meta['cpu']['model']} ({' '.join(meta['cpu']['flags'])}); threads {args.threads}; "
+            "ms per call, median"
+        )
         print(table(res["results"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ and the largest |logit difference|. Also the time of one M=1 decoding pass per m
 changed on disk: each `Linear`'s forward is replaced in this process only (the wiring the next
 milestone puts into mtp/core/model.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,10 @@ PROMPTS = [
     "What is the capital of France?",
     "Write a short poem about the sea.",
     "Explain what a prime number is.",
-    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-     "How many clips did Natalia sell altogether in April and May?"),
+    (
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?"
+    ),
     "Give me three tips for learning a new language.",
     "Translate 'good morning' into Spanish and German.",
 ]
@@ -58,11 +61,15 @@ def install(model, weights: dict, mode: str) -> int:
         kw = weights[f"{name}.weight"]
         if mode == "f32act" and not torch.equal(kw.dequantize(), mod.weight):
             raise SystemExit(f"{name}: the kernel weight does not dequantise to the loader's float32 values")
-        fn = linear if mode == "f32act" or kw.fmt == "f32" or (mode == "int8-nohead" and name == "lm_head") \
+        fn = (
+            linear
+            if mode == "f32act" or kw.fmt == "f32" or (mode == "int8-nohead" and name == "lm_head")
             else linear_int8
+        )
 
         def forward(x, gate=None, kw=kw, fn=fn, bias=mod.bias):
             return fn(x, kw, bias)
+
         mod.forward = forward
         n += 1
     return n
@@ -70,7 +77,7 @@ def install(model, weights: dict, mode: str) -> int:
 
 def teacher_forced(model, ids: list[int], n_prompt: int) -> torch.Tensor:
     with torch.inference_mode():
-        return model(torch.tensor([ids]))[0, n_prompt - 1:-1].float()
+        return model(torch.tensor([ids]))[0, n_prompt - 1 : -1].float()
 
 
 def pass_ms(model, ctx: int = 64, reps: int = 20) -> float:
@@ -103,14 +110,19 @@ def main(argv=None):
     model, tok = loaded.model, loaded.tokenizer
     weights = gguf_weights(resolve("smollm2-135m"))
     params = SamplingParams(max_new_tokens=args.tokens)
-    report = {"threads": args.threads, "tokens": args.tokens, "isa": kernels.ISA_NAMES[kernels.resolve_isa()],
-              "pass_ms": {}, "prompts": []}
+    report = {
+        "threads": args.threads,
+        "tokens": args.tokens,
+        "isa": kernels.ISA_NAMES[kernels.resolve_isa()],
+        "pass_ms": {},
+        "prompts": [],
+    }
     outs = {}
     for mode in args.modes:
         install(model, weights, mode)
         report["pass_ms"][mode] = pass_ms(model)
         outs[mode] = []
-        for prompt in PROMPTS[:args.prompts]:
+        for prompt in PROMPTS[: args.prompts]:
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             seq = generate(model, ids, "ntp", params, eos_ids=loaded.eos_ids)
@@ -124,10 +136,15 @@ def main(argv=None):
             forced[mode] = teacher_forced(model, ids + ref_out, len(ids)) if ref_out else None
         for mode in args.modes:
             out = outs[mode][i][1]
-            diverge = next((j for j, (a, b) in enumerate(zip(out, ref_out)) if a != b),
-                           None if len(out) == len(ref_out) else min(len(out), len(ref_out)))
-            entry = {"first_divergence": diverge, "identical": out == ref_out,
-                     "text": tok.decode(out, skip_special_tokens=True)}
+            diverge = next(
+                (j for j, (a, b) in enumerate(zip(out, ref_out)) if a != b),
+                None if len(out) == len(ref_out) else min(len(out), len(ref_out)),
+            )
+            entry = {
+                "first_divergence": diverge,
+                "identical": out == ref_out,
+                "text": tok.decode(out, skip_special_tokens=True),
+            }
             if forced[mode] is not None:
                 base = forced[args.modes[0] if "torch" not in forced else "torch"]
                 entry["top1_agree"] = float((forced[mode].argmax(-1) == base.argmax(-1)).float().mean())
@@ -140,10 +157,12 @@ def main(argv=None):
         same = sum(r["identical"] for r in rows)
         agree = [r.get("top1_agree", 1.0) for r in rows]
         div = [r["first_divergence"] for r in rows if r["first_divergence"] is not None]
-        print(f"{mode:>7}: pass {report['pass_ms'][mode]:.2f} ms (M=1, {args.threads} thread(s)); "
-              f"{same}/{len(rows)} continuations identical to torch; first divergence at tokens {div or '-'}; "
-              f"teacher-forced top-1 agreement {min(agree):.3f}..{max(agree):.3f} (mean {sum(agree) / len(agree):.3f}); "
-              f"max |dlogit| {max(r.get('max_abs_logit_diff', 0.0) for r in rows):.3g}")
+        print(
+            f"{mode:>7}: pass {report['pass_ms'][mode]:.2f} ms (M=1, {args.threads} thread(s)); "
+            f"{same}/{len(rows)} continuations identical to torch; first divergence at tokens {div or '-'}; "
+            f"teacher-forced top-1 agreement {min(agree):.3f}..{max(agree):.3f} (mean {sum(agree) / len(agree):.3f}); "
+            f"max |dlogit| {max(r.get('max_abs_logit_diff', 0.0) for r in rows):.3g}"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

@@ -14,6 +14,7 @@ tune and trees runs). Tokens per pass come from llama-server's own timings, as i
 (`mtp.eval.peers.llamacpp_tokens_per_pass`). `--ours RESULTS` (an `mtp tune` run's results.json) prints mtp's
 own `verify:4@eagle3` tokens/pass on the same prompts beside it. Writes per-prompt records to --out.
 """
+
 import argparse
 import json
 import time
@@ -50,13 +51,19 @@ def main(argv=None) -> None:
             rec = {"prompt": n}
             for name, peer in [("plain", plain), ("eagle3", spec)][:: 1 if n % 2 == 0 else -1]:
                 t0 = time.perf_counter()
-                rec[name] = {"ids": peer.generate(ids, a.max_new_tokens), "timings": peer.timings[-1],
-                             "wall_s": time.perf_counter() - t0}
+                rec[name] = {
+                    "ids": peer.generate(ids, a.max_new_tokens),
+                    "timings": peer.timings[-1],
+                    "wall_s": time.perf_counter() - t0,
+                }
             rec["identical"] = rec["plain"]["ids"] == rec["eagle3"]["ids"]
             records.append(rec)
             t = rec["eagle3"]["timings"]
-            print(f"{n + 1}/{len(prompts)}: {len(rec['plain']['ids'])} tokens, identical {rec['identical']}, accepted "
-                  f"{t.get('draft_n_accepted')}/{t.get('draft_n')} [{time.perf_counter() - started:.0f}s]", flush=True)
+            print(
+                f"{n + 1}/{len(prompts)}: {len(rec['plain']['ids'])} tokens, identical {rec['identical']}, accepted "
+                f"{t.get('draft_n_accepted')}/{t.get('draft_n')} [{time.perf_counter() - started:.0f}s]",
+                flush=True,
+            )
     finally:
         for peer in (plain, spec):
             peer.server.close()
@@ -64,12 +71,19 @@ def main(argv=None) -> None:
     timings = [r["eagle3"]["timings"] for r in records]
     wall = {k: sum(r[k]["wall_s"] for r in records) for k in ("plain", "eagle3")}
     toks = {k: sum(len(r[k]["ids"]) for r in records) for k in ("plain", "eagle3")}
-    summary = {"data": a.data, "prompts": len(records), "max_new_tokens": a.max_new_tokens, "threads": a.threads,
-               "draft_max": spec.draft_max, "identical": sum(r["identical"] for r in records),
-               "tokens_per_pass": llamacpp_tokens_per_pass(timings),
-               "drafts": sum(t.get("draft_n", 0) for t in timings),
-               "accepted": sum(t.get("draft_n_accepted", 0) for t in timings),
-               "tokens_per_s": {k: toks[k] / wall[k] for k in wall}, "environment": environment()}
+    summary = {
+        "data": a.data,
+        "prompts": len(records),
+        "max_new_tokens": a.max_new_tokens,
+        "threads": a.threads,
+        "draft_max": spec.draft_max,
+        "identical": sum(r["identical"] for r in records),
+        "tokens_per_pass": llamacpp_tokens_per_pass(timings),
+        "drafts": sum(t.get("draft_n", 0) for t in timings),
+        "accepted": sum(t.get("draft_n_accepted", 0) for t in timings),
+        "tokens_per_s": {k: toks[k] / wall[k] for k in wall},
+        "environment": environment(),
+    }
     if a.ours:
         mine = [r for r in json.loads(Path(a.ours).read_text())["rows"] if r["name"] == "verify:4@eagle3"]
         if mine:

@@ -7,6 +7,7 @@ Reads BENCH_OUT/results.jsonl and outputs.jsonl. A row's target type is its expo
 (`export-f32`, `export-q4_1-d1`, ...; `-dN`: N drafts per step). "same as plain" compares each prompt's text
 with the plain server's on the same target; "same as ntp" with mtp's own `ntp` row.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,10 @@ def main(out: str) -> int:
         row = name.split(":")[0].removeprefix("llamacpp-server").lstrip("-") or "plain"
         drafts = (r.get("params") or {}).get("spec_draft_n_max", "—")
         tpp = r.get("tokens_per_forward")
-        print(f"| {kind.split('-d')[0]} | {row} | {drafts} | {r['tokens_per_s']:.1f} | {ratio:.2f} | "
-              f"{'—' if tpp is None else f'{tpp:.2f}'} | {same}/{len(texts[name])} | {ntp}/{len(texts[name])} |")
+        print(
+            f"| {kind.split('-d')[0]} | {row} | {drafts} | {r['tokens_per_s']:.1f} | {ratio:.2f} | "
+            f"{'—' if tpp is None else f'{tpp:.2f}'} | {same}/{len(texts[name])} | {ntp}/{len(texts[name])} |"
+        )
     ntp = recs.get("ntp")
     if ntp:
         print(f"\nmtp `ntp` (fp32, this run): {ntp['tokens_per_s']:.1f} tokens/s")

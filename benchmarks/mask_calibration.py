@@ -2,12 +2,15 @@
 `verify:4` chains (what `mtp tune` records), then `mtp.tune.run.fit_held_out` (two-fold cross-fitted ECE)
 on the first 16, 32, 48, ... of them.
 
-    python benchmarks/mask_calibration.py --data gsm8k:$MTP_DATA_DIR/gsm8k/test.jsonl --limit 64 --out runs/cal/gsm8k64.json
-    python benchmarks/mask_calibration.py --data prompts:benchmarks/results/final/diverse60.jsonl --limit 60 --out runs/cal/diverse60.json
+    python benchmarks/mask_calibration.py --data gsm8k:$MTP_DATA_DIR/gsm8k/test.jsonl --limit 64 \
+        --out runs/cal/gsm8k64.json
+    python benchmarks/mask_calibration.py --data prompts:benchmarks/results/final/diverse60.jsonl --limit 60 \
+        --out runs/cal/diverse60.json
 
 Writes the pairs per prompt to --out (a second run with the same --out only re-scores them) and prints one
 line per prompt count.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +45,10 @@ def main(argv=None) -> None:
         if m > len(pairs):
             break
         _, rep = fit_held_out(pairs[:m])
-        print(f"{m} prompts: {rep['test_pairs']} guesses, ECE {rep['ece_before']:.3f} -> {rep['ece_after']:.3f} "
-              f"(noise floor {rep['ece_floor']:.3f}; {rep['ece_before'] / rep['ece_after']:.1f}x lower)")
+        print(
+            f"{m} prompts: {rep['test_pairs']} guesses, ECE {rep['ece_before']:.3f} -> {rep['ece_after']:.3f} "
+            f"(noise floor {rep['ece_floor']:.3f}; {rep['ece_before'] / rep['ece_after']:.1f}x lower)"
+        )
 
 
 if __name__ == "__main__":

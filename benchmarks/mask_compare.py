@@ -18,6 +18,7 @@ GSM8K, ROUGE-L otherwise).
         --adapters auto,runs/mask-cont12 --strategies verify:4,conf_adapt:0.9:8 \\
         --reference runs/refs/gsm8k100-256.jsonl --out runs/mask_compare/gsm8k100
 """
+
 from __future__ import annotations
 
 import time
@@ -47,8 +48,10 @@ def main(argv=None) -> None:
     prompts = [base.encode(it["prompt"], chat=True) for it in items]
     ref = reference(base, prompts, args)
     del base
-    print(f"reference: {len(ref)} ntp answers, {sum(len(o.ids) for o in ref):,} tokens "
-          f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+    print(
+        f"reference: {len(ref)} ntp answers, {sum(len(o.ids) for o in ref):,} tokens [{time.perf_counter() - t0:.0f}s]",
+        flush=True,
+    )
     refs = [(o.ids, o.text) for o in ref]
     rows = []
     for a in adapters:
@@ -60,17 +63,26 @@ def main(argv=None) -> None:
             stats = decode_all(engine, prompts, s, "mask", args.max_new_tokens, args.batch)
             chunks = [c for o in stats.outputs for c in o.chunks]
             outs = [(o.ids, o.text) for o in stats.outputs]
-            row = {"adapter": a, "adapter_dir": portable(engine.adapter_dir or a),
-                   "strategy": str(s), "data": portable(args.data), "n_prompts": len(prompts),
-                   "tokens_per_forward": metrics.tokens_per_forward(chunks),
-                   "acceptance_by_position": metrics.acceptance_by_position(chunks, s.k),
-                   "identical": sum(o[0] == r[0] for o, r in zip(outs, refs)),
-                   "metric": metric, "same": 1.0 - quality.mean_loss(metric, outs, refs),
-                   "seconds": round(time.perf_counter() - t1, 1)}
+            row = {
+                "adapter": a,
+                "adapter_dir": portable(engine.adapter_dir or a),
+                "strategy": str(s),
+                "data": portable(args.data),
+                "n_prompts": len(prompts),
+                "tokens_per_forward": metrics.tokens_per_forward(chunks),
+                "acceptance_by_position": metrics.acceptance_by_position(chunks, s.k),
+                "identical": sum(o[0] == r[0] for o, r in zip(outs, refs)),
+                "metric": metric,
+                "same": 1.0 - quality.mean_loss(metric, outs, refs),
+                "seconds": round(time.perf_counter() - t1, 1),
+            }
             rows.append(row)
-            print(f"{a:32s} {str(s):16s} {row['tokens_per_forward']:.3f} tokens/pass, identical "
-                  f"{row['identical']}/{len(prompts)}, {metric} {row['same']:.3f} "
-                  f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+            print(
+                f"{a:32s} {str(s):16s} {row['tokens_per_forward']:.3f} tokens/pass, identical "
+                f"{row['identical']}/{len(prompts)}, {metric} {row['same']:.3f} "
+                f"[{time.perf_counter() - t0:.0f}s]",
+                flush=True,
+            )
     write_rows(out, rows, threads=args.threads, batch=args.batch, seconds=round(time.perf_counter() - t0, 1))
 
 

@@ -12,6 +12,7 @@ curve: `heads_scaling.py`).
     python benchmarks/mask_scaling.py --examples $MTP_CACHE_DIR/data/mix/train.jsonl \\
         --steps 270 --eval-at 30,90,270 --out runs/mask_scaling
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", required=True)
     ap.add_argument("--val-fraction", type=float, default=0.1)
-    ap.add_argument("--val-answers", type=int, default=120, help="held-out answers scored (half GSM8K, half the other sources)")
+    ap.add_argument(
+        "--val-answers", type=int, default=120, help="held-out answers scored (half GSM8K, half the other sources)"
+    )
     ap.add_argument("--steps", type=int, default=270)
     ap.add_argument("--eval-at", default="30,90,270")
     ap.add_argument("--batch-size", type=int, default=4)
@@ -59,9 +62,13 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--k", type=int, default=4, help="verify:K scored (K-1 masks)")
     ap.add_argument("--stride", type=int, default=6, help="a span after every N-th response position")
-    ap.add_argument("--lora-layers", metavar="FROM:TO", default=None,
-                    help="LoRA on layers FROM..TO-1 only (FROM: = to the last layer), the mask embedding frozen "
-                         "(as `mtp train --lora-layers`)")
+    ap.add_argument(
+        "--lora-layers",
+        metavar="FROM:TO",
+        default=None,
+        help="LoRA on layers FROM..TO-1 only (FROM: = to the last layer), the mask embedding frozen "
+        "(as `mtp train --lora-layers`)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -82,8 +89,11 @@ def main() -> int:
     val_idx = other + [i for i in val_idx if records[i].get("source") == "gsm8k"][: args.val_answers - len(other)]
     val = [examples[i] for i in val_idx]
     val_source = [records[i].get("source", "?") for i in val_idx]
-    print(f"{len(train_ex)} training answers, {len(val)} held-out scored "
-          f"({', '.join(f'{s} {val_source.count(s)}' for s in sorted(set(val_source)))})", flush=True)
+    print(
+        f"{len(train_ex)} training answers, {len(val)} held-out scored "
+        f"({', '.join(f'{s} {val_source.count(s)}' for s in sorted(set(val_source)))})",
+        flush=True,
+    )
     results = out / "results.jsonl"
 
     def emit(rec):
@@ -98,10 +108,20 @@ def main() -> int:
     engine = Engine.load(EngineConfig(adapter="none", pack=False))
     model = engine.model
     eval_at = {int(s) for s in args.eval_at.split(",")}
-    cfg = TrainConfig(out=str(out / "adapter"), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                      k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,
-                      save_every=args.steps, log_every=10, lora_layers=layers,
-                      meta={"examples": args.examples, "heldout": f"hash val-fraction {args.val_fraction}"})
+    cfg = TrainConfig(
+        out=str(out / "adapter"),
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        k_max=args.k_max,
+        spans=args.spans,
+        seq_len=args.seq_len,
+        teacher=args.teacher,
+        save_every=args.steps,
+        log_every=10,
+        lora_layers=layers,
+        meta={"examples": args.examples, "heldout": f"hash val-fraction {args.val_fraction}"},
+    )
     t_start, eval_total = time.perf_counter(), [0.0]
 
     def on_step(step: int) -> None:
@@ -111,9 +131,16 @@ def main() -> int:
         rec = score(model, val, val_source, args.k, args.stride, args.seq_len)
         model.train()
         eval_total[0] += time.perf_counter() - t0
-        emit({"point": "from scratch", **({"lora_layers": f"{layers[0]}:{layers[1]}"} if layers else {}),
-              "steps": step, "answers_seen": step * args.batch_size,
-              "train_s": round(time.perf_counter() - t_start - eval_total[0], 1), **rec})
+        emit(
+            {
+                "point": "from scratch",
+                **({"lora_layers": f"{layers[0]}:{layers[1]}"} if layers else {}),
+                "steps": step,
+                "answers_seen": step * args.batch_size,
+                "train_s": round(time.perf_counter() - t_start - eval_total[0], 1),
+                **rec,
+            }
+        )
 
     train(cfg, model, train_ex, n_used_tokens=len(engine.tokenizer), progress=False, on_step=on_step)
     return 0

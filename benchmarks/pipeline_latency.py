@@ -19,6 +19,7 @@ delay 0 (proposing, accepting), and the predicted speedup is the ratio of those 
 
 Writes results.jsonl, summary.json and speedup_vs_latency.png into --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,17 +79,25 @@ def parse_spec(spec: str) -> tuple[Strategy, str | None]:
 
 def _bench_stage(rank: int, world: int, args) -> int:
     from mtp.core.engine import Engine, EngineConfig
+
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     adapter = "none" if args.adapter == "untrained" else args.adapter
     wants = {parse_spec(s)[1] or args.proposer for s in args.strategies}
-    engine = Engine.load(EngineConfig(model=args.model, adapter=adapter,
-                                      proposer="heads" if any("heads" in w.split("+") for w in wants) else "mask"))
+    engine = Engine.load(
+        EngineConfig(
+            model=args.model,
+            adapter=adapter,
+            proposer="heads" if any("heads" in w.split("+") for w in wants) else "mask",
+        )
+    )
     if args.adapter == "untrained":  # no trained adapter yet: the mask token and zero LoRA, same on every stage
         from mtp.core.adapter import add_adapters
+
         torch.manual_seed(0)
         add_adapters(engine.model, n_used_tokens=len(engine.tokenizer))
-    elif engine.mask_id is None and any(not engine.can_propose(parse_spec(s)[1] or args.proposer) and parse_spec(s)[0].k > 1
-                                        for s in args.strategies):
+    elif engine.mask_id is None and any(
+        not engine.can_propose(parse_spec(s)[1] or args.proposer) and parse_spec(s)[0].k > 1 for s in args.strategies
+    ):
         raise ValueError("mask strategies need an adapter: pass --adapter DIR or --adapter untrained")
     config = PipelineConfig(timeout_s=args.timeout_s)
     run_stage(rank, world, engine.model, config, lambda pipe: _sweep(engine, pipe, world, args))
@@ -126,21 +135,41 @@ def _sweep(engine, pipe, world: int, args) -> None:
                 pipe.link.delay_s = delay / 1000
                 seq, passes = decode(prompts[j], spec)
                 st = seq.stats
-                rec = {"stages": world, "delay_ms": delay, "strategy": spec, "prompt": j, "repeat": rep,
-                       "tokens": st.tokens, "passes": st.forward_passes, "wall_s": st.wall_s, "ttft_s": st.ttft_s,
-                       "chunks": st.chunks, "blocks": [q for q, _ in passes], "forward_s": [t for _, t in passes]}
+                rec = {
+                    "stages": world,
+                    "delay_ms": delay,
+                    "strategy": spec,
+                    "prompt": j,
+                    "repeat": rep,
+                    "tokens": st.tokens,
+                    "passes": st.forward_passes,
+                    "wall_s": st.wall_s,
+                    "ttft_s": st.ttft_s,
+                    "chunks": st.chunks,
+                    "blocks": [q for q, _ in passes],
+                    "forward_s": [t for _, t in passes],
+                }
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
-                print(f"  stages={world} delay={delay:g}ms {spec:<22} prompt {j}: {st.tokens} tokens, "
-                      f"{st.forward_passes} passes, {st.tokens / st.wall_s:.1f} tokens/s", flush=True)
+                print(
+                    f"  stages={world} delay={delay:g}ms {spec:<22} prompt {j}: {st.tokens} tokens, "
+                    f"{st.forward_passes} passes, {st.tokens / st.wall_s:.1f} tokens/s",
+                    flush=True,
+                )
 
 
 # ------------------------------------------------------------------------------------- analysis
 
+
 def _decode_phase(r: dict) -> dict:
     """A run without its prompt pass (the same prefill for every strategy: it only dilutes and adds noise)."""
-    return {"tokens": r["tokens"] - r["chunks"][0], "wall_s": r["wall_s"] - r["ttft_s"], "chunks": r["chunks"][1:],
-            "blocks": r["blocks"][1:], "forward_s": r["forward_s"][1:]}
+    return {
+        "tokens": r["tokens"] - r["chunks"][0],
+        "wall_s": r["wall_s"] - r["ttft_s"],
+        "chunks": r["chunks"][1:],
+        "blocks": r["blocks"][1:],
+        "forward_s": r["forward_s"][1:],
+    }
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -170,15 +199,26 @@ def summarize(records: list[dict]) -> list[dict]:
                 tokens, wall = sum(r["tokens"] for r in rs), sum(r["wall_s"] for r in rs)
                 chunks = [c for r in rs for c in r["chunks"]]
                 blocks = [q for r in rs for q in r["blocks"]]
-                pred_wall = sum(cost.pass_time(q) + pricing.pipeline_comm_time(P, delay / 1000)
-                                + overhead.get(spec, 0.0) for q in blocks)
+                pred_wall = sum(
+                    cost.pass_time(q) + pricing.pipeline_comm_time(P, delay / 1000) + overhead.get(spec, 0.0)
+                    for q in blocks
+                )
                 measured[spec] = metrics.tokens_per_s(tokens, wall)
                 predicted[spec] = metrics.tokens_per_s(tokens, pred_wall)
-                rows.append({"stages": P, "delay_ms": delay, "strategy": spec, "tokens": tokens,
-                             "passes": len(chunks), "tokens_per_forward": metrics.tokens_per_forward(chunks),
-                             "mean_block_tokens": metrics.mean_block_tokens(blocks),
-                             "ms_per_pass": 1000 * wall / len(chunks), "tokens_per_s": measured[spec],
-                             "predicted_tokens_per_s": predicted[spec]})
+                rows.append(
+                    {
+                        "stages": P,
+                        "delay_ms": delay,
+                        "strategy": spec,
+                        "tokens": tokens,
+                        "passes": len(chunks),
+                        "tokens_per_forward": metrics.tokens_per_forward(chunks),
+                        "mean_block_tokens": metrics.mean_block_tokens(blocks),
+                        "ms_per_pass": 1000 * wall / len(chunks),
+                        "tokens_per_s": measured[spec],
+                        "predicted_tokens_per_s": predicted[spec],
+                    }
+                )
             for row in rows:
                 if row["stages"] == P and row["delay_ms"] == delay and ntp_spec:
                     row["speedup"] = metrics.speedup(measured[row["strategy"]], measured[ntp_spec])
@@ -189,22 +229,42 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["stages", "delay ms", "strategy", "tokens/pass", "ms/pass", "tokens/s", "speedup", "predicted",
-            "pred err", "speedup/(tokens/pass)"]
+    cols = [
+        "stages",
+        "delay ms",
+        "strategy",
+        "tokens/pass",
+        "ms/pass",
+        "tokens/s",
+        "speedup",
+        "predicted",
+        "pred err",
+        "speedup/(tokens/pass)",
+    ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [r["stages"], f"{r['delay_ms']:g}", r["strategy"], f"{r['tokens_per_forward']:.2f}",
-                 f"{r['ms_per_pass']:.0f}", f"{r['tokens_per_s']:.1f}", f"{r.get('speedup', 0):.2f}",
-                 f"{r.get('predicted_speedup', 0):.2f}", f"{100 * r.get('prediction_error', 0):+.0f}%",
-                 f"{r.get('speedup_over_tokens_per_forward', 0):.2f}"]
+        cells = [
+            r["stages"],
+            f"{r['delay_ms']:g}",
+            r["strategy"],
+            f"{r['tokens_per_forward']:.2f}",
+            f"{r['ms_per_pass']:.0f}",
+            f"{r['tokens_per_s']:.1f}",
+            f"{r.get('speedup', 0):.2f}",
+            f"{r.get('predicted_speedup', 0):.2f}",
+            f"{100 * r.get('prediction_error', 0):+.0f}%",
+            f"{r.get('speedup_over_tokens_per_forward', 0):.2f}",
+        ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for P in sorted({r["stages"] for r in rows}):
         for spec in sorted({r["strategy"] for r in rows if r["stages"] == P}):
@@ -212,7 +272,7 @@ def plot(rows: list[dict], path: Path) -> None:
             if parse_spec(spec)[0].plain:
                 continue
             xs = [r["delay_ms"] for r in rs]
-            line, = ax.plot(xs, [r["speedup"] for r in rs], "o-", label=f"{spec}, {P} stages")
+            (line,) = ax.plot(xs, [r["speedup"] for r in rs], "o-", label=f"{spec}, {P} stages")
             ax.plot(xs, [r["predicted_speedup"] for r in rs], "--", color=line.get_color(), alpha=0.6)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("link delay per message (ms)")
@@ -230,10 +290,13 @@ def main(argv=None) -> int:
     p.add_argument("--proposer", default="mask", help="mask, heads or lookup, for strategies without @PROPOSER")
     p.add_argument("--stages", default="2,4")
     p.add_argument("--delays", default="0,1,2,5,10,20", help="link delays in ms")
-    p.add_argument("--strategies", default="ntp,verify:4,conf_adapt:0.9:4,verify:4@heads,conf_adapt:0.9@heads",
-                   help="comma list; STRATEGY@PROPOSER picks a proposer (e.g. verify:4@lookup); conf_adapt:0.9 "
-                        "with the mask adapter at K 4: deeper guesses are almost never kept at tau 0.9, "
-                        "and each would add a mask to every pass")
+    p.add_argument(
+        "--strategies",
+        default="ntp,verify:4,conf_adapt:0.9:4,verify:4@heads,conf_adapt:0.9@heads",
+        help="comma list; STRATEGY@PROPOSER picks a proposer (e.g. verify:4@lookup); conf_adapt:0.9 "
+        "with the mask adapter at K 4: deeper guesses are almost never kept at tau 0.9, "
+        "and each would add a mask to every pass",
+    )
     p.add_argument("--prompts", type=int, default=2, help=f"how many of the {len(PROMPTS)} fixed prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (more: less noise)")
@@ -241,8 +304,12 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--out", default="runs/pipeline_latency")
     p.add_argument("--predict", metavar="SPEC", help="only print the cost model's prediction for a cluster")
-    p.add_argument("--analyze", nargs="+", metavar="RESULTS_JSONL",
-                   help="no run: pool these results.jsonl files (e.g. two runs) and write the table and plot to --out")
+    p.add_argument(
+        "--analyze",
+        nargs="+",
+        metavar="RESULTS_JSONL",
+        help="no run: pool these results.jsonl files (e.g. two runs) and write the table and plot to --out",
+    )
     args = p.parse_args(argv)
     if args.predict:
         print(pricing.predict_cluster(**pricing.parse_cluster(args.predict))["text"])
@@ -255,8 +322,10 @@ def main(argv=None) -> int:
     if args.proposer not in ("mask", "heads", "lookup"):
         raise SystemExit("--proposer must be mask, heads or lookup")
     # label every MTP strategy with its proposer unless it is the mask token's
-    args.strategies = [s if "@" in s or parse_spec(s)[0].k == 1 or args.proposer == "mask" else f"{s}@{args.proposer}"
-                       for s in args.strategies]
+    args.strategies = [
+        s if "@" in s or parse_spec(s)[0].k == 1 or args.proposer == "mask" else f"{s}@{args.proposer}"
+        for s in args.strategies
+    ]
     if not any(parse_spec(s)[0].plain for s in args.strategies):
         args.strategies.insert(0, "ntp")
     args.delays = [float(x) for x in args.delays.split(",")]

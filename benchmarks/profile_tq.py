@@ -10,6 +10,7 @@ Prints t(q), t(q)/t(1) (the tokens per pass a q-token block needs to break even)
 weights: the time of a pass does not depend on the weights' values, so the profile of a machine
 where the weights cannot travel (an accelerator box) is the same as with the real model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--qmax", type=int, default=32)
-    p.add_argument("--pack", choices=["on", "off", "compare"], default="on",
-                   help="CPU float32: packed weights (the engine's default), plain, or both side by side")
+    p.add_argument(
+        "--pack",
+        choices=["on", "off", "compare"],
+        default="on",
+        help="CPU float32: packed weights (the engine's default), plain, or both side by side",
+    )
     p.add_argument("--out", default=None, help="write the cost model as JSON here")
     args = p.parse_args()
     if args.threads:
@@ -40,6 +45,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     if args.random_config:
         from mtp.core.model import ModelConfig, Transformer
+
         with open(args.random_config) as f:
             cfg = ModelConfig.from_hf(json.load(f))
         torch.manual_seed(0)
@@ -47,9 +53,11 @@ def main() -> None:
         name = f"random weights of {args.random_config}"
     else:
         from mtp.core.loading import load
+
         model = load(args.model, dtype=dtype, device=args.device).model
         name = args.model
     from mtp.core.model import pack_weights
+
     qs = range(1, args.qmax + 1)
     if args.pack == "compare":
         compare_packing(model, name, qs, args)
@@ -60,8 +68,10 @@ def main() -> None:
     cost.meta.update(model=name, dtype=args.dtype)
     t1 = cost.pass_time(1)
     a, b = cost.linear_fit()
-    print(f"# {name} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads), batch {args.batch}, "
-          f"cache {args.cache_len}")
+    print(
+        f"# {name} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads), batch {args.batch}, "
+        f"cache {args.cache_len}"
+    )
     print("q\tms\tt(q)/t(1) (= tokens per pass needed to break even with a q-token block)")
     for q, t in cost.points.items():
         print(f"{q}\t{t * 1e3:.2f}\t{t / t1:.2f}")
@@ -73,6 +83,7 @@ def main() -> None:
 def compare_packing(model, name: str, qs, args) -> None:
     from mtp.core import metrics
     from mtp.core.model import pack_weights, unpack_weights
+
     if not pack_weights(model):
         raise SystemExit("packing does not apply here (needs CPU, float32 and oneDNN)")
     rounds: dict[str, list[dict]] = {"plain": [], "packed": []}
@@ -81,8 +92,10 @@ def compare_packing(model, name: str, qs, args) -> None:
             pack_weights(model) if label == "packed" else unpack_weights(model)
             rounds[label].append(measure(model, qs, args.cache_len, args.batch, 1).points)
     t = {label: {q: metrics.median_spread([r[q] for r in rs])[0] for q in qs} for label, rs in rounds.items()}
-    print(f"# {name}, {torch.get_num_threads()} threads, batch {args.batch}, cache {args.cache_len}, "
-          f"median of {args.repeats} alternating rounds")
+    print(
+        f"# {name}, {torch.get_num_threads()} threads, batch {args.batch}, cache {args.cache_len}, "
+        f"median of {args.repeats} alternating rounds"
+    )
     print("q\tplain ms\tpacked ms\tplain/packed\tt(q)/t(1) plain\tt(q)/t(1) packed")
     for q in qs:
         a, b = t["plain"][q], t["packed"][q]

@@ -14,6 +14,7 @@ false` (a capped pass changes what a lossy strategy emits; an uncapped request m
 
 Writes OUT/serve_load.json and OUT/serve_load.md (the table) and prints the table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,30 @@ def free_port() -> int:
 
 
 def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mtp.cli", "serve", "--model", args.model, "--adapter", args.adapter,
-           "--proposer", args.proposer, "--port", str(port), "--served-model-name", "bench",
-           "--max-batch", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
-           "--max-new-tokens", str(args.max_tokens), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mtp.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--adapter",
+        args.adapter,
+        "--proposer",
+        args.proposer,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--max-batch",
+        str(max(args.concurrency)),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-new-tokens",
+        str(args.max_tokens),
+        "--log-level",
+        "warning",
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if not args.adaptive:
@@ -53,6 +74,7 @@ def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     import httpx
+
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
@@ -68,12 +90,17 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def ask(client, prompt: str, strategy: str, max_tokens: int, adaptive: bool = True):
     return client.chat.completions.create(
-        model="bench", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        extra_body={"mtp": {"strategy": strategy, "adaptive": adaptive}})
+        model="bench",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"mtp": {"strategy": strategy, "adaptive": adaptive}},
+    )
 
 
-def run_cell(client, prompts: list[str], strategy: str, concurrency: int, n_requests: int, max_tokens: int,
-             timeout: float) -> dict:
+def run_cell(
+    client, prompts: list[str], strategy: str, concurrency: int, n_requests: int, max_tokens: int, timeout: float
+) -> dict:
     """n_requests requests over `concurrency` client threads; aggregate tokens/s over the cell's wall."""
     deadline = time.perf_counter() + timeout
     results = []
@@ -83,8 +110,13 @@ def run_cell(client, prompts: list[str], strategy: str, concurrency: int, n_requ
             return None
         t0 = time.perf_counter()
         r = ask(client, prompts[i % len(prompts)], strategy, max_tokens)
-        return {"i": i % len(prompts), "latency_s": time.perf_counter() - t0, "text": r.choices[0].message.content,
-                "tokens": r.usage.completion_tokens, "mtp": r.model_extra.get("mtp", {})}
+        return {
+            "i": i % len(prompts),
+            "latency_s": time.perf_counter() - t0,
+            "text": r.choices[0].message.content,
+            "tokens": r.usage.completion_tokens,
+            "mtp": r.model_extra.get("mtp", {}),
+        }
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -94,12 +126,19 @@ def run_cell(client, prompts: list[str], strategy: str, concurrency: int, n_requ
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
     passes = sum(r["mtp"].get("forward_passes", 0) for r in results)
-    return {"strategy": strategy, "concurrency": concurrency, "requests": len(results), "tokens": tokens,
-            "wall_s": wall, "tokens_per_s": M.tokens_per_s(tokens, wall),
-            "latencies": [r["latency_s"] for r in results],
-            "tokens_per_forward": tokens / passes if passes else None,
-            "capped_passes": sum(r["mtp"].get("capped_passes", 0) for r in results), "row_passes": passes,
-            "outputs": {r["i"]: r["text"] for r in results}}
+    return {
+        "strategy": strategy,
+        "concurrency": concurrency,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": M.tokens_per_s(tokens, wall),
+        "latencies": [r["latency_s"] for r in results],
+        "tokens_per_forward": tokens / passes if passes else None,
+        "capped_passes": sum(r["mtp"].get("capped_passes", 0) for r in results),
+        "row_passes": passes,
+        "outputs": {r["i"]: r["text"] for r in results},
+    }
 
 
 def merge_cells(cells: list[dict]) -> dict:
@@ -109,10 +148,18 @@ def merge_cells(cells: list[dict]) -> dict:
     outputs = {}
     for c in cells:
         outputs.update(c["outputs"])
-    return {"requests": sum(c["requests"] for c in cells), "tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": M.tokens_per_s(tokens, wall), "p50_latency_s": M.percentile(lat, 50),
-            "p95_latency_s": M.percentile(lat, 95), "tokens_per_forward": tokens / passes if passes else None,
-            "capped_passes": sum(c["capped_passes"] for c in cells), "row_passes": passes, "outputs": outputs}
+    return {
+        "requests": sum(c["requests"] for c in cells),
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": M.tokens_per_s(tokens, wall),
+        "p50_latency_s": M.percentile(lat, 50),
+        "p95_latency_s": M.percentile(lat, 95),
+        "tokens_per_forward": tokens / passes if passes else None,
+        "capped_passes": sum(c["capped_passes"] for c in cells),
+        "row_passes": passes,
+        "outputs": outputs,
+    }
 
 
 def uncapped_outputs(client, args, prompts: list[str], strategies: list[str]) -> dict:
@@ -131,12 +178,16 @@ def check_identical(args, prompts: list[str], strategies: list[str], table: dict
     of the table, and the "uncapped" cells of `uncapped_outputs`)."""
     from mtp.core.engine import Engine, EngineConfig
     from mtp.core.sampling import SamplingParams
-    engine = Engine.load(EngineConfig(model=args.model, adapter=args.adapter, proposer=args.proposer,
-                                      threads=args.threads))
+
+    engine = Engine.load(
+        EngineConfig(model=args.model, adapter=args.adapter, proposer=args.proposer, threads=args.threads)
+    )
     out = {}
     for s in strategies:
-        refs = {i: engine.generate(prompts[i], s, SamplingParams(max_new_tokens=args.max_tokens)).text
-                for i in range(min(args.check, len(prompts)))}
+        refs = {
+            i: engine.generate(prompts[i], s, SamplingParams(max_new_tokens=args.max_tokens)).text
+            for i in range(min(args.check, len(prompts)))
+        }
         for c in [*args.concurrency, "uncapped"]:
             if (c, s) not in table:
                 continue
@@ -183,6 +234,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     import openai
+
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(args, port, out / "server.log")
@@ -191,19 +243,29 @@ def main(argv=None) -> int:
         wait_ready(url, proc, args.startup_timeout)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
         for s in strategies:  # warm-up, excluded
-            client.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompts[0]}],
-                                           max_tokens=4, temperature=0, extra_body={"mtp": {"strategy": s}})
+            client.chat.completions.create(
+                model="bench",
+                messages=[{"role": "user", "content": prompts[0]}],
+                max_tokens=4,
+                temperature=0,
+                extra_body={"mtp": {"strategy": s}},
+            )
         for c in args.concurrency:
             n = args.requests or max(4, c)
             for r in range(args.rounds):
-                order = strategies[r % len(strategies):] + strategies[:r % len(strategies)]
+                order = strategies[r % len(strategies) :] + strategies[: r % len(strategies)]
                 for s in order:
                     cell = run_cell(client, prompts, s, c, n, args.max_tokens, args.cell_timeout)
                     cells.setdefault((c, s), []).append(cell)
-                    print(f"c={c:<3} {s:<18} {cell['requests']} req {cell['tokens']} tok {cell['wall_s']:.1f} s "
-                          f"{cell['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+                    print(
+                        f"c={c:<3} {s:<18} {cell['requests']} req {cell['tokens']} tok {cell['wall_s']:.1f} s "
+                        f"{cell['tokens_per_s']:.1f} tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         uncapped = uncapped_outputs(client, args, prompts, strategies) if args.check else {}
         import httpx
+
         metrics_text = httpx.get(url + "/metrics", timeout=30).text
     finally:
         proc.terminate()
@@ -215,25 +277,41 @@ def main(argv=None) -> int:
     table = {key: merge_cells(v) for key, v in cells.items()}
     same = check_identical(args, prompts, strategies, {**table, **uncapped}) if args.check else {}
 
-    rows, lines = [], ["| concurrency | strategy | requests | tokens/s | vs ntp | p50 s | p95 s | tokens/pass | "
-                       "capped passes | identical to generate |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows, lines = (
+        [],
+        [
+            "| concurrency | strategy | requests | tokens/s | vs ntp | p50 s | p95 s | tokens/pass | "
+            "capped passes | identical to generate |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ],
+    )
     for c in args.concurrency:
         base = table[(c, "ntp")]["tokens_per_s"]
         for s in strategies:
             t = table[(c, s)]
             ratio = M.speedup(t["tokens_per_s"], base)
             ok = same.get((c, s))
-            row = {"concurrency": c, "strategy": s, **{k: v for k, v in t.items() if k != "outputs"},
-                   "vs_ntp": ratio, "identical": ok}
+            row = {
+                "concurrency": c,
+                "strategy": s,
+                **{k: v for k, v in t.items() if k != "outputs"},
+                "vs_ntp": ratio,
+                "identical": ok,
+            }
             rows.append(row)
-            lines.append(f"| {c} | {s} | {t['requests']} | {t['tokens_per_s']:.1f} | {fmt(ratio, '.2f')}x | "
-                         f"{fmt(t['p50_latency_s'], '.1f')} | {fmt(t['p95_latency_s'], '.1f')} | "
-                         f"{fmt(t['tokens_per_forward'], '.2f')} | {t['capped_passes']}/{t['row_passes']} | "
-                         f"{f'{ok[0]}/{ok[1]}' if ok else '-'} |")
+            lines.append(
+                f"| {c} | {s} | {t['requests']} | {t['tokens_per_s']:.1f} | {fmt(ratio, '.2f')}x | "
+                f"{fmt(t['p50_latency_s'], '.1f')} | {fmt(t['p95_latency_s'], '.1f')} | "
+                f"{fmt(t['tokens_per_forward'], '.2f')} | {t['capped_passes']}/{t['row_passes']} | "
+                f"{f'{ok[0]}/{ok[1]}' if ok else '-'} |"
+            )
     if uncapped:
-        lines += ["", f"Sent with `mtp.adaptive: false` (never capped), the first {args.check} prompts together, "
-                      "identical to `Engine.generate`: " + ", ".join(
-                          f"{s} {same[('uncapped', s)][0]}/{same[('uncapped', s)][1]}" for s in strategies)]
+        lines += [
+            "",
+            f"Sent with `mtp.adaptive: false` (never capped), the first {args.check} prompts together, "
+            "identical to `Engine.generate`: "
+            + ", ".join(f"{s} {same[('uncapped', s)][0]}/{same[('uncapped', s)][1]}" for s in strategies),
+        ]
     text = "\n".join(lines)
     (out / "serve_load.md").write_text(text + "\n")
     (out / "serve_load.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

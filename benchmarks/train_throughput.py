@@ -14,6 +14,7 @@ TREE is a checkout of mtp (its `mtp/` package is imported from there), SPANS:K_M
 an optional @FROM:TO puts the LoRA on layers FROM..TO-1 only (`mtp train --lora-layers`; trees
 that have it), and a final +amp runs the forward under bf16 autocast (`mtp train --amp on`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-STEP = r'''
+STEP = r"""
 import json, sys, time, torch
 torch.set_num_threads({threads})
 try:
@@ -59,7 +60,7 @@ for step in range({steps} + 1):
         total_s += time.perf_counter() - t0
         masks += int((batch.valid & (batch.depth >= 2)).sum())
 print(json.dumps({{"seconds": total_s, "mask_predictions": masks}}))
-'''
+"""
 
 
 def main() -> int:
@@ -85,12 +86,22 @@ def main() -> int:
         configs.append((label, Path(tree).resolve(), int(spans), int(k_max), teacher, layers, amp))
     totals = {c[0]: [0.0, 0] for c in configs}
     for r in range(args.rounds):
-        order = configs[r % len(configs):] + configs[: r % len(configs)]
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
         for label, tree, spans, k_max, teacher, layers, amp in order:
-            code = STEP.format(threads=args.threads, examples=str(Path(args.examples).resolve()),
-                               n_examples=args.n_examples, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
-                               seed=r, spans=spans, k_max=k_max, teacher=teacher, amp=amp,
-                               layers_arg=f", layers={layers}" if layers else "")
+            code = STEP.format(
+                threads=args.threads,
+                examples=str(Path(args.examples).resolve()),
+                n_examples=args.n_examples,
+                seq_len=args.seq_len,
+                batch=args.batch,
+                steps=args.steps,
+                seed=r,
+                spans=spans,
+                k_max=k_max,
+                teacher=teacher,
+                amp=amp,
+                layers_arg=f", layers={layers}" if layers else "",
+            )
             env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tree)
             if out.returncode:
@@ -99,9 +110,19 @@ def main() -> int:
             rec = json.loads(out.stdout.strip().splitlines()[-1])
             totals[label][0] += rec["seconds"]
             totals[label][1] += rec["mask_predictions"]
-            rec.update(label=label, round=r, spans=spans, k_max=k_max, teacher=teacher, layers=layers, amp=amp,
-                       batch=args.batch,
-                       threads=args.threads, rate=rec["mask_predictions"] / rec["seconds"], time=time.time())
+            rec.update(
+                label=label,
+                round=r,
+                spans=spans,
+                k_max=k_max,
+                teacher=teacher,
+                layers=layers,
+                amp=amp,
+                batch=args.batch,
+                threads=args.threads,
+                rate=rec["mask_predictions"] / rec["seconds"],
+                time=time.time(),
+            )
             print(json.dumps(rec), flush=True)
             if args.out:
                 with open(args.out, "a") as f:

@@ -10,6 +10,7 @@ tokens/s, or the error vLLM stopped with. Writes results.json.
     python benchmarks/vllm_distributed.py --eagle3 DIR --data $MTP_DATA_DIR/gsm8k/test.jsonl --limit 3 \\
         --max-new-tokens 64 --out benchmarks/results/vllm_distributed
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,10 +44,21 @@ def main() -> int:
         drafter = Path(tmp) / "vllm"
         export_vllm_eagle3(args.eagle3, drafter)
         eagle3 = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": args.k - 1}
-        ngram = {"method": "ngram", "num_speculative_tokens": args.k - 1, "prompt_lookup_max": 3,
-                 "prompt_lookup_min": 1}
-        configs = [("plain", None, 1, 1), ("eagle3", eagle3, 1, 1), ("plain", None, 3, 1), ("eagle3", eagle3, 3, 1),
-                   ("ngram", ngram, 3, 1), ("plain", None, 1, 2), ("eagle3", eagle3, 1, 2)]
+        ngram = {
+            "method": "ngram",
+            "num_speculative_tokens": args.k - 1,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        }
+        configs = [
+            ("plain", None, 1, 1),
+            ("eagle3", eagle3, 1, 1),
+            ("plain", None, 3, 1),
+            ("eagle3", eagle3, 3, 1),
+            ("ngram", ngram, 3, 1),
+            ("plain", None, 1, 2),
+            ("eagle3", eagle3, 1, 2),
+        ]
         wanted = {c.strip() for c in args.configs.split(",") if c.strip()}
         if wanted:
             configs = [c for c in configs if f"{c[0]} tp{c[2]} pp{c[3]}" in wanted]
@@ -55,9 +67,22 @@ def main() -> int:
             name = f"{method} tp{tp} pp{pp}"
             print(f"{name} ...", file=sys.stderr, flush=True)
             try:
-                rec = run_vllm(target_dir(), prompts, args.max_new_tokens, [
-                    {"name": name, "speculative_config": spec, "tensor_parallel_size": tp,
-                     "pipeline_parallel_size": pp}], log=logs.append, allow_errors=True, timeout=1200)[0]
+                rec = run_vllm(
+                    target_dir(),
+                    prompts,
+                    args.max_new_tokens,
+                    [
+                        {
+                            "name": name,
+                            "speculative_config": spec,
+                            "tensor_parallel_size": tp,
+                            "pipeline_parallel_size": pp,
+                        }
+                    ],
+                    log=logs.append,
+                    allow_errors=True,
+                    timeout=1200,
+                )[0]
             except Exception as e:  # the runner itself died (e.g. a worker crash): that is the result
                 rec = {"name": name, "error": f"{type(e).__name__}: {e}"}
             rec.update(method=method, tensor_parallel_size=tp, pipeline_parallel_size=pp)
@@ -73,8 +98,10 @@ def main() -> int:
     print("| configuration | identical to plain TP 1 | mean acceptance length | tokens/s | error |")
     print("|---|---|---|---|---|")
     for r in recs:
-        print(f"| {r['name']} | {r.get('identical_to_plain_tp1', '—')} | {r.get('mean_acceptance_length') or '—'} "
-              f"| {r.get('tokens_per_s', '—')} | {r.get('error', '')} |")
+        print(
+            f"| {r['name']} | {r.get('identical_to_plain_tp1', '—')} | {r.get('mean_acceptance_length') or '—'} "
+            f"| {r.get('tokens_per_s', '—')} | {r.get('error', '')} |"
+        )
     return 0
 
 

@@ -5,6 +5,7 @@ GSM8K test questions, BIG-Bench Hard inputs, and the diverse held-out benchmark 
 (benchmarks/results/final/diverse60.jsonl). Only hashes are kept (`mtp.training.eval_guard`); run it
 again whenever `eval_guard.normalise` or the sets change.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,16 +23,20 @@ def eval_prompts(data: Path) -> dict[str, list[str]]:
     jsonl = lambda p: [json.loads(x) for x in p.read_text().splitlines() if x.strip()]  # noqa: E731
     return {
         "GSM8K test": [r["question"] for r in jsonl(data / "gsm8k" / "test.jsonl")],
-        "BIG-Bench Hard": [e["input"] for f in sorted((data / "bbh").glob("*.json"))
-                           for e in json.loads(f.read_text())["examples"]],
+        "BIG-Bench Hard": [
+            e["input"] for f in sorted((data / "bbh").glob("*.json")) for e in json.loads(f.read_text())["examples"]
+        ],
         "diverse held-out": [r["prompt"] for r in jsonl(ROOT / "benchmarks" / "results" / "final" / "diverse60.jsonl")],
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-dir", default=os.environ.get("MTP_DATA_DIR"),
-                    help="the evaluation data: gsm8k/test.jsonl, bbh/*.json (default $MTP_DATA_DIR)")
+    ap.add_argument(
+        "--data-dir",
+        default=os.environ.get("MTP_DATA_DIR"),
+        help="the evaluation data: gsm8k/test.jsonl, bbh/*.json (default $MTP_DATA_DIR)",
+    )
     args = ap.parse_args()
     if not args.data_dir or not (Path(args.data_dir) / "gsm8k" / "test.jsonl").is_file():
         ap.error("give --data-dir (or set MTP_DATA_DIR) to a folder holding gsm8k/test.jsonl and bbh/")

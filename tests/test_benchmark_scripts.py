@@ -2,6 +2,7 @@
 `main()` is not run), and every `mtp` name it imports — at the top or inside a function — still exists, so
 moving or renaming code under `mtp/` cannot silently break a measurement script. A script keeps its work
 under `main()` and `if __name__ == "__main__":`, so importing it runs nothing."""
+
 from __future__ import annotations
 
 import ast

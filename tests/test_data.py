@@ -1,5 +1,6 @@
 """Training data: prompt files, their errors, and self-generated answers (batched through the one
 decoding loop, cached, resumable) on a tiny random model with a tiny word-level tokenizer."""
+
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ def make_tiny_model_dir(path, seed: int = 0):
     from transformers import PreTrainedTokenizerFast
 
     from mtp.core.loading import save_hf_dir
+
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
@@ -30,6 +32,7 @@ def make_tiny_model_dir(path, seed: int = 0):
 @pytest.fixture
 def tiny_engine(tmp_path, monkeypatch):
     from mtp.core.engine import Engine, EngineConfig
+
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
     return Engine.load(EngineConfig(model=str(make_tiny_model_dir(tmp_path / "tiny")), adapter="none"))
 
@@ -40,8 +43,10 @@ def write_jsonl(path, rows):
 
 
 def prompts_file(tmp_path, n=5):
-    rows = [{"question": " ".join(f"w{(3 * i + j) % 90}" for j in range(4 + i % 3)), "answer": f"w{i} w{i + 1}"}
-            for i in range(n)]
+    rows = [
+        {"question": " ".join(f"w{(3 * i + j) % 90}" for j in range(4 + i % 3)), "answer": f"w{i} w{i + 1}"}
+        for i in range(n)
+    ]
     return write_jsonl(tmp_path / "train.jsonl", rows)
 
 
@@ -52,12 +57,15 @@ def test_load_prompts_fields_and_limit(tmp_path):
     assert [p["response"] for p in load_prompts(path)] == [None] * 5
 
 
-@pytest.mark.parametrize("rows, fields, message", [
-    ([{"q": "x"}], ("question", None), "line 1: no field 'question'"),
-    ([{"question": "x"}, {"question": "  "}], ("question", None), "line 2: empty prompt"),
-    ([{"question": "x"}], ("question", "answer"), "line 1: no field 'answer'"),
-    ([], ("question", None), "no prompts"),
-])
+@pytest.mark.parametrize(
+    "rows, fields, message",
+    [
+        ([{"q": "x"}], ("question", None), "line 1: no field 'question'"),
+        ([{"question": "x"}, {"question": "  "}], ("question", None), "line 2: empty prompt"),
+        ([{"question": "x"}], ("question", "answer"), "line 1: no field 'answer'"),
+        ([], ("question", None), "no prompts"),
+    ],
+)
 def test_load_prompts_errors(tmp_path, rows, fields, message):
     path = write_jsonl(tmp_path / "train.jsonl", rows)
     with pytest.raises(ValueError, match=message):
@@ -100,6 +108,7 @@ def test_examples_from_responses(tiny_engine, tmp_path):
 def test_self_generate_equals_greedy_and_is_cached(tiny_engine, tmp_path, monkeypatch):
     """Batched, continuously refilled generation gives each prompt its own greedy answer."""
     from mtp.core.decode import generate
+
     prompts = load_prompts(prompts_file(tmp_path, n=5))
     got = build_examples(tiny_engine, prompts, self_generate=True, max_new_tokens=7, batch_size=2)
     eos = tiny_engine.loaded.eos_ids
@@ -126,6 +135,7 @@ def test_self_generate_resumes_after_a_torn_write(tiny_engine, tmp_path):
 
 def _params(n):
     from mtp.core.sampling import SamplingParams
+
     return SamplingParams(max_new_tokens=n)
 
 
@@ -136,6 +146,7 @@ def _boom(*a, **k):
 def test_tiny_model_dir_logits_roundtrip(tmp_path):
     """The fixture's directory loads back into the same model (so the other tests mean something)."""
     from mtp.core.loading import load
+
     loaded = load(str(make_tiny_model_dir(tmp_path / "m")))
     x = torch.tensor([[5, 6, 7]])
     assert torch.equal(loaded.model(x), tiny_model(0)(x))

@@ -1,6 +1,7 @@
 """`mtp data`: answers through the one batching loop equal plain greedy decoding, a killed run resumes
 with nothing duplicated or lost, corrupt lines are skipped and counted, held-out prompts never reach
 the training file, and bad sources get one line."""
+
 from __future__ import annotations
 
 import json
@@ -17,17 +18,38 @@ from test_data import make_tiny_model_dir, tiny_engine, write_jsonl  # noqa: F40
 
 
 def sources(tmp_path, n_gsm=6, n_tasks=12):
-    gsm = write_jsonl(tmp_path / "train.jsonl", [{"question": f"w{i} w{i + 1} w{i + 2}", "answer": "w1"}
-                                                 for i in range(n_gsm)])
-    tasks = write_jsonl(tmp_path / "tasks.jsonl", [
-        {"id": f"t{i}", "instruction": f"w{10 + i} w{20 + i} w{30 + i} w{40 + i}", "instances": [
-            {"input": f"w{50 + i}", "output": "w1"}, {"input": "", "output": "w2"}]} for i in range(n_tasks)])
+    gsm = write_jsonl(
+        tmp_path / "train.jsonl", [{"question": f"w{i} w{i + 1} w{i + 2}", "answer": "w1"} for i in range(n_gsm)]
+    )
+    tasks = write_jsonl(
+        tmp_path / "tasks.jsonl",
+        [
+            {
+                "id": f"t{i}",
+                "instruction": f"w{10 + i} w{20 + i} w{30 + i} w{40 + i}",
+                "instances": [{"input": f"w{50 + i}", "output": "w1"}, {"input": "", "output": "w2"}],
+            }
+            for i in range(n_tasks)
+        ],
+    )
     return gsm, tasks
 
 
 def config(tmp_path, gsm, tasks, **kw):
-    return E.DataConfig(**{**dict(out=str(tmp_path / "out"), gsm8k=str(gsm), self_instruct=str(tasks),
-                                  self_written=4, max_new_tokens=6, batch_size=3, heldout_fraction=0.25), **kw})
+    return E.DataConfig(
+        **{
+            **dict(
+                out=str(tmp_path / "out"),
+                gsm8k=str(gsm),
+                self_instruct=str(tasks),
+                self_written=4,
+                max_new_tokens=6,
+                batch_size=3,
+                heldout_fraction=0.25,
+            ),
+            **kw,
+        }
+    )
 
 
 def lines(path):
@@ -47,8 +69,13 @@ def test_answers_are_greedy_and_held_out_prompts_are_never_answered(tiny_engine,
     recs = records(out)
     assert len({r["id"] for r in recs}) == len(recs) == card["answers"]
     for r in recs[:8]:
-        seq = greedy(tiny_engine.model, r["prompt_ids"], "ntp", SamplingParams(max_new_tokens=6),
-                     eos_ids=tiny_engine.loaded.eos_ids)
+        seq = greedy(
+            tiny_engine.model,
+            r["prompt_ids"],
+            "ntp",
+            SamplingParams(max_new_tokens=6),
+            eos_ids=tiny_engine.loaded.eos_ids,
+        )
         eos = [tiny_engine.tokenizer.eos_token_id] if seq.finish_reason == "stop" else []
         assert r["response_ids"] == seq.output + eos and r["finish"] == seq.finish_reason
     held = [json.loads(x) for f in (out / E.HELDOUT).glob("*.jsonl") for x in f.read_text().splitlines()]
@@ -83,6 +110,7 @@ def test_a_killed_run_resumes_without_duplicates_or_losses(tiny_engine, tmp_path
             if calls["n"] == 9:
                 raise KeyboardInterrupt  # Ctrl-C (or a kill) mid-run
             on_finish(job, seq)
+
         return real(engine, jobs, batch_size, finish, capacity, on_pass)
 
     monkeypatch.setattr(E, "generate", killed)
@@ -111,8 +139,9 @@ def test_corrupt_lines_are_skipped_and_counted(tiny_engine, tmp_path, monkeypatc
     path = tmp_path / "out" / E.TRAIN
     good = lines(path)
     text = path.read_text().splitlines(keepends=True)
-    path.write_text(text[0] + "not json\n" + '{"id": "x", "prompt_ids": ["a"], "response_ids": []}\n'
-                    + "".join(text[2:]))  # answer 2 corrupted, two bad lines
+    path.write_text(
+        text[0] + "not json\n" + '{"id": "x", "prompt_ids": ["a"], "response_ids": []}\n' + "".join(text[2:])
+    )  # answer 2 corrupted, two bad lines
     assert len(load_examples(path, log=lambda m: None)) == len(good) - 1  # the trainers' reader skips them too
     card = E.run(tiny_engine, cfg, progress=False)
     assert card["corrupt_lines_skipped"] == 2
@@ -152,12 +181,15 @@ def test_clean_and_deduplicate_written_tasks():
     assert d.seen("write a short poem about rain!") and not d.seen("Summarise this email for a manager")
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--gsm8k", "DATA/test.jsonl"], "test split"),
-    (["--self-written", "3"], "--self-written needs --self-instruct"),
-    ([], "no source"),
-    (["--prompts", "DATA/empty.jsonl"], "no prompts"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--gsm8k", "DATA/test.jsonl"], "test split"),
+        (["--self-written", "3"], "--self-written needs --self-instruct"),
+        ([], "no source"),
+        (["--prompts", "DATA/empty.jsonl"], "no prompts"),
+    ],
+)
 def test_bad_sources_one_line(tmp_path, capsys, args, words):
     (tmp_path / "test.jsonl").write_text('{"question": "x"}\n')
     (tmp_path / "empty.jsonl").write_text("\n\n")

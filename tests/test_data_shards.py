@@ -2,6 +2,7 @@
 truncated shard is refused in one line, a crash while sealing loses and duplicates nothing, two runs on
 one folder are refused, a resume finds prompts by content, evaluation prompts never reach a training
 file (by name, through a link, or by content), and `--card` reads a folder without touching it."""
+
 from __future__ import annotations
 
 import gzip
@@ -24,8 +25,14 @@ SHIPPED = ROOT / "data" / "smollm2-135m" / "mix-v1"
 
 
 def rec(i, n=3):
-    return {"id": f"a{i}", "source": "gsm8k", "category": "", "prompt_ids": [1, 2, i], "response_ids": [i] * n,
-            "finish": "stop"}
+    return {
+        "id": f"a{i}",
+        "source": "gsm8k",
+        "category": "",
+        "prompt_ids": [1, 2, i],
+        "response_ids": [i] * n,
+        "finish": "stop",
+    }
 
 
 def folder(tmp_path, n=5):
@@ -121,8 +128,9 @@ def test_a_second_run_on_the_same_folder_is_refused(tiny_engine, tmp_path):
 
 def test_resume_keys_prompts_by_content(tiny_engine, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"w{i} w{i + 1} w{i + 2}"} for i in range(4)])
-    cfg = E.DataConfig(out=str(tmp_path / "out"), prompts=str(prompts), max_new_tokens=4, batch_size=2,
-                       heldout_fraction=0.0)
+    cfg = E.DataConfig(
+        out=str(tmp_path / "out"), prompts=str(prompts), max_new_tokens=4, batch_size=2, heldout_fraction=0.0
+    )
     E.run(tiny_engine, cfg, progress=False)
     first = {r["id"]: r for r in records(Path(cfg.out))}
     assert len(first) == 4
@@ -135,8 +143,9 @@ def test_resume_keys_prompts_by_content(tiny_engine, tmp_path):
     assert new["prompt_ids"] == tiny_engine.encode("w40 w41 w42", chat=True)
 
 
-@pytest.mark.parametrize("name", ["held-out.jsonl", "testset.jsonl", "heldout/sub/p.jsonl", "my_eval.jsonl",
-                                  "link.jsonl"])
+@pytest.mark.parametrize(
+    "name", ["held-out.jsonl", "testset.jsonl", "heldout/sub/p.jsonl", "my_eval.jsonl", "link.jsonl"]
+)
 def test_evaluation_files_are_refused_by_name_and_through_links(tmp_path, name):
     path = tmp_path / name
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,14 +198,27 @@ def test_card_reads_a_folder_without_changing_it(tiny_engine, tmp_path, capsys):
     assert main(["data", "--card", "--out", cfg.out, "--max-new-tokens", "99"]) == 0  # no source flag needed
     card = json.loads(capsys.readouterr().out)
     assert card["max_new_tokens"] == 5 and card["answers"] == len(records(Path(cfg.out)))
-    assert (Path(cfg.out) / "train.jsonl").read_text().endswith('[1')  # a read-only command cuts nothing
+    assert (Path(cfg.out) / "train.jsonl").read_text().endswith("[1")  # a read-only command cuts nothing
 
 
 def test_self_written_needs_three_tasks_in_one_line(tmp_path, capsys):
     _, tasks = sources(tmp_path)
     model = make_tiny_model_dir(tmp_path / "m")
-    code = main(["data", "--out", str(tmp_path / "o"), "--model", str(model), "--self-instruct", str(tasks),
-                 "--self-written", "2", "--limit", "2"])
+    code = main(
+        [
+            "data",
+            "--out",
+            str(tmp_path / "o"),
+            "--model",
+            str(model),
+            "--self-instruct",
+            str(tasks),
+            "--self-written",
+            "2",
+            "--limit",
+            "2",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "at least 3 self-instruct training tasks" in err, err
 
@@ -218,8 +240,12 @@ def test_the_committed_data_set_is_intact_and_holds_no_evaluation_or_heldout_pro
     recs = [r for e in entries for r in shards.read_shard(SHIPPED, e)]
     ids = [r["id"] for r in recs]
     assert len(ids) == len(set(ids))
-    held = [json.loads(x) for f in sorted((SHIPPED / "heldout").glob("*.jsonl"))
-            for x in f.read_text().splitlines() if x.strip()]
+    held = [
+        json.loads(x)
+        for f in sorted((SHIPPED / "heldout").glob("*.jsonl"))
+        for x in f.read_text().splitlines()
+        if x.strip()
+    ]
     held_keys = {h["id"] for h in held}
     assert not held_keys & set(ids)
     held_tasks = {h["id"].split("-")[1] for h in held if h["id"].startswith("si-")}
@@ -227,8 +253,11 @@ def test_the_committed_data_set_is_intact_and_holds_no_evaluation_or_heldout_pro
     gsm_test = {E.content_id("gsm8k", q) for q in _gsm8k_test()}
     assert not gsm_test & set(ids)
     # self-written requests: the text of every trained one is neither held out nor an evaluation prompt
-    texts = {r["id"]: r.get("text", "") for e in shards.shard_entries(manifest, "instructions")
-             for r in shards.read_shard(SHIPPED, e)}
+    texts = {
+        r["id"]: r.get("text", "")
+        for e in shards.shard_entries(manifest, "instructions")
+        for r in shards.read_shard(SHIPPED, e)
+    }
     trained = [E.clean_instruction(texts[i]) for i in ids if i.startswith("sw-") and i in texts]
     held_text = {E.normalise(h["prompt"]) for h in held}
     assert not {E.normalise(t) for t in trained if t} & held_text
@@ -247,6 +276,7 @@ def test_a_data_set_made_by_another_model_is_refused_whatever_its_vocabulary(tmp
     tiny model of the same vocabulary, other weights) are refused in one line; the same model's pass."""
     from mtp.core.artifacts import base_hash
     from mtp.core.loading import load
+
     mine, other = make_tiny_model_dir(tmp_path / "mine", seed=0), make_tiny_model_dir(tmp_path / "other", seed=1)
     out = folder(tmp_path)
     m = shards.read_manifest(out)
@@ -265,6 +295,7 @@ def test_a_data_set_made_by_another_model_is_refused_whatever_its_vocabulary(tmp
 def refuse_model_load(monkeypatch):
     """Any model load fails the test: the input was to be refused before it."""
     from mtp.core.engine import Engine
+
     monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
 
 
@@ -276,8 +307,18 @@ def test_a_batch_too_large_for_memory_is_refused_before_the_model_loads(command,
     if command == "data":
         argv = ["data", "--out", str(tmp_path / "o"), "--prompts", str(prompts), "--batch-size", "100000"]
     else:
-        argv = [command, "--data", str(prompts), "--prompt-field", "prompt", "--self-generate",
-                "--gen-batch-size", "100000", "--out", str(tmp_path / "o")]
+        argv = [
+            command,
+            "--data",
+            str(prompts),
+            "--prompt-field",
+            "prompt",
+            "--self-generate",
+            "--gen-batch-size",
+            "100000",
+            "--out",
+            str(tmp_path / "o"),
+        ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     flag = "--batch-size" if command == "data" else "--gen-batch-size"
@@ -311,13 +352,34 @@ def test_the_shipped_heads_recipe_trains_from_a_committed_shard(tmp_path, capsys
     shard (the smallest) with the real model; the manifest's base_hash matches SmolLM2, the heads are
     written with the steps asked for and load onto the model."""
     from conftest import require_smollm2
+
     require_smollm2()
     from mtp.core.engine import Engine, EngineConfig
     from mtp.core.proposers.heads import load_heads
+
     entry = min(shards.shard_entries(shards.read_manifest(SHIPPED), "train"), key=lambda e: e["lines"])
     out = tmp_path / "heads"
-    rc = main(["train-heads", "--examples", str(SHIPPED / entry["file"]), "--limit", "4", "--depths", "2",
-               "--steps", "3", "--batch-size", "64", "--draft-vocab", "512", "--threads", "1", "--out", str(out)])
+    rc = main(
+        [
+            "train-heads",
+            "--examples",
+            str(SHIPPED / entry["file"]),
+            "--limit",
+            "4",
+            "--depths",
+            "2",
+            "--steps",
+            "3",
+            "--batch-size",
+            "64",
+            "--draft-vocab",
+            "512",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["depths"] == 2 and 0 < cfg["draft_vocab"] <= 512 and cfg["meta"]["metrics"]["steps"] == 3

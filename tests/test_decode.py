@@ -1,5 +1,6 @@
 """The decoding loop: exact tokens with stub logits, lossless `verify` on real models, KV rollback,
 EOS / stop strings inside accepted blocks, max_new_tokens, rejection sampling."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -45,8 +46,17 @@ class StubModel(LogitStub):
         super().__init__()
         self.good_depth, self.conf = good_depth, conf
 
-    def __call__(self, tokens, positions, cache=None, slots=None, out_index=None, return_hidden=False,
-                 attn_mask=None, cache_positions=None):
+    def __call__(
+        self,
+        tokens,
+        positions,
+        cache=None,
+        slots=None,
+        out_index=None,
+        return_hidden=False,
+        attn_mask=None,
+        cache_positions=None,
+    ):
         B, T = self.record(tokens, positions)
         logits = torch.full((B, T, V), -20.0)
         for b in range(B):
@@ -70,8 +80,13 @@ class StubModel(LogitStub):
 def run_stub(strategy, good_depth, max_new=13, conf=(0.99,) * 16, eos=(), branch=True):
     stub = StubModel(good_depth, conf)
     prompt = TARGET[:5]
-    seq = Sequence(prompt, Strategy.parse(strategy), SamplingParams(max_new_tokens=max_new), MaskProposer(branch),
-                   eos_ids=tuple(eos))
+    seq = Sequence(
+        prompt,
+        Strategy.parse(strategy),
+        SamplingParams(max_new_tokens=max_new),
+        MaskProposer(branch),
+        eos_ids=tuple(eos),
+    )
     cache = KVCache(1, 1, 1, 64, 1)
     with torch.inference_mode():
         while not seq.finished:
@@ -79,16 +94,19 @@ def run_stub(strategy, good_depth, max_new=13, conf=(0.99,) * 16, eos=(), branch
     return seq, cache, stub
 
 
-@pytest.mark.parametrize("good_depth, branch, chunks", [
-    (3, True, [1, 4, 4, 4]),  # always accepted: 3 drafts + the model's own token per pass
-    (3, False, [1, 4, 4, 4]),
-    (0, True, [1] * 13),  # never accepted
-    # first draft accepted, second rejected: the mask group after draft 1 gives the next drafts
-    (1, True, [1] + [2] * 6),
-    # without branching the masks sat behind the rejected draft and saw a wrong prefix, so the next
-    # pass has no drafts and only proposes again
-    (1, False, [1, 2, 1, 2, 1, 2, 1, 2, 1]),
-])
+@pytest.mark.parametrize(
+    "good_depth, branch, chunks",
+    [
+        (3, True, [1, 4, 4, 4]),  # always accepted: 3 drafts + the model's own token per pass
+        (3, False, [1, 4, 4, 4]),
+        (0, True, [1] * 13),  # never accepted
+        # first draft accepted, second rejected: the mask group after draft 1 gives the next drafts
+        (1, True, [1] + [2] * 6),
+        # without branching the masks sat behind the rejected draft and saw a wrong prefix, so the next
+        # pass has no drafts and only proposes again
+        (1, False, [1, 2, 1, 2, 1, 2, 1, 2, 1]),
+    ],
+)
 def test_verify_stub_exact(good_depth, branch, chunks):
     seq, cache, _ = run_stub("verify:4", good_depth, branch=branch)
     assert seq.output == TARGET[5:18]  # lossless whatever the proposals
@@ -152,8 +170,13 @@ def test_max_new_tokens_never_exceeded_mid_block():
 def test_stop_string_inside_block_cuts_output():
     text = lambda ids: "".join(chr(97 + t % 26) for t in ids)  # noqa: E731
     stub = StubModel(3)
-    seq = Sequence(TARGET[:5], Strategy.parse("verify:4"), SamplingParams(max_new_tokens=30, stop=[text(TARGET[8:10])]),
-                   MaskProposer(), decode_text=text)
+    seq = Sequence(
+        TARGET[:5],
+        Strategy.parse("verify:4"),
+        SamplingParams(max_new_tokens=30, stop=[text(TARGET[8:10])]),
+        MaskProposer(),
+        decode_text=text,
+    )
     cache = KVCache(1, 1, 1, 64, 1)
     while not seq.finished:
         decode_step(stub, cache, [seq], MASK)
@@ -162,6 +185,7 @@ def test_stop_string_inside_block_cuts_output():
 
 
 # --- real (tiny random) models: verify output == ntp output, token for token -----------------
+
 
 def tiny_with_mask(seed=0):
     m = tiny_model(seed)
@@ -176,6 +200,7 @@ def test_verify_equals_ntp_tiny(k, proposer, packed):
     model = tiny_with_mask()
     if packed:
         from mtp.core.model import pack_weights
+
         pack_weights(model)
     prop = MaskProposer() if proposer == "mask" else PromptLookupProposer()
     for seed in range(3):
@@ -191,12 +216,27 @@ def test_batched_ragged_rows_equal_single_rows():
     model = tiny_with_mask(1)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [1, 2], [4, 4, 2, 9]]
     strategies = ["ntp", "verify:3", "static:2", "verify:4"]  # verify:4 with branched mask groups
-    singles = [generate(model, p, s, SamplingParams(max_new_tokens=12), proposer=PromptLookupProposer()
-                        if s == "verify:3" else MaskProposer()).output for p, s in zip(prompts, strategies)]
+    singles = [
+        generate(
+            model,
+            p,
+            s,
+            SamplingParams(max_new_tokens=12),
+            proposer=PromptLookupProposer() if s == "verify:3" else MaskProposer(),
+        ).output
+        for p, s in zip(prompts, strategies)
+    ]
     cache = KVCache.for_model(model, 4, 64)
-    seqs = [Sequence(p, Strategy.parse(s), SamplingParams(max_new_tokens=12),
-                     PromptLookupProposer() if s == "verify:3" else MaskProposer(), slot=i)
-            for i, (p, s) in enumerate(zip(prompts, strategies))]
+    seqs = [
+        Sequence(
+            p,
+            Strategy.parse(s),
+            SamplingParams(max_new_tokens=12),
+            PromptLookupProposer() if s == "verify:3" else MaskProposer(),
+            slot=i,
+        )
+        for i, (p, s) in enumerate(zip(prompts, strategies))
+    ]
     with torch.inference_mode():
         while not all(s.finished for s in seqs):
             decode_step(model, cache, [s for s in seqs if not s.finished], model.config.mask_token_id)
@@ -250,9 +290,24 @@ def test_strategy_parsing():
     assert Strategy.parse("conf_adapt:0.9:4").k == 4
     assert str(Strategy.parse("verify:4")) == "verify:4"
     assert [str(s) for s in expand_sweep("conf_adapt:0.99,0.9,static:1..3")] == [
-        "conf_adapt:0.99", "conf_adapt:0.9", "static:1", "static:2", "static:3"]
-    for bad in ["", "fast", "verify", "verify:0", "static:-1", "conf_adapt:0", "conf_adapt:1.5", "verify:x",
-                "conf_adapt:0.9:0", "ntp:3"]:
+        "conf_adapt:0.99",
+        "conf_adapt:0.9",
+        "static:1",
+        "static:2",
+        "static:3",
+    ]
+    for bad in [
+        "",
+        "fast",
+        "verify",
+        "verify:0",
+        "static:-1",
+        "conf_adapt:0",
+        "conf_adapt:1.5",
+        "verify:x",
+        "conf_adapt:0.9:0",
+        "ntp:3",
+    ]:
         with pytest.raises(StrategyError):
             Strategy.parse(bad)
 
@@ -277,6 +332,7 @@ def test_branched_mask_groups_equal_separate_passes(packed):
     model = tiny_with_mask(2)
     if packed:
         from mtp.core.model import pack_weights
+
         pack_weights(model)
     mid = model.config.mask_token_id
     prompt, pending, drafts, g = [5, 9, 2, 7, 1], [3], [8, 4, 6], 3
@@ -294,7 +350,7 @@ def test_branched_mask_groups_equal_separate_passes(packed):
         for a in range(4):  # a accepted drafts; a == 3: the group right after the drafts
             first = 4 + (0 if a == 3 else g * (1 + a))
             ref = model(torch.tensor([prompt + pending + drafts[:a] + [mid] * g]))[0, -g:]
-            torch.testing.assert_close(got[first:first + g], ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got[first : first + g], ref, rtol=1e-4, atol=1e-4)
         # the draft rows are the plain causal pass's rows
         ref = model(torch.tensor([prompt + pending + drafts]))[0, 5:]
         torch.testing.assert_close(got[:4], ref, rtol=1e-4, atol=1e-4)

@@ -3,6 +3,7 @@ own safety caps or unlike the measurements it carries (W1), caps of the wrong ty
 hashes tying it to weights and assets (U1) are each refused in one line before any model loads; an
 asset the deploy file was tuned with but the engine lacks names the flag that loads it. (S1, /health
 behind the API key: tests/test_rollout.py.)"""
+
 from __future__ import annotations
 
 import copy
@@ -16,14 +17,29 @@ from mtp.core import deploy as D
 REPO = Path(__file__).resolve().parents[1]
 
 # what `mtp tune` writes (mtp/tune/run.py, step 8), cut to the fields `deploy.read` looks at
-TUNED = {"format": "mtp-deploy", "version": 1,
-         "tuned": {"strategy": "conf_adapt:0.95:4", "proposer": "mask"},
-         "fallback": {"strategy": "verify:4", "proposer": "mask"},
-         "tolerance": 0.05, "metric": "answer", "caps": {"max_k": 4, "min_tau": 0.95}, "calibration": {},
-         "hashes": {"model": "856f0d7611b5a6f7", "adapter": "0123456789abcdef"},
-         "measured": {"arm": "conf_adapt:0.95:4@mask", "tokens_per_s": 20.0, "speedup_vs_ntp": 1.3, "ms_per_token": 50.0, "loss": 0.04,
-                      "loss_items": 100, "tokens_per_forward": 1.6, "measure_prompts": 8, "data": "gsm8k:x",
-                      "prompts": 100}}
+TUNED = {
+    "format": "mtp-deploy",
+    "version": 1,
+    "tuned": {"strategy": "conf_adapt:0.95:4", "proposer": "mask"},
+    "fallback": {"strategy": "verify:4", "proposer": "mask"},
+    "tolerance": 0.05,
+    "metric": "answer",
+    "caps": {"max_k": 4, "min_tau": 0.95},
+    "calibration": {},
+    "hashes": {"model": "856f0d7611b5a6f7", "adapter": "0123456789abcdef"},
+    "measured": {
+        "arm": "conf_adapt:0.95:4@mask",
+        "tokens_per_s": 20.0,
+        "speedup_vs_ntp": 1.3,
+        "ms_per_token": 50.0,
+        "loss": 0.04,
+        "loss_items": 100,
+        "tokens_per_forward": 1.6,
+        "measure_prompts": 8,
+        "data": "gsm8k:x",
+        "prompts": 100,
+    },
+}
 
 
 def deploy_file(tmp_path, name="deploy.json", **changes) -> Path:
@@ -43,6 +59,7 @@ def refused(path, capsys, words: str) -> str:
     """`deploy.read` refuses `path` with `words` in its one line, and so does `mtp serve --deploy` (exit 2,
     one `mtp: error:` line, before any model loads)."""
     from mtp.cli import main
+
     with pytest.raises(ValueError, match=words):
         D.read(path)
     assert main(["serve", "--deploy", str(path), "--model", "/nowhere"]) == 2
@@ -66,11 +83,19 @@ def test_committed_deploy_files_are_read():
 
 # ---- W1: the tuned arm within its own caps, and the one the measurements describe -------------------------
 def test_w1_tuned_arm_outside_its_own_caps_is_refused(tmp_path, capsys):
-    err = refused(deploy_file(tmp_path, tuned={"strategy": "conf_adapt:0.05:16", "proposer": "mask"},
-                              caps={"max_k": 2, "min_tau": 0.99}), capsys, "safety cap K <= 2")
+    err = refused(
+        deploy_file(
+            tmp_path, tuned={"strategy": "conf_adapt:0.05:16", "proposer": "mask"}, caps={"max_k": 2, "min_tau": 0.99}
+        ),
+        capsys,
+        "safety cap K <= 2",
+    )
     assert "conf_adapt:0.05" in err
-    refused(deploy_file(tmp_path, tuned={"strategy": "conf_adapt:0.5:4", "proposer": "mask"}), capsys,
-            "safety cap tau >= 0.95")
+    refused(
+        deploy_file(tmp_path, tuned={"strategy": "conf_adapt:0.5:4", "proposer": "mask"}),
+        capsys,
+        "safety cap tau >= 0.95",
+    )
 
 
 def test_w1_the_server_refuses_requests_with_the_same_check():
@@ -78,12 +103,19 @@ def test_w1_the_server_refuses_requests_with_the_same_check():
     refuses it as a tuned arm, with the same words."""
     from types import SimpleNamespace
     from mtp.core.strategy import Strategy
+
     pytest.importorskip("fastapi")
     from mtp.serving.openai import APIError
     from mtp.serving.state import ServerState
+
     caps = {"max_k": 4, "min_tau": 0.95}
-    deploy = D.Deploy(tuned=D.Arm(Strategy.parse("conf_adapt:0.95:4"), "mask"),
-                      fallback=D.Arm(Strategy.parse("ntp"), "mask"), tolerance=0.05, metric="answer", caps=caps)
+    deploy = D.Deploy(
+        tuned=D.Arm(Strategy.parse("conf_adapt:0.95:4"), "mask"),
+        fallback=D.Arm(Strategy.parse("ntp"), "mask"),
+        tolerance=0.05,
+        metric="answer",
+        caps=caps,
+    )
     state = SimpleNamespace(config=SimpleNamespace(deploy=deploy))
     for text in ("static:8", "conf_adapt:0.5:4", "conf_adapt:0.99:4", "static:4", "verify:16", "tree:16"):
         s = Strategy.parse(text)
@@ -103,36 +135,44 @@ def test_w1_the_server_refuses_requests_with_the_same_check():
             assert want.split("safety cap")[1] == got.split("safety cap")[1] and "this server's" in got, (want, got)
 
 
-@pytest.mark.parametrize("tuned, measured, words", [
-    # a lossless arm measured with a loss: the measurements are of a lossy one
-    ({"strategy": "verify:4", "proposer": "mask"}, {"loss": 0.04}, "lossless"),
-    # an arm that emits at most 2 tokens a pass cannot have measured 3.5
-    ({"strategy": "conf_adapt:0.95:2", "proposer": "mask"}, {"tokens_per_forward": 3.5}, "tokens_per_forward"),
-    ({"strategy": "ntp", "proposer": "mask"}, {"tokens_per_forward": 1.6, "loss": 0.0}, "tokens_per_forward"),
-    # tune never chooses an arm whose measured loss is over the tolerance
-    ({"strategy": "conf_adapt:0.95:4", "proposer": "mask"}, {"loss": 0.3}, "exceeds the tolerance"),
-    ({"strategy": "conf_adapt:0.95:4", "proposer": "mask"}, {"loss": "low"}, "measured.loss must be a number"),
-    # tune names the arm it measured: a hand-edited choice no longer matches it
-    ({"strategy": "conf_adapt:0.96:4", "proposer": "mask"}, {"arm": "conf_adapt:0.95:4@mask"},
-     "the measurements are of 'conf_adapt:0.95:4@mask'"),
-])
+@pytest.mark.parametrize(
+    "tuned, measured, words",
+    [
+        # a lossless arm measured with a loss: the measurements are of a lossy one
+        ({"strategy": "verify:4", "proposer": "mask"}, {"loss": 0.04}, "lossless"),
+        # an arm that emits at most 2 tokens a pass cannot have measured 3.5
+        ({"strategy": "conf_adapt:0.95:2", "proposer": "mask"}, {"tokens_per_forward": 3.5}, "tokens_per_forward"),
+        ({"strategy": "ntp", "proposer": "mask"}, {"tokens_per_forward": 1.6, "loss": 0.0}, "tokens_per_forward"),
+        # tune never chooses an arm whose measured loss is over the tolerance
+        ({"strategy": "conf_adapt:0.95:4", "proposer": "mask"}, {"loss": 0.3}, "exceeds the tolerance"),
+        ({"strategy": "conf_adapt:0.95:4", "proposer": "mask"}, {"loss": "low"}, "measured.loss must be a number"),
+        # tune names the arm it measured: a hand-edited choice no longer matches it
+        (
+            {"strategy": "conf_adapt:0.96:4", "proposer": "mask"},
+            {"arm": "conf_adapt:0.95:4@mask"},
+            "the measurements are of 'conf_adapt:0.95:4@mask'",
+        ),
+    ],
+)
 def test_w1_tuned_arm_unlike_its_measurements_is_refused(tmp_path, capsys, tuned, measured, words):
     without_arm = {k: v for k, v in TUNED["measured"].items() if k != "arm"}  # as files tuned before it was written
     refused(deploy_file(tmp_path, tuned=tuned, measured={**without_arm, **measured}), capsys, words)
 
 
 # ---- T1: the caps themselves ------------------------------------------------------------------------------
-@pytest.mark.parametrize("caps, words", [
-    ({"max_k": "abc", "min_tau": 0.95}, "caps.max_k must be an integer >= 1"),
-    ({"max_k": 0}, "caps.max_k must be an integer >= 1"),
-    ({"max_k": 4.0}, "caps.max_k must be an integer >= 1"),
-    ({"max_k": True}, "caps.max_k must be an integer >= 1"),
-    ({"max_k": 4, "min_tau": -5}, r"caps.min_tau must be a number in \[0, 1\]"),
-    ({"max_k": 4, "min_tau": "0.9"}, r"caps.min_tau must be a number in \[0, 1\]"),
-    ({"max_k": 4, "max_tokens": 9}, "unknown cap 'max_tokens'"),
-    ([4, 0.95], "'caps' must be an object"),
-
-])
+@pytest.mark.parametrize(
+    "caps, words",
+    [
+        ({"max_k": "abc", "min_tau": 0.95}, "caps.max_k must be an integer >= 1"),
+        ({"max_k": 0}, "caps.max_k must be an integer >= 1"),
+        ({"max_k": 4.0}, "caps.max_k must be an integer >= 1"),
+        ({"max_k": True}, "caps.max_k must be an integer >= 1"),
+        ({"max_k": 4, "min_tau": -5}, r"caps.min_tau must be a number in \[0, 1\]"),
+        ({"max_k": 4, "min_tau": "0.9"}, r"caps.min_tau must be a number in \[0, 1\]"),
+        ({"max_k": 4, "max_tokens": 9}, "unknown cap 'max_tokens'"),
+        ([4, 0.95], "'caps' must be an object"),
+    ],
+)
 def test_t1_bad_caps_are_refused(tmp_path, capsys, caps, words):
     refused(deploy_file(tmp_path, caps=caps), capsys, words)
 
@@ -146,29 +186,46 @@ def test_t1_caps_left_out_are_the_tuned_arms_own(tmp_path):
 
 def test_t1_caps_are_checked_wherever_a_deploy_is_built():
     from mtp.core.strategy import Strategy
+
     with pytest.raises(ValueError, match="caps.max_k"):
-        D.Deploy(tuned=D.Arm(Strategy.parse("static:2"), "mask"), fallback=D.Arm(Strategy.parse("ntp"), "mask"),
-                 tolerance=0.1, metric="exact", caps={"max_k": "abc"})
+        D.Deploy(
+            tuned=D.Arm(Strategy.parse("static:2"), "mask"),
+            fallback=D.Arm(Strategy.parse("ntp"), "mask"),
+            tolerance=0.1,
+            metric="exact",
+            caps={"max_k": "abc"},
+        )
 
 
 # ---- U1: hashes required -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("hashes, words", [
-    (None, "'hashes'"),
-    ({}, "'hashes'"),
-    ({"adapter": "0123456789abcdef"}, "\"model\""),
-    ({"model": ""}, "\"model\""),
-    ({"model": 12}, "\"model\""),
-    ({"model": "856f0d7611b5a6f7", "drafter": "0123"}, "unknown asset 'drafter'"),
-    ({"model": "856f0d7611b5a6f7", "heads": "0123"}, "neither arm drafts from"),
-])
+@pytest.mark.parametrize(
+    "hashes, words",
+    [
+        (None, "'hashes'"),
+        ({}, "'hashes'"),
+        ({"adapter": "0123456789abcdef"}, '"model"'),
+        ({"model": ""}, '"model"'),
+        ({"model": 12}, '"model"'),
+        ({"model": "856f0d7611b5a6f7", "drafter": "0123"}, "unknown asset 'drafter'"),
+        ({"model": "856f0d7611b5a6f7", "heads": "0123"}, "neither arm drafts from"),
+    ],
+)
 def test_u1_deploy_file_without_hashes_is_refused(tmp_path, capsys, hashes, words):
     refused(deploy_file(tmp_path, hashes=hashes), capsys, words)
 
 
 def test_u1_an_asset_the_arms_draft_from_must_be_hashed(tmp_path, capsys):
-    refused(deploy_file(tmp_path, tuned={"strategy": "tree:8", "proposer": "heads+suffix+lookup"},
-                        caps={"max_k": 9}, hashes={"model": "856f0d7611b5a6f7", "heads": "0123456789abcdef"},
-                        measured={**TUNED["measured"], "loss": 0.0}), capsys, "datastore")
+    refused(
+        deploy_file(
+            tmp_path,
+            tuned={"strategy": "tree:8", "proposer": "heads+suffix+lookup"},
+            caps={"max_k": 9},
+            hashes={"model": "856f0d7611b5a6f7", "heads": "0123456789abcdef"},
+            measured={**TUNED["measured"], "loss": 0.0},
+        ),
+        capsys,
+        "datastore",
+    )
 
 
 # ---- the missing-asset message names the flag that loads it -------------------------------------------------
@@ -179,16 +236,27 @@ class FakeEngine:
         self.model, self.adapter_dir, self.asset_dirs = model, None, {}
 
 
-@pytest.mark.parametrize("kind, flag, noun", [("eagle3", "--eagle3", "EAGLE-3 drafter"),
-                                              ("heads", "--heads", "MTP heads"),
-                                              ("datastore", "--datastore", "suffix datastore"),
-                                              ("adapter", "--adapter", "mask adapter")])
+@pytest.mark.parametrize(
+    "kind, flag, noun",
+    [
+        ("eagle3", "--eagle3", "EAGLE-3 drafter"),
+        ("heads", "--heads", "MTP heads"),
+        ("datastore", "--datastore", "suffix datastore"),
+        ("adapter", "--adapter", "mask adapter"),
+    ],
+)
 def test_missing_asset_names_its_own_flag(tiny, kind, flag, noun):
     from mtp.cli import build_parser
     from mtp.core.strategy import Strategy
+
     engine = FakeEngine(tiny)
-    deploy = D.Deploy(tuned=D.Arm(Strategy.parse("verify:4"), "mask"), fallback=D.Arm(Strategy.parse("ntp"), "mask"),
-                      tolerance=0.0, metric="exact", hashes={**D.engine_hashes(engine), kind: "0123456789abcdef"})
+    deploy = D.Deploy(
+        tuned=D.Arm(Strategy.parse("verify:4"), "mask"),
+        fallback=D.Arm(Strategy.parse("ntp"), "mask"),
+        tolerance=0.0,
+        metric="exact",
+        hashes={**D.engine_hashes(engine), kind: "0123456789abcdef"},
+    )
     with pytest.raises(ValueError) as e:
         D.check_engine(deploy, engine)
     msg = str(e.value)

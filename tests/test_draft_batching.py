@@ -5,6 +5,7 @@ CPU GEMM kernels are not batch-invariant (a [1, dim] row and the same row inside
 summed in another order, last-bit differences), so the exact draft-for-draft checks run the heads row by
 row inside the batched call (`rowwise`): any difference left is a batching bug (wrong rows gathered, split
 or grown). With the plain heads, decoding is still checked against `ntp` token for token."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,24 +37,42 @@ def rowwise(prop: N.HeadsProposer) -> N.HeadsProposer:
     `prop.depth_calls` counts the head calls."""
     prop.depth_calls = 0
     for head in prop.heads.depths:
+
         def one_by_one(h, emb, f=head.forward):  # h, emb: [F, dim] -> [F, dim]
             prop.depth_calls += 1
-            return torch.cat([f(h[j:j + 1], emb[j:j + 1]) for j in range(h.shape[0])])
+            return torch.cat([f(h[j : j + 1], emb[j : j + 1]) for j in range(h.shape[0])])
+
         head.forward = one_by_one
     readout = prop.readout
-    prop.readout = lambda h: torch.cat([readout(h[j:j + 1]) for j in range(h.shape[0])])  # [F, V]
+    prop.readout = lambda h: torch.cat([readout(h[j : j + 1]) for j in range(h.shape[0])])  # [F, V]
     return prop
 
 
 def views(model, n: int, seed: int = 0) -> list[PassView]:
     g = torch.Generator().manual_seed(seed)
-    return [PassView(context=torch.randint(0, V, (3 + j,), generator=g).tolist(), mask_logits=torch.zeros(0, V),
-                     hidden=torch.randn(model.config.dim, generator=g) * 2, masks_valid=False) for j in range(n)]
+    return [
+        PassView(
+            context=torch.randint(0, V, (3 + j,), generator=g).tolist(),
+            mask_logits=torch.zeros(0, V),
+            hidden=torch.randn(model.config.dim, generator=g) * 2,
+            masks_valid=False,
+        )
+        for j in range(n)
+    ]
 
 
 # (tree?, n, sampling temperature) per row: trees of 1..12 nodes, chains shorter and longer than the depths
-ASKS = [(True, 8, 0), (False, 3, 0), (True, 1, 0), (False, 1, 0), (True, 12, 0), (False, 7, 0), (True, 4, 0),
-        (False, 3, 0.8), (False, 2, 0.8)]
+ASKS = [
+    (True, 8, 0),
+    (False, 3, 0),
+    (True, 1, 0),
+    (False, 1, 0),
+    (True, 12, 0),
+    (False, 7, 0),
+    (True, 4, 0),
+    (False, 3, 0.8),
+    (False, 2, 0.8),
+]
 
 
 def ask(prop, view, tree, n, temp, seed):
@@ -95,8 +114,14 @@ class Recording(WrappedProposer):
         return g
 
 
-PROMPTS = [[5, 17, 3], [44, 2, 9, 9, 81, 30], [7, 7, 8, 9, 7, 7, 8], [1, 2], [30, 31, 32, 30, 31, 32, 30],
-           [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
+PROMPTS = [
+    [5, 17, 3],
+    [44, 2, 9, 9, 81, 30],
+    [7, 7, 8, 9, 7, 7, 8],
+    [1, 2],
+    [30, 31, 32, 30, 31, 32, 30],
+    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3],
+]
 STRATEGIES = ["tree:8", "verify:4", "tree:4", "verify:3", "tree:8", "verify:4"]
 PROPOSERS = ["heads", "heads", "heads+lookup", "heads+lookup", "heads+lookup", "heads"]
 
@@ -106,8 +131,11 @@ def row_proposer(shared, which, log):
     calibrated), wrapped per row."""
     p = Recording(shared, log)
     if which == "heads+lookup":
-        p = CalibratedProposer(MergedProposer([p, PromptLookupProposer()]), None,
-                               Calibration.from_json([{"temperature": 1.5, "bias": 0.1}] * 8))
+        p = CalibratedProposer(
+            MergedProposer([p, PromptLookupProposer()]),
+            None,
+            Calibration.from_json([{"temperature": 1.5, "bias": 0.1}] * 8),
+        )
     return p
 
 
@@ -115,8 +143,16 @@ def decode_rows(shared, rows, n=24, params=None):
     """Decode `rows` (prompt, strategy, proposer name) together, ragged; (sequences, logs, clock: the
     seconds the loop timed in each proposer, by name)."""
     logs, clock = [[] for _ in rows], {}
-    seqs = [Sequence(list(p), Strategy.parse(s), params or SamplingParams(max_new_tokens=n),
-                     row_proposer(shared, w, logs[i]), slot=i) for i, (p, s, w) in enumerate(rows)]
+    seqs = [
+        Sequence(
+            list(p),
+            Strategy.parse(s),
+            params or SamplingParams(max_new_tokens=n),
+            row_proposer(shared, w, logs[i]),
+            slot=i,
+        )
+        for i, (p, s, w) in enumerate(rows)
+    ]
     cache = KVCache.for_model(shared.model, len(rows), 128)
     with torch.inference_mode():
         while not all(s.finished for s in seqs):
@@ -160,8 +196,10 @@ def test_sampled_chains_draw_as_each_row_alone():
 
     def run(shared):
         logs = [[] for _ in rows]
-        seqs = [Sequence(list(p), Strategy.parse(s), params[i], row_proposer(shared, w, logs[i]), slot=i)
-                for i, (p, s, w) in enumerate(rows)]
+        seqs = [
+            Sequence(list(p), Strategy.parse(s), params[i], row_proposer(shared, w, logs[i]), slot=i)
+            for i, (p, s, w) in enumerate(rows)
+        ]
         cache = KVCache.for_model(model, len(rows), 128)
         with torch.inference_mode():
             while not all(s.finished for s in seqs):

@@ -1,5 +1,6 @@
 """EAGLE-3 drafter: lossless under verify, training-time test == drafting, resume, export round trip,
 a drafter that copies the target accepted every time, and bad input in one line."""
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,33 @@ from mtp.core.cache import KVCache
 from mtp.core.decode import Sequence, decode_step, generate
 from mtp.interop.vllm_export import export_vllm_eagle3
 from mtp.core.proposers import REGISTRY, DraftRequest, PassView
-from mtp.core.proposers.eagle3 import (CONFIG, WEIGHTS, Eagle3Config, Eagle3Drafter, Eagle3Proposer,
-                                       default_aux_layers, drafter_files, load_drafter, load_eagle3_proposer)
+from mtp.core.proposers.eagle3 import (
+    CONFIG,
+    WEIGHTS,
+    Eagle3Config,
+    Eagle3Drafter,
+    Eagle3Proposer,
+    default_aux_layers,
+    drafter_files,
+    load_drafter,
+    load_eagle3_proposer,
+)
 from mtp.core.artifacts import write_dir_atomic
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 from mtp.training.data import Example
-from mtp.training.eagle3_train import (TrainEagle3Config, batch_examples, draft_vocab_from, extract_features,
-                                       evaluate, init_drafter, make_batch, train_eagle3, ttt_logits,
-                                       ttt_loss)
+from mtp.training.eagle3_train import (
+    TrainEagle3Config,
+    batch_examples,
+    draft_vocab_from,
+    extract_features,
+    evaluate,
+    init_drafter,
+    make_batch,
+    train_eagle3,
+    ttt_logits,
+    ttt_loss,
+)
 from mtp.training.trainer import use_bf16
 
 AUX = (0, 1, 2)
@@ -66,7 +85,7 @@ def test_aux_layers_are_the_residual_streams(tiny):
     cos, sin = tiny.rope(torch.arange(9).expand(2, 9))
     mask = torch.ones(9, 9, dtype=torch.bool).tril().expand(2, 1, 9, 9)
     x = tiny.layers[0](x, cos, sin, mask)
-    assert torch.allclose(aux[..., dim:2 * dim], x, atol=1e-6)
+    assert torch.allclose(aux[..., dim : 2 * dim], x, atol=1e-6)
     assert default_aux_layers(30) == [2, 15, 27]
     with pytest.raises(ValueError):
         tiny(tokens, aux_layers=(5,))
@@ -90,8 +109,9 @@ def test_trained_drafter_is_lossless_and_accepts_drafts(tmp_path):
     model = tiny_model(3)
     exs = examples_of(model, n=12, new=30)
     feats = extract_features(model, exs, AUX, dtype=torch.float32)
-    cfg = TrainEagle3Config(aux_layers=AUX, draft_vocab=97, steps=60, batch_size=4, save_every=100, lr=3e-3,
-                            val_fraction=0.0)
+    cfg = TrainEagle3Config(
+        aux_layers=AUX, draft_vocab=97, steps=60, batch_size=4, save_every=100, lr=3e-3, val_fraction=0.0
+    )
     train_eagle3(model, feats, cfg, tmp_path / "d", log=lambda m: None)
     proposer = load_eagle3_proposer(model, tmp_path / "d")
     accepted = 0
@@ -113,8 +133,15 @@ def test_sampled_verify_with_eagle3_runs_and_proposes_inside_the_draft_vocabular
     assert len(seq.output) == 30
     view_state: dict = {}
     _, _, aux = model(torch.tensor([[5, 17, 3]]), aux_layers=AUX)
-    g = proposer.propose(DraftRequest(PassView([5, 17, 3, 8], torch.zeros(0, 97), None, True, aux=aux[0], start=0,
-                                               state=view_state), 3, False, params, torch.Generator().manual_seed(0)))
+    g = proposer.propose(
+        DraftRequest(
+            PassView([5, 17, 3, 8], torch.zeros(0, 97), None, True, aux=aux[0], start=0, state=view_state),
+            3,
+            False,
+            params,
+            torch.Generator().manual_seed(0),
+        )
+    )
     assert set(g.tokens) <= allowed and g.probs.shape == (3, 97)
     assert torch.allclose(g.probs.sum(-1), torch.ones(3))
     outside = torch.ones(97, dtype=torch.bool)
@@ -131,8 +158,9 @@ def test_sampled_verify_keeps_the_target_distribution():
     # the second token: after the first (drawn by the model) the drafter proposes, verify decides
     n, counts = 1500, torch.zeros(8, 8)
     for s in range(n):
-        out = generate(model, prompt, "verify:3", SamplingParams(temperature=1.0, max_new_tokens=2, seed=s),
-                       proposer=proposer).output
+        out = generate(
+            model, prompt, "verify:3", SamplingParams(temperature=1.0, max_new_tokens=2, seed=s), proposer=proposer
+        ).output
         counts[out[0], out[1]] += 1
     want = torch.zeros(8, 8)
     for a in range(8):
@@ -154,15 +182,15 @@ def test_training_time_test_matches_drafting():
     proposer = Eagle3Proposer(model, d)
     for p in (0, 3, 6):
         state: dict = {}
-        h = proposer.ingest(PassView(seq[:p + 2], torch.zeros(0), None, True, aux=aux[0, :p + 1], start=0,
-                                     state=state))
+        h = proposer.ingest(
+            PassView(seq[: p + 2], torch.zeros(0), None, True, aux=aux[0, : p + 1], start=0, state=state)
+        )
         assert torch.allclose(d.logits(h)[0, 0], ttt[0][0, p], atol=1e-4)
         pk, pv = state["k"], state["v"]
         for j in range(1, steps):
             if p + j + 1 >= len(seq):
                 break
-            h, k, v = d.step(model.embed_tokens(torch.tensor([[seq[p + j + 1]]])), h, torch.tensor([[p + j]]),
-                             pk, pv)
+            h, k, v = d.step(model.embed_tokens(torch.tensor([[seq[p + j + 1]]])), h, torch.tensor([[p + j]]), pk, pv)
             pk, pv = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
             assert torch.allclose(d.logits(h)[0, 0], ttt[j][0, p], atol=1e-4)
 
@@ -305,8 +333,11 @@ def test_length_grouped_batches_cover_the_epoch_and_pad_less():
 
 
 def test_draft_vocabulary_counts_answers_only(tiny):
-    feats = {"tokens": torch.tensor([9, 9, 1, 2, 2, 9, 3, 3, 3]), "offsets": torch.tensor([0, 5, 9]),
-             "prompt_len": torch.tensor([2, 1])}
+    feats = {
+        "tokens": torch.tensor([9, 9, 1, 2, 2, 9, 3, 3, 3]),
+        "offsets": torch.tensor([0, 5, 9]),
+        "prompt_len": torch.tensor([2, 1]),
+    }
     assert draft_vocab_from(feats, torch.tensor([0, 1]), 2).tolist() == [2, 3]
     d = init_drafter(tiny, Eagle3Config.for_model(tiny.config, 2, AUX), torch.tensor([2, 3]), 0)
     assert d.draft_ids().tolist() == [2, 3] and d.d2t.tolist() == [2, 2] and d.t2d.sum() == 2
@@ -332,8 +363,14 @@ def test_shape_bucket_padding_changes_neither_loss_nor_gradient():
         d.zero_grad()
         loss, accs = ttt_loss(d, model.embed_tokens, batch, 3)
         loss.backward()
-        results.append((batch["tokens"].shape[1], float(loss.detach()), accs,
-                        torch.cat([p.grad.flatten() for p in d.parameters()])))
+        results.append(
+            (
+                batch["tokens"].shape[1],
+                float(loss.detach()),
+                accs,
+                torch.cat([p.grad.flatten() for p in d.parameters()]),
+            )
+        )
     (t1, l1, a1, g1), (t16, l16, a16, g16) = results
     assert t1 % 16 != 0 and t16 % 16 == 0 and t16 > t1
     assert l16 == pytest.approx(l1, rel=1e-5) and a16 == a1
@@ -359,9 +396,16 @@ def test_export_then_reload_proposes_exactly_the_same(tmp_path):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
     assert cfg["draft_vocab_size"] == 60 and cfg["target_hidden_size"] == 64
     from safetensors.torch import load_file
+
     names = set(load_file(str(tmp_path / "vllm" / WEIGHTS)))
-    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight",
-            "d2t", "norm.weight"} <= names and not any(n.startswith("embed") for n in names)
+    assert {
+        "fc.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "lm_head.weight",
+        "d2t",
+        "norm.weight",
+    } <= names and not any(n.startswith("embed") for n in names)
     back = load_drafter(model, tmp_path / "vllm")
     for (n1, t1), (n2, t2) in zip(d.state_dict().items(), back.state_dict().items()):
         assert n1 == n2 and torch.equal(t1, t2), n1
@@ -422,12 +466,27 @@ def test_bad_drafters_fail_in_one_line(tmp_path):
 
 def test_cli_bad_input_is_one_line(tiny_hf_dir, tmp_path, capsys):
     from mtp.core import loading
+
     model = loading.load(str(tiny_hf_dir)).model
     save_drafter(model, tmp_path / "good", random_drafter(model, draft_vocab=500))
     other = tiny_model(9, vocab_size=49152)
     save_drafter(other, tmp_path / "other", random_drafter(other, draft_vocab=500))
-    base = ["generate", "--model", str(tiny_hf_dir), "--adapter", "none", "--proposer", "eagle3",
-            "--strategy", "verify:3", "--max-new-tokens", "8", "--threads", "1", "hello"]
+    base = [
+        "generate",
+        "--model",
+        str(tiny_hf_dir),
+        "--adapter",
+        "none",
+        "--proposer",
+        "eagle3",
+        "--strategy",
+        "verify:3",
+        "--max-new-tokens",
+        "8",
+        "--threads",
+        "1",
+        "hello",
+    ]
     assert main(base + ["--eagle3", str(tmp_path / "good")]) == 0
     capsys.readouterr()
     for bad, needle in ((tmp_path / "other", "another base model"), (tmp_path / "missing", "not found")):
@@ -436,15 +495,44 @@ def test_cli_bad_input_is_one_line(tiny_hf_dir, tmp_path, capsys):
         assert err.count("\n") == 0 and err.startswith("mtp: error:") and needle in err, err
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")
-    assert main(["export", "--format", "vllm-eagle3", "--drafter", str(tmp_path / "good"),
-                 "--out", str(tmp_path / "mine")]) == 2
-    assert main(["train-eagle3", "--model", str(tiny_hf_dir), "--examples", str(tmp_path / "x.jsonl"),
-                 "--out", str(tmp_path / "mine")]) == 2
+    assert (
+        main(
+            ["export", "--format", "vllm-eagle3", "--drafter", str(tmp_path / "good"), "--out", str(tmp_path / "mine")]
+        )
+        == 2
+    )
+    assert (
+        main(
+            [
+                "train-eagle3",
+                "--model",
+                str(tiny_hf_dir),
+                "--examples",
+                str(tmp_path / "x.jsonl"),
+                "--out",
+                str(tmp_path / "mine"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(e.startswith("mtp: error:") for e in err)
     # --resume with nothing to resume fails before the examples are read (a feature pass can take hours)
-    assert main(["train-eagle3", "--model", str(tiny_hf_dir), "--examples", str(tmp_path / "x.jsonl"),
-                 "--out", str(tmp_path / "new"), "--resume"]) == 2
+    assert (
+        main(
+            [
+                "train-eagle3",
+                "--model",
+                str(tiny_hf_dir),
+                "--examples",
+                str(tmp_path / "x.jsonl"),
+                "--out",
+                str(tmp_path / "new"),
+                "--resume",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--resume: no checkpoint in" in err and "drop --resume" in err, err
 
@@ -455,13 +543,58 @@ def test_cli_train_export_generate(tiny_hf_dir, tmp_path, capsys):
         for p in ids:
             f.write(json.dumps({"prompt_ids": p, "response_ids": p[::-1] * 3}) + "\n")
     out = tmp_path / "drafter"
-    assert main(["train-eagle3", "--model", str(tiny_hf_dir), "--examples", str(tmp_path / "ex.jsonl"),
-                 "--steps", "3", "--batch-size", "2", "--draft-vocab", "16", "--val-fraction", "0",
-                 "--cache-dir", str(tmp_path / "cache"), "--threads", "1", "--amp", "on", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "train-eagle3",
+                "--model",
+                str(tiny_hf_dir),
+                "--examples",
+                str(tmp_path / "ex.jsonl"),
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--draft-vocab",
+                "16",
+                "--val-fraction",
+                "0",
+                "--cache-dir",
+                str(tmp_path / "cache"),
+                "--threads",
+                "1",
+                "--amp",
+                "on",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert json.loads((out / CONFIG).read_text())["meta"]["train"]["amp"] is True  # the run records its compute
-    assert main(["generate", "--model", str(tiny_hf_dir), "--adapter", "none", "--proposer", "eagle3",
-                 "--eagle3", str(out), "--strategy", "verify:3", "--max-new-tokens", "6",
-                 "--threads", "1", "hi"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_hf_dir),
+                "--adapter",
+                "none",
+                "--proposer",
+                "eagle3",
+                "--eagle3",
+                str(out),
+                "--strategy",
+                "verify:3",
+                "--max-new-tokens",
+                "6",
+                "--threads",
+                "1",
+                "hi",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     # a 2-layer trunk has no three distinct layers below its last: vLLM could not feed this drafter
     assert main(["export", "--format", "vllm-eagle3", "--drafter", str(out), "--out", str(tmp_path / "v")]) == 2
@@ -470,6 +603,7 @@ def test_cli_train_export_generate(tiny_hf_dir, tmp_path, capsys):
 
 def test_vllm_peers_are_named_and_skipped_with_a_hint_without_vllm(monkeypatch, tmp_path):
     from mtp.eval.peers import make_peer, parse_baselines
+
     monkeypatch.setenv("MTP_VLLM_PYTHON", str(tmp_path / "no-python"))
     assert parse_baselines("vllm,vllm-ngram,vllm-eagle3:d") == ["vllm", "vllm-ngram", "vllm-eagle3:d"]
     for bad in ("vllm:x", "sglang"):
@@ -492,8 +626,9 @@ def test_smollm2_eagle3_verify_equals_ntp(smollm2):
     proposer = Eagle3Proposer(model, d)
     ids = smollm2.encode("What is 12 times 7?")
     ref = generate(model, ids, "ntp", SamplingParams(max_new_tokens=24), eos_ids=smollm2.loaded.eos_ids)
-    got = generate(model, ids, "verify:4", SamplingParams(max_new_tokens=24), proposer=proposer,
-                   eos_ids=smollm2.loaded.eos_ids)
+    got = generate(
+        model, ids, "verify:4", SamplingParams(max_new_tokens=24), proposer=proposer, eos_ids=smollm2.loaded.eos_ids
+    )
     assert torch.equal(torch.tensor(got.output), torch.tensor(ref.output))
 
 
@@ -504,6 +639,7 @@ def test_smollm2_shipped_drafter_verify_equals_ntp(smollm2):
     loaded for another proposer (the mask adapter, whose <mtp_mask> extends the vocabulary by one)
     loads the drafter and the heads on first use, so one run can compare them all."""
     from mtp.core.engine import SHIPPED, Engine, EngineConfig
+
     engine = Engine.load(EngineConfig(adapter="none", proposer="eagle3"))
     assert engine.asset_dirs.get("eagle3") == SHIPPED["smollm2-135m"] / "eagle3"
     ids = engine.encode("Tom has 3 boxes of 12 apples. How many apples does he have?")
@@ -524,6 +660,7 @@ def test_smollm2_shipped_drafter_verify_equals_ntp(smollm2):
 
 # ---- token trees (`tree:N`, mtp.core.tree) ---------------------------------------------------------
 
+
 def branching_copy_target(scale=0.5):
     """copy_target with a drafter still always right but only ~half sure (logits scaled down), so the
     best trees branch at depth 1 and the accepted path runs off the diagonal, and with live attention,
@@ -542,7 +679,7 @@ def committed_state(model, proposer, tokens, n):
     """The drafter state of a sequence whose first n tokens were all fed in one pass (token n known)."""
     _, _, aux = model(torch.tensor([tokens[:n]]), aux_layers=proposer.aux_layers)
     st: dict = {}
-    proposer.ingest(PassView(tokens[:n + 1], torch.zeros(0), None, True, aux=aux[0], start=0, state=st))
+    proposer.ingest(PassView(tokens[: n + 1], torch.zeros(0), None, True, aux=aux[0], start=0, state=st))
     return st
 
 
@@ -561,8 +698,9 @@ def test_eagle3_tree_is_the_most_probable_paths_and_leaves_the_state_alone():
     prompt = [3, 14, 15]
     committed = committed_state(model, proposer, prompt + [16], 3)
     state = dict(committed)
-    t = proposer.propose(DraftRequest(PassView(prompt + [16], torch.zeros(0), None, True, start=3, state=state), 8,
-                                      True))
+    t = proposer.propose(
+        DraftRequest(PassView(prompt + [16], torch.zeros(0), None, True, start=3, state=state), 8, True)
+    )
     # the right chain 17, 18, 19 ... at ~0.5, 0.25, 0.12; depth 1's runners-up join once the chain gets less likely
     assert len(t.tokens) == 8 and t.tokens[0] == 17 and 0.4 < t.confidences[0] < 0.6
     assert t.parents.count(-1) > 1 and tree.depths(t.parents)[:2] == [1, 1]
@@ -581,8 +719,9 @@ def test_eagle3_tree_node_confidence_is_its_path_drafted_as_a_chain():
     proposer = Eagle3Proposer(model, d)
     context = [44, 2, 9, 9, 81, 30]
     committed = committed_state(model, proposer, context, 5)
-    t = proposer.propose(DraftRequest(PassView(context, torch.zeros(0), None, True, start=5, state=dict(committed)),
-                                      12, True))
+    t = proposer.propose(
+        DraftRequest(PassView(context, torch.zeros(0), None, True, start=5, state=dict(committed)), 12, True)
+    )
     assert len(t.tokens) == 12 and max(tree.depths(t.parents)) >= 3
     for j in range(12):
         h, pk, pv, p = committed["h"], committed["k"], committed["v"], 1.0
@@ -626,8 +765,10 @@ def test_ragged_batch_of_eagle3_trees_equals_ntp_and_keeps_each_rows_state():
     proposer = Eagle3Proposer(model, random_drafter(model))
     prompts = [[5, 17, 3], [44, 2, 9, 9, 81, 30], [7]]
     wants = [greedy(model, p, "ntp", n=20).output for p in prompts]
-    seqs = [Sequence(p, Strategy.parse(s), SamplingParams(max_new_tokens=20), proposer, slot=i)
-            for i, (p, s) in enumerate(zip(prompts, ["tree:6", "tree:2", "verify:3"]))]
+    seqs = [
+        Sequence(p, Strategy.parse(s), SamplingParams(max_new_tokens=20), proposer, slot=i)
+        for i, (p, s) in enumerate(zip(prompts, ["tree:6", "tree:2", "verify:3"]))
+    ]
     cache = KVCache.for_model(model, 3, 64)
     with torch.inference_mode():
         while not all(s.finished for s in seqs):
@@ -645,8 +786,13 @@ def test_eagle3_tree_follows_its_sequence_through_capped_and_sized_passes(strate
     `tree:auto` keeps a prefix of its nodes: both stay equal to ntp."""
     model = tiny_model(3)
     proposer = Eagle3Proposer(model, random_drafter(model))
-    seq = Sequence([5, 17, 3], Strategy.parse(strategy), SamplingParams(max_new_tokens=30), proposer,
-                   pass_time=lambda q: 1 + 0.05 * q)
+    seq = Sequence(
+        [5, 17, 3],
+        Strategy.parse(strategy),
+        SamplingParams(max_new_tokens=30),
+        proposer,
+        pass_time=lambda q: 1 + 0.05 * q,
+    )
     cache = KVCache.for_model(model, 1, 128)
     with torch.inference_mode():
         while not seq.finished:

@@ -1,6 +1,7 @@
 """The trunk-feature cache in blocks: joined blocks equal one extraction over the whole list (heads and
 EAGLE-3), an extraction killed mid-way keeps its finished blocks, a grown list recomputes only its new
 examples, and a missing block is one error naming it."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,9 +17,12 @@ from mtp.training.data import Example
 
 def examples(n=11, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [Example(torch.randint(0, 97, (int(p),), generator=g).tolist(),
-                    torch.randint(0, 97, (int(r),), generator=g).tolist())
-            for p, r in torch.randint(2, 15, (n, 2), generator=g).tolist()]
+    return [
+        Example(
+            torch.randint(0, 97, (int(p),), generator=g).tolist(), torch.randint(0, 97, (int(r),), generator=g).tolist()
+        )
+        for p, r in torch.randint(2, 15, (n, 2), generator=g).tolist()
+    ]
 
 
 class Counting:
@@ -37,8 +41,8 @@ class Counting:
 
 def assert_same(a: dict, b: dict):
     assert a.keys() == b.keys()
-    a = {k: v[0:len(v)] if isinstance(v, feature_cache.BlockRows) else v for k, v in a.items()}
-    b = {k: v[0:len(v)] if isinstance(v, feature_cache.BlockRows) else v for k, v in b.items()}
+    a = {k: v[0 : len(v)] if isinstance(v, feature_cache.BlockRows) else v for k, v in a.items()}
+    b = {k: v[0 : len(v)] if isinstance(v, feature_cache.BlockRows) else v for k, v in b.items()}
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-4), k  # batches pad differently
@@ -81,10 +85,10 @@ def test_rows_left_on_disk_read_back_like_the_joined_tensor(tmp_path):
     assert torch.equal(lazy["tokens"], loaded["tokens"]) and torch.equal(lazy["offsets"], loaded["offsets"])
     off = loaded["offsets"].tolist()
     for e in range(len(exs)):  # every example's rows, from whichever block holds them
-        assert torch.equal(rows[off[e]:off[e + 1]], loaded["aux"][off[e]:off[e + 1]]), e
+        assert torch.equal(rows[off[e] : off[e + 1]], loaded["aux"][off[e] : off[e + 1]]), e
     a, b = off[2] - 3, off[8] + 2  # a range across four blocks, and the edges
     assert torch.equal(rows[a:b], loaded["aux"][a:b])
-    assert torch.equal(rows[0:len(rows)], loaded["aux"]) and rows[5:5].shape == (0, rows.shape[1])
+    assert torch.equal(rows[0 : len(rows)], loaded["aux"]) and rows[5:5].shape == (0, rows.shape[1])
     with pytest.raises(TypeError, match="contiguous"):
         rows[0:10:2]
     with pytest.raises(ArtifactError, match="no field"):
@@ -132,8 +136,9 @@ def test_cached_features_round_trip_without_the_trunk(tmp_path):
 
 def test_missing_block_is_one_error(tmp_path):
     model, exs = tiny_model(), examples(n=6)
-    index = feature_cache.cached_blocks(tmp_path, "h", exs, lambda part, progress: H.extract_features(model, part),
-                                        block=4)
+    index = feature_cache.cached_blocks(
+        tmp_path, "h", exs, lambda part, progress: H.extract_features(model, part), block=4
+    )
     next(tmp_path.glob("*.safetensors")).unlink()
     with pytest.raises(ArtifactError, match="missing; rerun"):
         feature_cache.join_blocks(index, example_fields=("example",))

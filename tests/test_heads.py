@@ -1,6 +1,7 @@
 """MTP heads: the base model is untouched, `verify` with heads is lossless, a head that copies the
 model's own next-token prediction is always accepted, the hidden-state cache round-trips, and an
 interrupted training run resumes to exactly the weights of an uninterrupted one."""
+
 from __future__ import annotations
 
 import json
@@ -25,6 +26,7 @@ def random_heads(model, depths=3, blocks=0, width=0, seed=1) -> N.MTPHeads:
 
 def saved_heads(model, tmp_path, **kw):
     from mtp.core.artifacts import write_dir_atomic
+
     path = tmp_path / "heads"
     write_dir_atomic(path, N.heads_files(random_heads(model, **kw), model))
     return path
@@ -141,8 +143,9 @@ def test_sampled_verify_with_heads_runs():
     proposer = N.HeadsProposer(model, random_heads(model, depths=2), readout_dtype="float32")
     params = SamplingParams(temperature=0.8, seed=1, max_new_tokens=30)
     a = generate(model, [1, 2, 3], "verify:3", params, proposer=proposer)
-    b = generate(model, [1, 2, 3], "verify:3", SamplingParams(temperature=0.8, seed=1, max_new_tokens=30),
-                 proposer=proposer)
+    b = generate(
+        model, [1, 2, 3], "verify:3", SamplingParams(temperature=0.8, seed=1, max_new_tokens=30), proposer=proposer
+    )
     assert len(a.output) == 30 and a.output == b.output
 
 
@@ -156,6 +159,7 @@ def test_heads_refuse_another_base_model(tmp_path):
 
 def test_draft_vocabulary_keeps_verify_lossless_and_round_trips(tmp_path):
     from mtp.core.artifacts import write_dir_atomic
+
     model = tiny_model(3)
     heads = random_heads(model, depths=3)
     heads.draft_vocab = torch.tensor([2, 5, 11, 17, 23, 40, 41, 60, 77, 90])
@@ -180,8 +184,9 @@ def test_draft_vocabulary_keeps_verify_lossless_and_round_trips(tmp_path):
     for prompt in ([5, 17, 3], [44, 2, 9, 9, 81, 30]):
         assert greedy(model, prompt, "verify:4", proposer).output == greedy(model, prompt, "ntp").output
     assert drafted and set(drafted) <= set(heads.draft_vocab.tolist())
-    sampled = generate(model, [1, 2, 3], "verify:3", SamplingParams(temperature=0.8, seed=1, max_new_tokens=20),
-                       proposer=proposer)
+    sampled = generate(
+        model, [1, 2, 3], "verify:3", SamplingParams(temperature=0.8, seed=1, max_new_tokens=20), proposer=proposer
+    )
     assert len(sampled.output) == 20
 
 
@@ -195,9 +200,12 @@ def test_draft_vocab_from_counts_targets():
 
 def examples():
     g = torch.Generator().manual_seed(0)
-    return [Example(torch.randint(0, 97, (int(p),), generator=g).tolist(),
-                    torch.randint(0, 97, (int(r),), generator=g).tolist())
-            for p, r in [(4, 9), (7, 3), (2, 14), (5, 1), (3, 20), (6, 12)]]
+    return [
+        Example(
+            torch.randint(0, 97, (int(p),), generator=g).tolist(), torch.randint(0, 97, (int(r),), generator=g).tolist()
+        )
+        for p, r in [(4, 9), (7, 3), (2, 14), (5, 1), (3, 20), (6, 12)]
+    ]
 
 
 def test_feature_rows_and_targets(tiny):
@@ -209,8 +217,8 @@ def test_feature_rows_and_targets(tiny):
     assert len(rows) == len(ex.response_ids)  # last prompt token .. last but one response token
     _, hidden = tiny(torch.tensor([seq]), return_hidden=True)
     P = len(ex.prompt_ids)
-    assert torch.allclose(feats["hidden"][rows], hidden[0, P - 1:len(seq) - 1], rtol=1e-4, atol=1e-4)
-    assert feats["ahead"][rows[0]].tolist() == seq[P:P + N.MAX_AHEAD + 1]
+    assert torch.allclose(feats["hidden"][rows], hidden[0, P - 1 : len(seq) - 1], rtol=1e-4, atol=1e-4)
+    assert feats["ahead"][rows[0]].tolist() == seq[P : P + N.MAX_AHEAD + 1]
     assert feats["ahead"][rows[-1]].tolist() == [seq[-1]] + [-1] * N.MAX_AHEAD
     assert feats["hidden"].shape == (sum(len(e.response_ids) for e in exs), 64)
 
@@ -248,8 +256,14 @@ def test_bf16_features_are_cached_apart_and_stay_close(tiny, tmp_path):
 
 
 def train_cfg(**kw):
-    return H.TrainHeadsConfig(**{**dict(depths=2, blocks=1, width=32, steps=8, batch_size=16, lr=3e-3,
-                                        save_every=3, val_fraction=0.2, warmup=2), **kw})
+    return H.TrainHeadsConfig(
+        **{
+            **dict(
+                depths=2, blocks=1, width=32, steps=8, batch_size=16, lr=3e-3, save_every=3, val_fraction=0.2, warmup=2
+            ),
+            **kw,
+        }
+    )
 
 
 def test_resume_after_interruption_matches_uninterrupted_run(tiny, tmp_path):
@@ -309,8 +323,10 @@ def test_evaluate_with_a_draft_vocabulary_equals_masking_the_full_logits(tiny, b
         logits = heads(tiny, feats["hidden"], feats["ahead"][:, :3], full)
     outside = torch.ones(tiny.config.vocab_size, dtype=torch.bool)
     outside[heads.draft_vocab] = False
-    ok = torch.stack([lg.masked_fill(outside, float("-inf")).argmax(-1) == feats["ahead"][:, d + 1]
-                      for d, lg in enumerate(logits)], 1)
+    ok = torch.stack(
+        [lg.masked_fill(outside, float("-inf")).argmax(-1) == feats["ahead"][:, d + 1] for d, lg in enumerate(logits)],
+        1,
+    )
     valid = feats["ahead"][:, 1:4] >= 0
     acc = ((ok & valid).sum(0).float() / valid.sum(0).clamp(min=1)).tolist()
     full_rows = valid.all(1)
@@ -380,6 +396,7 @@ def test_smollm2_shipped_heads_verify_equals_ntp(smollm2):
     """Lossless on the real model through the engine's `--proposer heads` path (the shipped heads),
     and the shipped heads do propose: more than one token per pass on a math answer."""
     from mtp.core.engine import SHIPPED, Engine, EngineConfig
+
     with pytest.raises(ValueError, match="another base model"):
         N.load_heads(tiny_model(0), SHIPPED["smollm2-135m"] / "heads")
     engine = Engine.load(EngineConfig(adapter="none", proposer="heads"))

@@ -1,6 +1,7 @@
 """What a hostile user's model files and flags did (a probe of `mtp generate` and friends), each
 reproduced, and the fix checked: a one-line error naming the file and field (exit 2), never a
 traceback, a runaway allocation or a crash; concurrent conversions that share one cache."""
+
 from __future__ import annotations
 
 import fcntl
@@ -19,7 +20,6 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.cli import main
 from mtp.core import loading
 from mtp.core.strategy import Strategy, StrategyError, expand_sweep
 from test_data import make_tiny_model_dir
@@ -50,9 +50,13 @@ def write_tiny_gguf(path: Path, **meta) -> Path:
     overrides integer header fields (`block_count=...` writes `llama.block_count`)."""
     m = tiny_model(0)
     cfg = m.config
-    fields = dict(block_count=cfg.n_layers, context_length=cfg.max_seq_len, embedding_length=cfg.dim,
-                  feed_forward_length=cfg.intermediate_size, **{"attention.head_count": cfg.n_heads,
-                                                                 "attention.head_count_kv": cfg.n_kv_heads})
+    fields = dict(
+        block_count=cfg.n_layers,
+        context_length=cfg.max_seq_len,
+        embedding_length=cfg.dim,
+        feed_forward_length=cfg.intermediate_size,
+        **{"attention.head_count": cfg.n_heads, "attention.head_count_kv": cfg.n_kv_heads},
+    )
     fields.update({k.replace("__", "."): v for k, v in meta.items()})
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in fields.items():
@@ -67,9 +71,13 @@ def write_tiny_gguf(path: Path, **meta) -> Path:
     w.add_token_merges(['! "'])
     w.add_eos_token_id(2)
     from mtp.core.gguf import GGUF_NAMES
+
     gguf_names = {v: k for k, v in GGUF_NAMES.items()}
-    top = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    top = {
+        "embed_tokens.weight": "token_embd.weight",
+        "norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     for name, t in m.state_dict().items():
         if name in top:
             w.add_tensor(top[name], t.numpy().astype(np.float32))
@@ -90,30 +98,34 @@ def tiny_gguf(tmp_path_factory):
 
 
 # ---- H1 / T3: config.json sizes bounded by the weights, every value type-checked ------------------------
-@pytest.mark.parametrize("changes, words", [
-    ({"num_hidden_layers": 1_000_000_000}, ["'num_hidden_layers'", "2 layers"]),  # grew memory until killed
-    ({"hidden_size": 577}, ["'hidden_size'", "embed_tokens.weight"]),
-    ({"hidden_size": 1_000_000_000}, ["'hidden_size'"]),
-    ({"hidden_size": 1e9}, ["'hidden_size'", "positive integer"]),
-    ({"vocab_size": 10}, ["'vocab_size'", "embed_tokens.weight"]),
-    ({"vocab_size": 10_000_000}, ["'vocab_size'"]),
-    ({"intermediate_size": 1_000_000_000}, ["'intermediate_size'"]),
-    ({"head_dim": 63}, ["'head_dim'", "even"]),
-    ({"head_dim": 32}, ["'head_dim'", "q_proj"]),
-    ({"max_position_embeddings": 10 ** 12}, ["'max_position_embeddings'", "at most"]),
-    ({"max_position_embeddings": 1e12}, ["'max_position_embeddings'"]),
-    ({"eos_token_id": "x"}, ["'eos_token_id'"]),
-    ({"eos_token_id": [1, 500]}, ["'eos_token_id'", "below vocab_size 97"]),
-    ({"tie_word_embeddings": "yes"}, ["'tie_word_embeddings'", "true or false"]),
-    ({"rms_norm_eps": float("inf")}, ["'rms_norm_eps'"]),
-    ({"rope_scaling": "x"}, ["'rope_scaling'", "an object"]),
-    ({"rope_scaling": {"rope_type": "linear", "factor": "big"}}, ["'rope_scaling'", "'factor'"]),
-    ({"architectures": [{}], "model_type": "llama"}, []),  # unhashable entry: read past, not a crash
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"num_hidden_layers": 1_000_000_000}, ["'num_hidden_layers'", "2 layers"]),  # grew memory until killed
+        ({"hidden_size": 577}, ["'hidden_size'", "embed_tokens.weight"]),
+        ({"hidden_size": 1_000_000_000}, ["'hidden_size'"]),
+        ({"hidden_size": 1e9}, ["'hidden_size'", "positive integer"]),
+        ({"vocab_size": 10}, ["'vocab_size'", "embed_tokens.weight"]),
+        ({"vocab_size": 10_000_000}, ["'vocab_size'"]),
+        ({"intermediate_size": 1_000_000_000}, ["'intermediate_size'"]),
+        ({"head_dim": 63}, ["'head_dim'", "even"]),
+        ({"head_dim": 32}, ["'head_dim'", "q_proj"]),
+        ({"max_position_embeddings": 10**12}, ["'max_position_embeddings'", "at most"]),
+        ({"max_position_embeddings": 1e12}, ["'max_position_embeddings'"]),
+        ({"eos_token_id": "x"}, ["'eos_token_id'"]),
+        ({"eos_token_id": [1, 500]}, ["'eos_token_id'", "below vocab_size 97"]),
+        ({"tie_word_embeddings": "yes"}, ["'tie_word_embeddings'", "true or false"]),
+        ({"rms_norm_eps": float("inf")}, ["'rms_norm_eps'"]),
+        ({"rope_scaling": "x"}, ["'rope_scaling'", "an object"]),
+        ({"rope_scaling": {"rope_type": "linear", "factor": "big"}}, ["'rope_scaling'", "'factor'"]),
+        ({"architectures": [{}], "model_type": "llama"}, []),  # unhashable entry: read past, not a crash
+    ],
+)
 def test_t3_h1_config_values(word_model, tmp_path, capsys, changes, words):
     bad = with_config(word_model, tmp_path, **changes)
-    code, out, err = run_cli(["generate", "w1", "--model", str(bad), "--adapter", "none", "--max-new-tokens", "1"],
-                             capsys)
+    code, out, err = run_cli(
+        ["generate", "w1", "--model", str(bad), "--adapter", "none", "--max-new-tokens", "1"], capsys
+    )
     if not words:  # a config that is fine once read carefully
         assert code == 0, err
         return
@@ -188,7 +200,7 @@ def gguf_error(path, capsys, *words):
     one_line_error(code, err, str(path), *words)
 
 
-@pytest.mark.parametrize("count", [1, 2 ** 40])
+@pytest.mark.parametrize("count", [1, 2**40])
 def test_t4_corrupt_tensor_count(tiny_gguf, tmp_path, capsys, count):
     data = bytearray(tiny_gguf.read_bytes())
     n = int.from_bytes(data[8:16], "little")
@@ -223,12 +235,15 @@ def test_t4_gguf_header_with_data_past_the_end_is_refused_before_hashing(tiny_gg
         loading.gguf_to_hf_dir(bad)
 
 
-@pytest.mark.parametrize("meta, words", [
-    ({"block_count": 1_000_000_000}, ["'num_hidden_layers'", "2 layers"]),
-    ({"attention__head_count": 0}, ["'llama.attention.head_count'", "positive integer"]),
-    ({"embedding_length": 65}, ["'hidden_size'"]),
-    ({"context_length": 2 ** 31}, ["'max_position_embeddings'"]),
-])
+@pytest.mark.parametrize(
+    "meta, words",
+    [
+        ({"block_count": 1_000_000_000}, ["'num_hidden_layers'", "2 layers"]),
+        ({"attention__head_count": 0}, ["'llama.attention.head_count'", "positive integer"]),
+        ({"embedding_length": 65}, ["'hidden_size'"]),
+        ({"context_length": 2**31}, ["'max_position_embeddings'"]),
+    ],
+)
 def test_t4_gguf_metadata_checked_against_its_tensors(tmp_path, capsys, meta, words):
     bad = write_tiny_gguf(tmp_path / "meta.gguf", **meta)
     gguf_error(bad, capsys, *words)
@@ -246,12 +261,15 @@ def with_template(word_model, tmp_path, template: str) -> Path:
 OK_TURN = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # a template that works
 
 
-@pytest.mark.parametrize("template", [
-    "{% for m in messages %}{{ m['content'] }",  # syntax
-    "{{ messages[0].content | no_such_filter }}",
-    "{{ raise_exception('this model has no chat format') }}",
-    "{{ 1 + 'a' }}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for m in messages %}{{ m['content'] }",  # syntax
+        "{{ messages[0].content | no_such_filter }}",
+        "{{ raise_exception('this model has no chat format') }}",
+        "{{ 1 + 'a' }}",
+    ],
+)
 def test_t8_broken_chat_template(word_model, tmp_path, capsys, template):
     d = with_template(word_model, tmp_path, template)
     code, _, err = run_cli(["generate", "w1", "--model", str(d), "--adapter", "none"], capsys)
@@ -267,8 +285,11 @@ def test_t8_the_sandbox_stays(word_model, tmp_path, capsys):
 
 
 def test_t8_template_failing_on_one_prompt_only(word_model, tmp_path, capsys):
-    d = with_template(word_model, tmp_path, "{% if 'w9' in messages[0]['content'] %}{{ raise_exception('no w9') }}"
-                                            "{% endif %}" + OK_TURN)
+    d = with_template(
+        word_model,
+        tmp_path,
+        "{% if 'w9' in messages[0]['content'] %}{{ raise_exception('no w9') }}{% endif %}" + OK_TURN,
+    )
     args = ["--model", str(d), "--adapter", "none", "--max-new-tokens", "2"]
     code, _, err = run_cli(["generate", "w1", *args], capsys)
     assert code == 0, err
@@ -281,11 +302,14 @@ def test_threads_are_capped(capsys):
     code, _, err = run_cli(["generate", "hi", "--model", "/nowhere", "--threads", "100000"], capsys)
     one_line_error(code, err, "--threads is at most")  # was a segfault (exit 139)
     from mtp.core.checks import THREADS_PER_CPU, check_threads
+
     assert check_threads(THREADS_PER_CPU * (os.cpu_count() or 1)) == THREADS_PER_CPU * (os.cpu_count() or 1)
 
 
-@pytest.mark.parametrize("text", ["verify:４", "static:４", "verify:1_0", "verify: 4", "conf_adapt:０.９",
-                                  "conf_adapt:0.9:１６", "conf_adapt:nan"])
+@pytest.mark.parametrize(
+    "text",
+    ["verify:４", "static:４", "verify:1_0", "verify: 4", "conf_adapt:０.９", "conf_adapt:0.9:１６", "conf_adapt:nan"],
+)
 def test_strategy_numbers_are_ascii(text):
     with pytest.raises(StrategyError):
         Strategy.parse(text)
@@ -311,8 +335,10 @@ def test_stop_that_is_not_utf8_is_refused(capsys):
 def test_pipeline_entry_point_loads_no_server_trainer_or_evaluation():
     """A stage on another machine needs the engine, the pipeline and its own options: importing its
     entry point's program loads no server (FastAPI, uvicorn), trainer, evaluation or other engine."""
-    code = ("import sys, mtp.cli.pipeline\n"
-            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('mtp', 'fastapi', 'uvicorn'))))")
+    code = (
+        "import sys, mtp.cli.pipeline\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('mtp', 'fastapi', 'uvicorn'))))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     loaded = r.stdout.split()
@@ -330,10 +356,23 @@ def test_pipeline_entry_point_runs_a_stage(word_model, tmp_path, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MTP_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    r = subprocess.run([sys.executable, "-m", "mtp.pipeline", *args, "--threads", "1"], capture_output=True,
-                       text=True, env=env, timeout=300)
+    env = {
+        **os.environ,
+        "MTP_CACHE_DIR": str(tmp_path / "cache"),
+        "OMP_NUM_THREADS": "1",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    r = subprocess.run(
+        [sys.executable, "-m", "mtp.pipeline", *args, "--threads", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["stages"] == 1 and got["token_ids"] == json.loads(out)["token_ids"]
@@ -341,6 +380,7 @@ def test_pipeline_entry_point_runs_a_stage(word_model, tmp_path, capsys):
 
 def test_pipeline_entry_point_outside_torchrun(capsys, monkeypatch):
     from mtp.cli.pipeline import stage_main
+
     monkeypatch.delenv("RANK", raising=False)
     assert stage_main(["hi"]) == 2
     err = capsys.readouterr().err
@@ -350,6 +390,7 @@ def test_pipeline_entry_point_outside_torchrun(capsys, monkeypatch):
 def test_serve_reads_its_cost_model_and_demo_checks_threads_before_loading(tmp_path, capsys, monkeypatch):
     from mtp.cli import demo, main
     from mtp.core import engine
+
     monkeypatch.setattr(engine.Engine, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
     bad = tmp_path / "cost.json"
     bad.write_text("{not json")

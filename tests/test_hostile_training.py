@@ -1,5 +1,6 @@
 """Training and artifact defects a hostile user found (numbered as in the probe's report): each test
 reproduces one and checks the fix: a one-line error (exit 2 on the CLI) before any work, nothing lost."""
+
 from __future__ import annotations
 
 import json
@@ -41,6 +42,7 @@ def make_word_model_dir(path, **overrides):
     from transformers import PreTrainedTokenizerFast
 
     from mtp.core.loading import save_hf_dir
+
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
@@ -61,8 +63,9 @@ def cache(tmp_path, monkeypatch):
 
 
 def examples_file(tmp_path, name="examples.jsonl"):
-    return write_jsonl(tmp_path / name, [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}
-                                         for e in examples(6)])
+    return write_jsonl(
+        tmp_path / name, [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(6)]
+    )
 
 
 def run_cli(args, capsys):
@@ -80,18 +83,33 @@ def one_line_error(code, err, *words):
 
 def poison(model, value):
     """A hook for `train(on_step=...)`: puts `value` into one LoRA element after step 3."""
+
     def on_step(step):
         if step == 3:
             with torch.no_grad():
                 model.layers[0].self_attn.q_proj.lora_b[0, 0] = value
+
     return on_step
 
 
 # ---- D2. --export must not be --out, inside it, or around it ------------------------------------
 @pytest.mark.parametrize("out, export", [("r", "r"), ("r", "r/export"), ("r/run", "r")])
 def test_d2_export_overlapping_out_is_refused_before_training(word_model, tmp_path, capsys, out, export):
-    code, _, err = run_cli(["train", "--model", word_model, "--examples", examples_file(tmp_path), *TRAIN_ARGS,
-                            "--out", tmp_path / out, "--export", tmp_path / export], capsys)
+    code, _, err = run_cli(
+        [
+            "train",
+            "--model",
+            word_model,
+            "--examples",
+            examples_file(tmp_path),
+            *TRAIN_ARGS,
+            "--out",
+            tmp_path / out,
+            "--export",
+            tmp_path / export,
+        ],
+        capsys,
+    )
     one_line_error(code, err, "apart from --out")
     assert not (tmp_path / "r").exists()
 
@@ -164,20 +182,33 @@ def test_d4_a_killed_save_is_cleaned_up_and_resume_recovers(tmp_path, where):
 def test_w1_training_stops_at_nonfinite_weights_and_keeps_the_last_good_checkpoint(tmp_path):
     model = tiny_model(0)
     with pytest.raises(DivergedError, match=r"^step 4: tensor \S+ holds NaN or inf .*checkpoint \(step 2\)"):
-        train(cfg(tmp_path / "run", steps=6, save_every=2), model, examples(), progress=False,
-              on_step=poison(model, float("nan")))
+        train(
+            cfg(tmp_path / "run", steps=6, save_every=2),
+            model,
+            examples(),
+            progress=False,
+            on_step=poison(model, float("nan")),
+        )
     assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["step"] == 2
     for f in ("adapter.safetensors", "optimizer.safetensors"):
-        assert all(bool(torch.isfinite(t).all()) for t in load_file(str(tmp_path / "run" / f)).values()
-                   if t.is_floating_point())
+        assert all(
+            bool(torch.isfinite(t).all())
+            for t in load_file(str(tmp_path / "run" / f)).values()
+            if t.is_floating_point()
+        )
     load_adapter(tiny_model(0), tmp_path / "run")
 
 
 def test_w1_float16_export_overflow_is_refused(tmp_path):
     model = tiny_model(0)
     with pytest.raises(ArtifactError, match="lora_b: a value of magnitude 1e[+]05 does not fit torch.float16"):
-        train(cfg(tmp_path / "run", steps=3, export=str(tmp_path / "ship")), model, examples(), progress=False,
-              on_step=poison(model, 1e5))  # finite in float32, inf in float16
+        train(
+            cfg(tmp_path / "run", steps=3, export=str(tmp_path / "ship")),
+            model,
+            examples(),
+            progress=False,
+            on_step=poison(model, 1e5),
+        )  # finite in float32, inf in float16
     assert not (tmp_path / "ship").exists()
     load_adapter(tiny_model(0), tmp_path / "run")  # the float32 run is intact
 
@@ -202,8 +233,9 @@ def corrupt(path: Path, name: str, value: float) -> None:
     save_file(tensors, str(path))
 
 
-@pytest.mark.parametrize("name, value", [("layers.1.mlp.down_proj.lora_a", float("nan")),
-                                         ("embed_tokens.mask_row", float("inf"))])
+@pytest.mark.parametrize(
+    "name, value", [("layers.1.mlp.down_proj.lora_a", float("nan")), ("embed_tokens.mask_row", float("inf"))]
+)
 def test_w1_adapter_with_nan_or_inf_is_refused_at_load(tmp_path, name, value):
     model = tiny_model(0)
     add_adapters(model, rank=2)
@@ -239,8 +271,9 @@ TRAINERS = {"train": TRAIN_ARGS, "train-heads": TINY_ARGS, "train-eagle3": TINY_
 def test_t5_bad_learning_rates_are_one_line(word_model, tmp_path, capsys, lr):
     ex = examples_file(tmp_path)
     for name, args in TRAINERS.items():
-        code, _, err = run_cli([name, *args, "--model", word_model, "--examples", ex, "--lr", lr,
-                                "--out", tmp_path / "o"], capsys)
+        code, _, err = run_cli(
+            [name, *args, "--model", word_model, "--examples", ex, "--lr", lr, "--out", tmp_path / "o"], capsys
+        )
         one_line_error(code, err, "--lr must be a finite number in (0, 10]")
     assert not (tmp_path / "o").exists()
 
@@ -249,8 +282,7 @@ def test_t5_an_infinite_token_id_never_crashes_a_trainer(word_model, tmp_path, c
     bad = tmp_path / "inf.jsonl"
     bad.write_text('{"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 1e400]}\n')  # 1e400 parses as inf
     for name, args in TRAINERS.items():
-        code, _, err = run_cli([name, *args, "--model", word_model, "--examples", bad, "--out", tmp_path / "o"],
-                               capsys)
+        code, _, err = run_cli([name, *args, "--model", word_model, "--examples", bad, "--out", tmp_path / "o"], capsys)
         assert code == 2 and err.strip().splitlines()[-1].startswith("mtp: error:"), err
         assert "Traceback" not in err
     assert not (tmp_path / "o").exists()
@@ -258,8 +290,21 @@ def test_t5_an_infinite_token_id_never_crashes_a_trainer(word_model, tmp_path, c
 
 # ---- W9. EAGLE-3 layers: distinct, and a default vLLM can feed on small trunks --------------------
 def test_w9_repeated_aux_layers_are_refused(word_model_4, tmp_path, capsys):
-    code, _, err = run_cli(["train-eagle3", "--model", word_model_4, "--examples", examples_file(tmp_path),
-                            *TINY_ARGS, "--aux-layers", "2,2,2", "--out", tmp_path / "d"], capsys)
+    code, _, err = run_cli(
+        [
+            "train-eagle3",
+            "--model",
+            word_model_4,
+            "--examples",
+            examples_file(tmp_path),
+            *TINY_ARGS,
+            "--aux-layers",
+            "2,2,2",
+            "--out",
+            tmp_path / "d",
+        ],
+        capsys,
+    )
     one_line_error(code, err, "names a layer twice")
     assert not (tmp_path / "d").exists()
 
@@ -270,27 +315,72 @@ def test_w9_default_layers_are_distinct_and_exportable(word_model_4, tmp_path, c
         a = default_aux_layers(n)
         assert len(a) == 3 and 0 <= a[0] < a[1] < a[2] < n, (n, a)
     out = tmp_path / "d"
-    assert run_cli(["train-eagle3", "--model", word_model_4, "--examples", examples_file(tmp_path), *TINY_ARGS,
-                    "--draft-vocab", "16", "--val-fraction", "0", "--cache-dir", tmp_path / "c", "--out", out],
-                   capsys)[0] == 0
+    assert (
+        run_cli(
+            [
+                "train-eagle3",
+                "--model",
+                word_model_4,
+                "--examples",
+                examples_file(tmp_path),
+                *TINY_ARGS,
+                "--draft-vocab",
+                "16",
+                "--val-fraction",
+                "0",
+                "--cache-dir",
+                tmp_path / "c",
+                "--out",
+                out,
+            ],
+            capsys,
+        )[0]
+        == 0
+    )
     code, _, err = run_cli(["export", "--format", "vllm-eagle3", "--drafter", out, "--out", tmp_path / "v"], capsys)
     assert code == 0, err
     assert json.loads((tmp_path / "v" / "config.json").read_text())["eagle_config"][
-        "eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [0, 2, 3]
 
 
 # ---- W2. `mtp train-heads --examples` (the README's command) -------------------------------------
 def test_w2_train_heads_reads_examples(word_model, tmp_path, capsys):
     ex = examples_file(tmp_path, "answers.jsonl")
     out = tmp_path / "heads"
-    code, stdout, err = run_cli(["train-heads", "--model", word_model, "--examples", ex, *TINY_ARGS,
-                                 "--draft-vocab", "16", "--cache-dir", tmp_path / "c", "--out", out], capsys)
+    code, stdout, err = run_cli(
+        [
+            "train-heads",
+            "--model",
+            word_model,
+            "--examples",
+            ex,
+            *TINY_ARGS,
+            "--draft-vocab",
+            "16",
+            "--cache-dir",
+            tmp_path / "c",
+            "--out",
+            out,
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "heads.safetensors"]
     assert json.loads((out / "config.json").read_text())["meta"]["data"] == "answers.jsonl"
     for extra in ([], ["--data", ex]):  # neither source, or both
-        code, _, err = run_cli(["train-heads", "--model", word_model, *extra, *(["--examples", ex] if extra else []),
-                                "--out", tmp_path / "h2"], capsys)
+        code, _, err = run_cli(
+            [
+                "train-heads",
+                "--model",
+                word_model,
+                *extra,
+                *(["--examples", ex] if extra else []),
+                "--out",
+                tmp_path / "h2",
+            ],
+            capsys,
+        )
         one_line_error(code, err, "exactly one of --data FILE or --examples FILE")
 
 
@@ -300,15 +390,25 @@ def folder_bytes(d: Path) -> dict:
 
 
 def train_args(word_model, tmp_path, *more, steps=2):
-    return ["train", "--model", word_model, "--examples", tmp_path / "examples.jsonl", *TRAIN_ARGS,
-            "--steps", steps, *more]
+    return [
+        "train",
+        "--model",
+        word_model,
+        "--examples",
+        tmp_path / "examples.jsonl",
+        *TRAIN_ARGS,
+        "--steps",
+        steps,
+        *more,
+    ]
 
 
 def exported_run(word_model, tmp_path, capsys) -> None:
     """A finished run in tmp_path/run (2 steps) with its float16 copy in tmp_path/ship."""
     examples_file(tmp_path)
-    code, _, err = run_cli(train_args(word_model, tmp_path, "--out", tmp_path / "run", "--export", tmp_path / "ship"),
-                           capsys)
+    code, _, err = run_cli(
+        train_args(word_model, tmp_path, "--out", tmp_path / "run", "--export", tmp_path / "ship"), capsys
+    )
     assert code == 0, err
 
 
@@ -352,8 +452,9 @@ def test_47_d1_export_replaces_only_this_runs_own_copy(word_model, tmp_path, cap
     assert code == 0, err  # its own copy: refreshed
     assert json.loads((tmp_path / "ship" / "config.json").read_text())["meta"]["step"] == 3
     other = tmp_path / "other"  # another run, and its copy: not this run's to replace; nor a plain adapter
-    code, _, err = run_cli(train_args(word_model, tmp_path, "--out", other, "--export", tmp_path / "other-ship"),
-                           capsys)
+    code, _, err = run_cli(
+        train_args(word_model, tmp_path, "--out", other, "--export", tmp_path / "other-ship"), capsys
+    )
     assert code == 0, err
     for target in (tmp_path / "other-ship", other, plain_adapter(tmp_path / "plain")):
         before = folder_bytes(target)
@@ -367,42 +468,56 @@ def test_47_d1_export_replaces_only_this_runs_own_copy(word_model, tmp_path, cap
 def no_model_load(monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
+
     monkeypatch.setattr("mtp.cli.train.Engine.load", no_load)
 
 
-SHAPE_FLAGS = [(["--rank", "8"], "rank 4"), (["--alpha", "3"], "alpha 32"), (["--mode", "plain"], "mode gated"),
-               (["--targets", "q,v"], "targets q,k,v,o,gate,up,down"), (["--lora-layers", "1:2"], "lora_layers 0:2")]
+SHAPE_FLAGS = [
+    (["--rank", "8"], "rank 4"),
+    (["--alpha", "3"], "alpha 32"),
+    (["--mode", "plain"], "mode gated"),
+    (["--targets", "q,v"], "targets q,k,v,o,gate,up,down"),
+    (["--lora-layers", "1:2"], "lora_layers 0:2"),
+]
 
 
 @pytest.mark.parametrize("flags, have", SHAPE_FLAGS)
-def test_47_init_adapter_flags_that_contradict_it_fail_before_the_model_loads(word_model, tmp_path, capsys,
-                                                                              monkeypatch, flags, have):
+def test_47_init_adapter_flags_that_contradict_it_fail_before_the_model_loads(
+    word_model, tmp_path, capsys, monkeypatch, flags, have
+):
     src = tmp_path / "src"
     model = tiny_model(0)
     add_adapters(model, rank=4)
     save_adapter(model, src, {"v": 1})
     examples_file(tmp_path)
     no_model_load(monkeypatch)
-    code, _, err = run_cli(train_args(word_model, tmp_path, "--init-adapter", src, *flags, "--out", tmp_path / "o"),
-                           capsys)
+    code, _, err = run_cli(
+        train_args(word_model, tmp_path, "--init-adapter", src, *flags, "--out", tmp_path / "o"), capsys
+    )
     one_line_error(code, err, " ".join(flags), "--init-adapter", f"({have})")
     assert not (tmp_path / "o").exists()
 
 
-OTHER_FLAGS = [(["--seq-len", "48"], "seq_len 32"), (["--lr", "0.01"], "lr 0.0005"), (["--seed", "3"], "seed 0"),
-               (["--k-max", "4"], "k_max 3")]
+OTHER_FLAGS = [
+    (["--seq-len", "48"], "seq_len 32"),
+    (["--lr", "0.01"], "lr 0.0005"),
+    (["--seed", "3"], "seed 0"),
+    (["--k-max", "4"], "k_max 3"),
+]
 
 
 @pytest.mark.parametrize("flags, have", SHAPE_FLAGS + OTHER_FLAGS)
-def test_47_resume_flags_that_contradict_the_checkpoint_fail_before_the_model_loads(word_model, tmp_path, capsys,
-                                                                                    monkeypatch, flags, have):
+def test_47_resume_flags_that_contradict_the_checkpoint_fail_before_the_model_loads(
+    word_model, tmp_path, capsys, monkeypatch, flags, have
+):
     examples_file(tmp_path)
     run = tmp_path / "run"
     assert run_cli(train_args(word_model, tmp_path, "--rank", "4", "--out", run), capsys)[0] == 0
     before = folder_bytes(run)
     no_model_load(monkeypatch)
-    code, _, err = run_cli(train_args(word_model, tmp_path, "--rank", "4", *flags, "--out", run, "--resume", steps=3),
-                           capsys)
+    code, _, err = run_cli(
+        train_args(word_model, tmp_path, "--rank", "4", *flags, "--out", run, "--resume", steps=3), capsys
+    )
     one_line_error(code, err, "--resume", " ".join(flags), f"({have})", str(run))
     assert folder_bytes(run) == before
 
@@ -410,8 +525,9 @@ def test_47_resume_flags_that_contradict_the_checkpoint_fail_before_the_model_lo
 def test_47_resume_takes_the_adapter_shape_the_flags_leave_out(word_model, tmp_path, capsys):
     examples_file(tmp_path)
     run = tmp_path / "run"
-    code, _, err = run_cli(train_args(word_model, tmp_path, "--rank", "4", "--lora-layers", "1:2", "--out", run),
-                           capsys)
+    code, _, err = run_cli(
+        train_args(word_model, tmp_path, "--rank", "4", "--lora-layers", "1:2", "--out", run), capsys
+    )
     assert code == 0, err
     code, _, err = run_cli(train_args(word_model, tmp_path, "--out", run, "--resume", steps=3), capsys)
     assert code == 0, err  # rank 4 and layers 1:2 from the checkpoint: nothing contradicts it

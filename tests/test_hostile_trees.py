@@ -4,6 +4,7 @@ or an HTTP 400, checked before the model loads where the flag alone says it is w
 overwritten; lossless trees give plain greedy's output token for token (EOS, stop strings and
 max_new_tokens inside an accepted path, tree:31 at the context window within its KV slack), and
 sampled trees make plain sampling's draws."""
+
 from __future__ import annotations
 
 import gzip
@@ -36,6 +37,7 @@ MTP = [sys.executable, "-m", "mtp.cli"]
 
 # ---- helpers ----------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A loadable HF directory: tiny random model (vocabulary 97), word-level tokenizer `w0 .. w94`."""
@@ -49,6 +51,7 @@ def tiny_loaded(tiny_dir):
 
 def mtp_main(capsys, argv) -> tuple[int, str, str]:
     from mtp.cli import main
+
     rc = main([*argv])
     out = capsys.readouterr()
     return rc, out.out, out.err
@@ -63,8 +66,10 @@ def one_line_error(capsys, argv) -> str:
 
 def no_model_load(monkeypatch):
     """Any model load fails the test: the input was to be refused before it."""
+
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the bad input was refused")
+
     monkeypatch.setattr(loading, "load", refuse)
 
 
@@ -77,8 +82,19 @@ def snapshot(path: Path) -> dict:
 
 
 def gen_args(tiny_dir, *extra) -> list[str]:
-    return ["generate", "w1 w2 w3", "--model", str(tiny_dir), "--adapter", "none", "--threads", "1",
-            "--max-new-tokens", "16", *extra]
+    return [
+        "generate",
+        "w1 w2 w3",
+        "--model",
+        str(tiny_dir),
+        "--adapter",
+        "none",
+        "--threads",
+        "1",
+        "--max-new-tokens",
+        "16",
+        *extra,
+    ]
 
 
 def params(n=24, **kw):
@@ -89,6 +105,7 @@ class Oracle(Proposer):
     """Always exactly n tree nodes: a wrong root child first, then the true continuation as a chain
     under a second root child, padded with junk, so the accepted path is off the diagonal and every
     pass uses all n nodes (the most KV-cache slots a tree can write)."""
+
     name = "oracle"
     has_confidence = True
 
@@ -100,7 +117,7 @@ class Oracle(Proposer):
             return Guesses.none()
         n = request.n
         done = len(request.view.context) - self.prompt_len
-        nxt = self.truth[done:done + n - 1]
+        nxt = self.truth[done : done + n - 1]
         nxt += [(7 * j + 3) % self.vocab for j in range(n - 1 - len(nxt))]  # past the truth: junk
         bad = (nxt[0] + 1) % self.vocab
         tokens = [bad] + nxt
@@ -117,6 +134,7 @@ def decode_all(model, seq: Sequence, capacity: int) -> tuple[KVCache, int]:
     def spy(layer, positions, slots):
         highest[0] = max(highest[0], int(positions.max()))
         return writer(layer, positions, slots)
+
     cache.writer = spy
     with torch.inference_mode():
         while not seq.finished:
@@ -125,6 +143,7 @@ def decode_all(model, seq: Sequence, capacity: int) -> tuple[KVCache, int]:
 
 
 # ---- strategies and proposer names: one line, before the model loads --------------------------------
+
 
 @pytest.mark.parametrize("strategy", ["tree:0", "tree:-1", "tree:100000", "tree:", "tree:8:2", "tree:1.5"])
 def test_tree_n_out_of_range_is_refused_before_the_model_loads(strategy, tiny_dir, capsys, monkeypatch):
@@ -137,16 +156,38 @@ def test_tree_n_out_of_range_in_bench_is_refused_before_the_model_loads(tiny_dir
     no_model_load(monkeypatch)
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
-    err = one_line_error(capsys, ["bench", "--data", f"prompts:{data}", "--model", str(tiny_dir), "--adapter", "none",
-                                  "--strategies", "tree:8@lookup,tree:100000@lookup", "--out", str(tmp_path / "b")])
+    err = one_line_error(
+        capsys,
+        [
+            "bench",
+            "--data",
+            f"prompts:{data}",
+            "--model",
+            str(tiny_dir),
+            "--adapter",
+            "none",
+            "--strategies",
+            "tree:8@lookup,tree:100000@lookup",
+            "--out",
+            str(tmp_path / "b"),
+        ],
+    )
     assert "1..31" in err and not (tmp_path / "b").exists()
 
 
-@pytest.mark.parametrize("proposer, words", [("heads+nope+lookup", "unknown proposer 'nope'"),
-                                             ("heads+suffix+", "malformed"), ("lookup+lookup", "each part once"),
-                                             ("lookup+mask", "cannot be merged"), ("suffix+eagle3", "cannot be merged")])
-def test_a_bad_name_inside_a_plus_list_is_refused_before_the_model_loads(proposer, words, tiny_dir, capsys,
-                                                                         monkeypatch):
+@pytest.mark.parametrize(
+    "proposer, words",
+    [
+        ("heads+nope+lookup", "unknown proposer 'nope'"),
+        ("heads+suffix+", "malformed"),
+        ("lookup+lookup", "each part once"),
+        ("lookup+mask", "cannot be merged"),
+        ("suffix+eagle3", "cannot be merged"),
+    ],
+)
+def test_a_bad_name_inside_a_plus_list_is_refused_before_the_model_loads(
+    proposer, words, tiny_dir, capsys, monkeypatch
+):
     no_model_load(monkeypatch)
     err = one_line_error(capsys, gen_args(tiny_dir, "--proposer", proposer, "--strategy", "tree:8"))
     assert words in err
@@ -163,20 +204,26 @@ def test_serve_refuses_bad_tree_requests_with_400():
     from test_serve import make_app, save_tiny
     from mtp.core.engine import Engine, EngineConfig
     import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
         eng = Engine.load(EngineConfig(model=str(save_tiny(Path(tmp) / "m")), adapter="none"))  # proposer: mask
         with TestClient(make_app(eng)) as c:
             for strategy, words in [("tree:0", "1..31"), ("tree:100000", "1..31")]:
-                r = c.post("/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 4,
-                                                    "mtp": {"strategy": strategy}})
+                r = c.post(
+                    "/v1/completions",
+                    json={"model": "tiny", "prompt": "ab", "max_tokens": 4, "mtp": {"strategy": strategy}},
+                )
                 assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
             # a tree from the mask proposer (the tiny model has the mask token) is served, no longer refused
-            r = c.post("/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 4,
-                                                "mtp": {"strategy": "tree:8"}})
+            r = c.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "ab", "max_tokens": 4, "mtp": {"strategy": "tree:8"}},
+            )
             assert r.status_code == 200, r.text
 
 
 # ---- datastores that are refused -----------------------------------------------------------------------
+
 
 def good_store(path: Path, model) -> Path:
     build_datastore([[5, 6, 7, 8], [5, 6, 9]], model, None, path)
@@ -185,6 +232,7 @@ def good_store(path: Path, model) -> Path:
 
 def corrupt(kind: str, path: Path, model) -> Path:
     from safetensors.torch import save_file
+
     if kind == "empty-folder":
         path.mkdir()
         return path
@@ -214,22 +262,34 @@ def corrupt(kind: str, path: Path, model) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind, words", [
-    ("empty-folder", "not a datastore"), ("other-model", "another model"),
-    ("other-tokenizer", "outside the model's vocabulary"), ("truncated", "not a readable safetensors"),
-    ("bad-json", "not a valid JSON"), ("json-list", "must be a JSON object"),
-    ("not-a-datastore-config", "not an mtp datastore"), ("only-separators", "empty"),
-    ("bf16-tokens", "int32"), ("float-tokens", "int32"), ("2d-tokens", "1-D")])
+@pytest.mark.parametrize(
+    "kind, words",
+    [
+        ("empty-folder", "not a datastore"),
+        ("other-model", "another model"),
+        ("other-tokenizer", "outside the model's vocabulary"),
+        ("truncated", "not a readable safetensors"),
+        ("bad-json", "not a valid JSON"),
+        ("json-list", "must be a JSON object"),
+        ("not-a-datastore-config", "not an mtp datastore"),
+        ("only-separators", "empty"),
+        ("bf16-tokens", "int32"),
+        ("float-tokens", "int32"),
+        ("2d-tokens", "1-D"),
+    ],
+)
 def test_a_bad_datastore_is_one_line(kind, words, tiny_dir, tiny_loaded, tmp_path, capsys):
     ds = corrupt(kind, tmp_path / "ds", tiny_loaded)
     before = snapshot(ds)
-    err = one_line_error(capsys, gen_args(tiny_dir, "--proposer", "suffix", "--datastore", str(ds),
-                                          "--strategy", "tree:8"))
+    err = one_line_error(
+        capsys, gen_args(tiny_dir, "--proposer", "suffix", "--datastore", str(ds), "--strategy", "tree:8")
+    )
     assert words in err
     assert snapshot(ds) == before  # nothing of the user's is touched
 
 
 # ---- mtp datastore build -------------------------------------------------------------------------------
+
 
 def answers_file(path: Path, rows=((1, 2, 3), (4, 5, 6, 7)), name="answers.jsonl") -> Path:
     f = path / name
@@ -242,8 +302,9 @@ def build_args(data, out, model) -> list[str]:
 
 
 @pytest.mark.parametrize("target", ["model-folder", "heads-folder", "plain-folder", "file"])
-def test_datastore_build_never_replaces_a_user_folder_and_says_so_before_loading(target, tiny_dir, tmp_path, capsys,
-                                                                               monkeypatch):
+def test_datastore_build_never_replaces_a_user_folder_and_says_so_before_loading(
+    target, tiny_dir, tmp_path, capsys, monkeypatch
+):
     if target == "model-folder":  # has a config.json, as a datastore does
         out = Path(shutil.copytree(tiny_dir, tmp_path / "model"))
     elif target == "heads-folder":
@@ -277,8 +338,9 @@ def test_datastore_build_rebuilds_an_earlier_datastore(tiny_dir, tmp_path, capsy
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.")]  # no temporary left behind
 
 
-def test_datastore_build_refuses_test_splits_and_folders_that_are_not_data_sets(tiny_dir, tmp_path, capsys,
-                                                                               monkeypatch):
+def test_datastore_build_refuses_test_splits_and_folders_that_are_not_data_sets(
+    tiny_dir, tmp_path, capsys, monkeypatch
+):
     no_model_load(monkeypatch)
     test_split = answers_file(tmp_path, name="test.jsonl")
     heldout = tmp_path / "set" / "heldout"
@@ -291,9 +353,14 @@ def test_datastore_build_refuses_test_splits_and_folders_that_are_not_data_sets(
     plain = tmp_path / "plain"
     plain.mkdir()
     answers_file(plain, name="train.jsonl")
-    for data, words in [(test_split, "test split"), (heldout, "test split"), (heldout / "self_written.jsonl",
-                        "test split"), (foreign, "not an mtp data set"), (plain, "must be an `mtp data` output"),
-                        (tmp_path / "missing.jsonl", "not found")]:
+    for data, words in [
+        (test_split, "test split"),
+        (heldout, "test split"),
+        (heldout / "self_written.jsonl", "test split"),
+        (foreign, "not an mtp data set"),
+        (plain, "must be an `mtp data` output"),
+        (tmp_path / "missing.jsonl", "not found"),
+    ]:
         err = one_line_error(capsys, build_args(data, tmp_path / "ds", tiny_dir))
         assert words in err, (data, err)
     assert not (tmp_path / "ds").exists()
@@ -308,6 +375,7 @@ def test_datastore_build_refuses_answers_of_another_tokenizer(tiny_dir, tmp_path
 
 # ---- the sharded data set ------------------------------------------------------------------------------
 
+
 def data_folder(path: Path, lines: list) -> Path:
     path.mkdir(parents=True)
     (path / "manifest.json").write_text(json.dumps({"format": "mtp-data", "version": 2, "shards": []}))
@@ -320,8 +388,15 @@ def rec(i, n=3):
 
 
 def test_a_record_with_an_unhashable_id_is_a_skipped_line_not_a_traceback(tiny_dir, tmp_path, capsys):
-    folder = data_folder(tmp_path / "set", [rec(1), {"id": [1], "prompt_ids": [1], "response_ids": [2]},
-                                            {"id": {"a": 1}, "prompt_ids": [1], "response_ids": [2]}, rec(2)])
+    folder = data_folder(
+        tmp_path / "set",
+        [
+            rec(1),
+            {"id": [1], "prompt_ids": [1], "response_ids": [2]},
+            {"id": {"a": 1}, "prompt_ids": [1], "response_ids": [2]},
+            rec(2),
+        ],
+    )
     recs, bad = shards.read(folder, "train", repair=False)
     assert sorted(recs) == ["r-1", "r-2"] and bad == 2
     rc, _, err = mtp_main(capsys, build_args(folder, tmp_path / "ds", tiny_dir))
@@ -352,6 +427,7 @@ def test_sealing_never_overwrites_a_sealed_shard(tmp_path):
 
 # ---- the suffix proposer's chain ------------------------------------------------------------------------
 
+
 def test_suffix_chain_follows_the_most_frequent_continuation():
     # after "2": "5 6" three times, "9" once (the latest); verify:K must draft the frequent one
     store = Datastore.from_answers([[2, 5, 6], [2, 5, 6], [2, 5, 6], [2, 9]])
@@ -361,6 +437,7 @@ def test_suffix_chain_follows_the_most_frequent_continuation():
 
 
 # ---- lossless trees: identical to plain greedy, within their KV slack -----------------------------------
+
 
 @pytest.mark.parametrize("drafts", ["right", "wrong"])
 def test_tree31_at_the_context_window_writes_only_the_slack_it_reserved(drafts):
@@ -420,8 +497,9 @@ def test_stop_string_inside_an_accepted_tree_path_cuts_as_plain_decoding_does():
     stop = f"<{truth[i - 1]}><{truth[i]}>"
     want = generate(model, PROMPT, "ntp", params=params(30, stop=[stop]), decode_text=text)
     assert want.finish_reason == "stop" and len(want.output) < 30
-    seq = Sequence(list(PROMPT), Strategy.parse("tree:12"), params(30, stop=[stop]), Oracle(truth, len(PROMPT)),
-                   decode_text=text)
+    seq = Sequence(
+        list(PROMPT), Strategy.parse("tree:12"), params(30, stop=[stop]), Oracle(truth, len(PROMPT)), decode_text=text
+    )
     decode_all(model, seq, len(PROMPT) + 30 + block_slack(13))
     assert (seq.output, seq.text, seq.finish_reason) == (want.output, want.text, want.finish_reason)
 
@@ -438,8 +516,11 @@ def test_sampled_trees_of_suffix_heads_and_merged_proposers_make_plain_samplings
         want = generate(model, PROMPT, "ntp", params=p).output
         store = Datastore.from_answers([want[2:], want[6:]])  # drafts that are often right
         heads = N.HeadsProposer(model, random_heads(model), "float32")
-        for prop in [SuffixProposer(store), heads, MergedProposer([heads, SuffixProposer(store),
-                                                                   PromptLookupProposer()])]:
+        for prop in [
+            SuffixProposer(store),
+            heads,
+            MergedProposer([heads, SuffixProposer(store), PromptLookupProposer()]),
+        ]:
             for strategy in ("tree:6", "tree:31"):
                 got = generate(model, PROMPT, strategy, params=p, proposer=prop)
                 assert got.output == want, (seed, prop.name, strategy)
@@ -448,6 +529,7 @@ def test_sampled_trees_of_suffix_heads_and_merged_proposers_make_plain_samplings
 def test_cli_merged_tree_equals_ntp_token_for_token(tiny_dir, tiny_loaded, tmp_path, capsys):
     heads_dir = tmp_path / "heads"
     from mtp.core.artifacts import write_dir_atomic
+
     write_dir_atomic(heads_dir, N.heads_files(random_heads(tiny_loaded), tiny_loaded))
     base = gen_args(tiny_dir, "--max-new-tokens", "24", "--json", "--heads", str(heads_dir))
     rc, out, err = mtp_main(capsys, base + ["--strategy", "ntp"])
@@ -456,8 +538,9 @@ def test_cli_merged_tree_equals_ntp_token_for_token(tiny_dir, tiny_loaded, tmp_p
     build_datastore([want[1:], want[5:]], tiny_loaded, None, tmp_path / "ds")  # the model's own answer
     for strategy in ("tree:8", "tree:31", "verify:4"):
         for proposer in ("heads+suffix+lookup", "suffix", "suffix+lookup"):
-            rc, out, err = mtp_main(capsys, base + ["--strategy", strategy, "--proposer", proposer,
-                                                    "--datastore", str(tmp_path / "ds")])
+            rc, out, err = mtp_main(
+                capsys, base + ["--strategy", strategy, "--proposer", proposer, "--datastore", str(tmp_path / "ds")]
+            )
             assert rc == 0, err
             got = json.loads(out)
             assert got["token_ids"] == want, (strategy, proposer)
@@ -466,15 +549,21 @@ def test_cli_merged_tree_equals_ntp_token_for_token(tiny_dir, tiny_loaded, tmp_p
 
 # ---- mtp pipeline: a tree over stages gives plain greedy's output, token for token -----------------------
 
+
 def test_mtp_pipeline_with_a_tree_equals_ntp(tiny_dir):
     """`mtp pipeline` runs trees (stage 0 compacts the accepted path; the moves reach every stage): from the
     command line, two stages and `tree:8` print exactly the tokens plain greedy prints in one process."""
     base = ["--model", str(tiny_dir), "--adapter", "none", "--max-new-tokens", "12", "--threads", "1", "--json"]
-    want = subprocess.run(MTP + ["generate", "w1 w2 w3 w1 w2 w3", *base, "--strategy", "ntp"],
-                          capture_output=True, text=True, timeout=300)
+    want = subprocess.run(
+        MTP + ["generate", "w1 w2 w3 w1 w2 w3", *base, "--strategy", "ntp"], capture_output=True, text=True, timeout=300
+    )
     assert want.returncode == 0, want.stderr
-    got = subprocess.run(MTP + ["pipeline", "w1 w2 w3 w1 w2 w3", "--stages", "2", *base, "--proposer", "lookup",
-                                "--strategy", "tree:8"], capture_output=True, text=True, timeout=300)
+    got = subprocess.run(
+        MTP + ["pipeline", "w1 w2 w3 w1 w2 w3", "--stages", "2", *base, "--proposer", "lookup", "--strategy", "tree:8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert got.returncode == 0, got.stderr
     want_ids, got_ids = json.loads(want.stdout)["token_ids"], json.loads(got.stdout)["token_ids"]
     assert len(want_ids) == 12 and got_ids == want_ids

@@ -2,6 +2,7 @@
 package, agreement with float32 matmul, batch invariance (a row's bits do not depend on M, its
 position or its neighbours) on every ISA path this CPU runs (the AVX2 path forced on AVX-512
 machines), and one-line errors for bad input. Skipped, with the reason, where the C++ does not build."""
+
 from __future__ import annotations
 
 import types
@@ -36,7 +37,7 @@ def random_blocks(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
     size, scale_bytes = qlinear.FORMATS[fmt]
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=g)
-    scales = (torch.randn(n, k // 32, scale_bytes // 2, generator=g) * 0.05)
+    scales = torch.randn(n, k // 32, scale_bytes // 2, generator=g) * 0.05
     scales[0, 0] = 3e-7  # fp16 subnormal
     scales[-1, -1] = 0.0
     blocks[:, :, :scale_bytes] = scales.half().view(torch.uint8).view(n, k // 32, scale_bytes)
@@ -88,10 +89,10 @@ def check_invariant(w: KernelWeight, isa, k: int, seed: int = 0) -> torch.Tensor
     for m in [*range(1, 33), 64]:
         assert torch.equal(linear(x[:m], w, isa=isa), full[:m]), f"M={m}"
     for r in range(0, 64, 5):
-        assert torch.equal(linear(x[r:r + 1], w, isa=isa)[0], full[r]), f"row {r} alone"
+        assert torch.equal(linear(x[r : r + 1], w, isa=isa)[0], full[r]), f"row {r} alone"
         others = torch.randn(11, k, generator=g) * 10
         pos = (r * 7) % 12
-        moved = torch.cat([others[:pos], x[r:r + 1], others[pos:]])
+        moved = torch.cat([others[:pos], x[r : r + 1], others[pos:]])
         assert torch.equal(linear(moved, w, isa=isa)[pos], full[r]), f"row {r} at {pos}"
     return full
 
@@ -188,12 +189,14 @@ def test_bad_input_is_one_line():
     one_line(e)
 
 
-@pytest.mark.parametrize("fmt,offset,bad", [("q8_0", 0, float("nan")), ("q4_0", 0, float("inf")),
-                                            ("q4_1", 0, float("nan")), ("q4_1", 2, float("-inf"))])
+@pytest.mark.parametrize(
+    "fmt,offset,bad",
+    [("q8_0", 0, float("nan")), ("q4_0", 0, float("inf")), ("q4_1", 0, float("nan")), ("q4_1", 2, float("-inf"))],
+)
 def test_corrupt_scale_refused(fmt, offset, bad):
     blocks = random_blocks(fmt, 6, 96, seed=8)
     size = qlinear.FORMATS[fmt][0]
-    blocks.view(6, -1, size)[4, 2, offset:offset + 2] = torch.tensor([bad]).half().view(torch.uint8)
+    blocks.view(6, -1, size)[4, 2, offset : offset + 2] = torch.tensor([bad]).half().view(torch.uint8)
     with pytest.raises(ValueError) as e:
         KernelWeight.from_blocks(blocks, fmt, name="blk.3.ffn_up.weight")
     msg = one_line(e)
@@ -208,9 +211,11 @@ def test_from_gguf_formats_and_fallback(capsys):
     blocks = random_blocks("q4_1", 8, 64, seed=9)
     w = KernelWeight.from_gguf(reader_tensor("blk.0.attn_q.weight", QTYPE["q4_1"], 8, 64, blocks.numpy()))
     assert w.fmt == "q4_1" and w.shape == (8, 64) and torch.equal(w.data, blocks)
-    wq = KernelWeight.from_gguf(reader_tensor("blk.0.attn_q.weight", QTYPE["q4_1"], 8, 64, blocks.numpy()),
-                                unpermute_heads=2)
+    wq = KernelWeight.from_gguf(
+        reader_tensor("blk.0.attn_q.weight", QTYPE["q4_1"], 8, 64, blocks.numpy()), unpermute_heads=2
+    )
     from mtp.core.gguf import unpermute
+
     assert torch.equal(wq.dequantize(), unpermute(w.dequantize(), 2))
     # a type the kernels lack: dequantised by gguf, served in float32, one line naming it
     q5k = np.random.default_rng(0).integers(0, 256, (4, 176), dtype=np.uint8)
@@ -222,8 +227,9 @@ def test_from_gguf_formats_and_fallback(capsys):
     ref = torch.from_numpy(np.array(gguf.quants.dequantize(q5k, gguf.GGMLQuantizationType.Q5_K), np.float32))
     assert torch.equal(w5.data, ref.reshape(4, 256))
     with pytest.raises(ValueError) as e:
-        KernelWeight.from_gguf(types.SimpleNamespace(name="x.weight", tensor_type=0, shape=np.array([5]),
-                                                     data=np.zeros(5, np.float32)))
+        KernelWeight.from_gguf(
+            types.SimpleNamespace(name="x.weight", tensor_type=0, shape=np.array([5]), data=np.zeros(5, np.float32))
+        )
     assert "x.weight" in one_line(e)
 
 
@@ -231,12 +237,16 @@ def test_real_model_weights_equal_the_loader():
     """The shipped GGUF's blocks, kept as stored, dequantise to the float32 values the loader
     (`mtp.core.gguf.read_gguf`: gguf.quants.dequantize, then the Q/K unpermute) gives."""
     from conftest import require_smollm2
+
     require_smollm2()
     from mtp.core.gguf import unpermute
     from mtp.core.loading import resolve
+
     reader = gguf.GGUFReader(str(resolve("smollm2-135m")))
-    heads = {"attn_q": reader.fields["llama.attention.head_count"].contents(),
-             "attn_k": reader.fields["llama.attention.head_count_kv"].contents()}
+    heads = {
+        "attn_q": reader.fields["llama.attention.head_count"].contents(),
+        "attn_k": reader.fields["llama.attention.head_count_kv"].contents(),
+    }
     seen = set()
     for t in reader.tensors:
         part = t.name.split(".")[2] if t.name.startswith("blk.0.") else t.name.split(".")[0]
@@ -265,7 +275,7 @@ def test_no_compiler_says_which_path(monkeypatch, capsys):
         w = weight("q4_1", seed=10)
         x = torch.randn(12, 160)
         full = linear(x, w)  # the fallback: rows one at a time, still batch-invariant
-        assert all(torch.equal(linear(x[i:i + 1], w)[0], full[i]) for i in range(12))
+        assert all(torch.equal(linear(x[i : i + 1], w)[0], full[i]) for i in range(12))
         torch.testing.assert_close(full, x @ gguf_dequant(w).T, rtol=1e-5, atol=1e-5)
     finally:
         kernels._state.clear()
@@ -273,6 +283,7 @@ def test_no_compiler_says_which_path(monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------------------------------- int8 activations
+
 
 def need_int8(isa: str) -> None:
     need(isa)
@@ -297,9 +308,9 @@ def test_int8_matches_its_reference_and_is_invariant(fmt, isa):
         assert torch.equal(qlinear.linear_int8(x[:m], w, isa=isa), full[:m]), f"M={m}"
     for r in range(0, 64, 7):
         others = torch.randn(9, 160, generator=g) * 5
-        moved = torch.cat([others[:r % 10], x[r:r + 1], others[r % 10:]])
+        moved = torch.cat([others[: r % 10], x[r : r + 1], others[r % 10 :]])
         assert torch.equal(qlinear.linear_int8(moved, w, isa=isa)[r % 10], full[r])
-        assert torch.equal(qlinear.linear_int8(x[r:r + 1], w, isa=isa)[0], full[r])
+        assert torch.equal(qlinear.linear_int8(x[r : r + 1], w, isa=isa)[0], full[r])
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
@@ -307,8 +318,11 @@ def test_int8_same_bits_on_every_isa(fmt):
     w = weight(fmt, n=40, k=192, seed=13, kind="random")
     x = torch.randn(19, 192, generator=torch.Generator().manual_seed(14)) * 3
     x[3, 5] = 1e4  # an outlier in one block
-    outs = [qlinear.linear_int8(x, w, isa=isa) for isa in kernels.supported_isas()
-            if kernels.ISAS[isa] <= kernels.best_isa_int8()]
+    outs = [
+        qlinear.linear_int8(x, w, isa=isa)
+        for isa in kernels.supported_isas()
+        if kernels.ISAS[isa] <= kernels.best_isa_int8()
+    ]
     assert all(torch.equal(y, outs[0]) for y in outs[1:])
 
 
@@ -318,7 +332,9 @@ def test_int8_packing_is_a_permutation():
         packed = w.packed_int8()
         assert packed.shape[:2] == (2, 3) and packed.dtype == torch.uint8
         real = packed.view(2, 3, -1)  # the padded columns' bytes are zero; the rest is the blocks' bytes
-        assert sorted(real.flatten().tolist()) == sorted(w.data.flatten().tolist() + [0] * (real.numel() - w.data.numel()))
+        assert sorted(real.flatten().tolist()) == sorted(
+            w.data.flatten().tolist() + [0] * (real.numel() - w.data.numel())
+        )
 
 
 def test_int8_nonfinite_rows_give_nan_and_bad_input():

@@ -11,6 +11,7 @@ steps (issue 47, "nothing lost, nothing silently wrong").
   the save is cleaned up, exactly as after SIGKILL. For `train-heads` / `train-eagle3` both the
   checkpoint's saves (`OUT/checkpoint`) and the final write of OUT itself are hit.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,17 @@ from test_train import examples
 # the trainer, its arguments (tiny runs, one thread), the file of its final weights, and the file
 # whose appearance says a checkpoint is on disk
 TRAINERS = {
-    "train": (["--batch-size", "2", "--k-max", "3", "--spans", "1", "--seq-len", "32"],
-              "adapter.safetensors", "trainer_state.json"),
+    "train": (
+        ["--batch-size", "2", "--k-max", "3", "--spans", "1", "--seq-len", "32"],
+        "adapter.safetensors",
+        "trainer_state.json",
+    ),
     "train-heads": (["--batch-size", "4"], "heads.safetensors", "checkpoint/trainer_state.json"),
-    "train-eagle3": (["--batch-size", "2", "--draft-vocab", "16"], "model.safetensors",
-                     "checkpoint/trainer_state.json"),
+    "train-eagle3": (
+        ["--batch-size", "2", "--draft-vocab", "16"],
+        "model.safetensors",
+        "checkpoint/trainer_state.json",
+    ),
 }
 # steps of the SIGKILL runs: about a second of training after the first checkpoint, so the kill lands
 # mid-run (a checkpoint every step: the kill often lands inside a save)
@@ -50,8 +57,9 @@ SMALL_STEPS = 4  # the in-process runs: saves at steps 2 and 4
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("kill")
     model = make_tiny_model_dir(root / "tiny")
-    ex = write_jsonl(root / "examples.jsonl", [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}
-                                               for e in examples(12)])
+    ex = write_jsonl(
+        root / "examples.jsonl", [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(12)]
+    )
     return types.SimpleNamespace(root=root, model=model, examples=ex, reference={})
 
 
@@ -70,8 +78,24 @@ def keep_threads():
 
 def args_of(files, trainer, out, cache_dir, steps, save_every):
     extra, _, _ = TRAINERS[trainer]
-    args = [trainer, "--model", files.model, "--examples", files.examples, *extra, "--steps", steps,
-            "--save-every", save_every, "--seed", "5", "--threads", "1", "--out", out]
+    args = [
+        trainer,
+        "--model",
+        files.model,
+        "--examples",
+        files.examples,
+        *extra,
+        "--steps",
+        steps,
+        "--save-every",
+        save_every,
+        "--seed",
+        "5",
+        "--threads",
+        "1",
+        "--out",
+        out,
+    ]
     if trainer != "train":
         args += ["--cache-dir", cache_dir]
     return [str(a) for a in args]
@@ -110,8 +134,13 @@ def test_sigkill_mid_run_then_resume_is_bit_for_bit(files, tmp_path, capsys, tra
     out = tmp_path / "run"
     args = args_of(files, trainer, out, tmp_path / "feature-cache", steps, 1)  # its own feature cache
     state = out / TRAINERS[trainer][2]
-    proc = subprocess.Popen([sys.executable, "-m", "mtp.cli", *args], env=env(tmp_path),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtp.cli", *args],
+        env=env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -144,6 +173,7 @@ def kill_inside_save(target: Path, where: str, nth: int):
     rename yet) or "rename" (the previous directory moved aside, the new one not yet in place).
     Returns a function that revives the process state (the cleanup `shutil.rmtree` works again)."""
     import mtp.core.artifacts as artifacts
+
     target = Path(target).resolve()
     real_replace, real_mkdtemp, real_rmtree = os.replace, tempfile.mkdtemp, artifacts.shutil.rmtree
     seen = {"saves": 0, "dead": False}
@@ -177,8 +207,10 @@ def kill_inside_save(target: Path, where: str, nth: int):
 # (trainer, the saved directory hit, which of its saves): `train` saves OUT at steps 2 and 4 (the
 # second replaces the first); heads/eagle3 save OUT/checkpoint at steps 2 and 4, then write OUT whole
 WINDOWS = [pytest.param("train", "", 2, id="train-OUT-save2")] + [
-    pytest.param(t, d, n, id=f"{t}-{d or 'OUT'}-save{n}") for t in ("train-heads", "train-eagle3")
-    for d, n in (("checkpoint", 2), ("", 1))]
+    pytest.param(t, d, n, id=f"{t}-{d or 'OUT'}-save{n}")
+    for t in ("train-heads", "train-eagle3")
+    for d, n in (("checkpoint", 2), ("", 1))
+]
 
 
 @pytest.mark.parametrize("where", ["write", "rename"])
@@ -215,8 +247,9 @@ def test_a_killed_feature_pass_leaves_no_temporary_file_and_resumes_to_the_same_
     def extract(part, progress=None):
         return H.extract_features(model, part, 4, progress)
 
-    clean = feature_cache.join_blocks(feature_cache.cached_blocks(tmp_path / "clean", "h", exs, extract, block=4),
-                                      example_fields=("example",))
+    clean = feature_cache.join_blocks(
+        feature_cache.cached_blocks(tmp_path / "clean", "h", exs, extract, block=4), example_fields=("example",)
+    )
     folder = tmp_path / "killed"
     feature_cache.cached_blocks(folder, "h", exs[:4], extract, block=4)  # the first block finished
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -9,6 +9,7 @@ eval, serving, pipeline < tune < cli. A package may import itself and lower laye
 never reaches into eval); `__main__` modules are entry points and may import anything.
 `python tests/test_layers.py [ROOT]` prints the graph's circles and back-edges.
 """
+
 from __future__ import annotations
 
 import ast
@@ -126,8 +127,11 @@ def private_imports(root: Path = ROOT) -> list[str]:
         name = module_name(f, root)
         for node in ast.walk(ast.parse(f.read_text(), str(f))):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mtp") and node.module != name:
-                out += [f"{name}: {node.module}.{a.name}" for a in node.names
-                        if a.name.startswith("_") and not a.name.startswith("__")]
+                out += [
+                    f"{name}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
     return out
 
 

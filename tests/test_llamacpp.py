@@ -2,6 +2,7 @@
 one-line refusals, the llama-server peers' names, and the server runner against a stand-in `llama-server`
 (a small Python HTTP server answering `/health` and `/completion` as llama-server does).
 The tests with the real build are in test_llamacpp_server.py (`make llamacpp`)."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,10 @@ def test_amx_flag_the_kernel_refuses_turns_native_tuning_and_amx_off():
     opts = llamacpp_env.isa_flags({"cpu_flag": True, "kernel_grants": False, "usable": False}, flags)
     assert "-DGGML_NATIVE=OFF" in opts and "-DGGML_AMX_INT8=OFF" in opts and "-DGGML_AMX_TILE=OFF" in opts
     assert "-DGGML_AVX2=ON" in opts and "-DGGML_AVX512=ON" in opts and "-DGGML_AVX512_VNNI=OFF" in opts
-    for usable in ({"cpu_flag": True, "kernel_grants": True, "usable": True},
-                   {"cpu_flag": False, "kernel_grants": False, "usable": False}):
+    for usable in (
+        {"cpu_flag": True, "kernel_grants": True, "usable": True},
+        {"cpu_flag": False, "kernel_grants": False, "usable": False},
+    ):
         assert llamacpp_env.isa_flags(usable, flags) == ["-DGGML_NATIVE=ON"]
 
 
@@ -53,8 +56,9 @@ def fake_build(root, cmake=("-DGGML_NATIVE=ON",), amx=None, server: str | None =
     """A stand-in `.llamacpp/` prefix: stamp, build.json, and optionally build/bin/llama-server."""
     (root / "build" / "bin").mkdir(parents=True)
     (root / f".built-{llamacpp_env.VERSION}").touch()
-    (root / "build.json").write_text(json.dumps({"version": llamacpp_env.VERSION, "cmake": list(cmake),
-                                                 "amx": amx or llamacpp_env.amx_state()}))
+    (root / "build.json").write_text(
+        json.dumps({"version": llamacpp_env.VERSION, "cmake": list(cmake), "amx": amx or llamacpp_env.amx_state()})
+    )
     if server is not None:
         path = root / "build" / "bin" / "llama-server"
         path.write_text(f"#!{sys.executable}\n" + server)
@@ -96,6 +100,7 @@ def test_a_build_made_for_another_cpu_kind_is_not_run_here(tmp_path, monkeypatch
 
 def test_bench_environment_says_whether_amx_is_usable(tmp_path, monkeypatch):
     from mtp.eval.bench import environment
+
     monkeypatch.setenv("MTP_LLAMACPP_DIR", str(tmp_path / "none"))
     env = environment()["llamacpp"]
     assert env["version"] is None and env["amx"] == llamacpp_env.amx_state()
@@ -107,8 +112,13 @@ def test_target_folder_gets_a_tokenizer_config_the_converter_reads(tmp_path):
     src.mkdir()
     (src / "config.json").write_text("{}")
     (src / "model.safetensors").write_bytes(b"weights")
-    original = {"backend": "tokenizers", "is_local": True, "local_files_only": False, "bos_token": "<s>",
-                "tokenizer_class": "TokenizersBackend"}
+    original = {
+        "backend": "tokenizers",
+        "is_local": True,
+        "local_files_only": False,
+        "bos_token": "<s>",
+        "tokenizer_class": "TokenizersBackend",
+    }
     (src / "tokenizer_config.json").write_text(json.dumps(original))
     out = target_folder(src, tmp_path / "copy")
     tc = json.loads((out / "tokenizer_config.json").read_text())
@@ -151,6 +161,7 @@ def test_outtype_the_converter_cannot_write_is_refused(bad):
 def test_cli_refusals_are_one_line(tiny_hf_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MTP_LLAMACPP_DIR", str(tmp_path / "no-build"))
     from mtp.core import loading
+
     model = loading.load(str(tiny_hf_dir)).model
     save_tiny_drafter(model, tmp_path / "mine")
     other = tiny_model(3, vocab_size=49152)
@@ -168,8 +179,12 @@ def test_cli_refusals_are_one_line(tiny_hf_dir, tmp_path, capsys, monkeypatch):
     assert main(base + ["--drafter", str(tmp_path / "mine")]) == 2
     one_line_error(capsys, "make llamacpp")
     assert not (tmp_path / "out").exists()
-    assert main(["bench", "--data", "prompts:x.jsonl", "--baselines", "llamacpp-server-ngram",
-                 "--out", str(tmp_path / "b")]) == 2
+    assert (
+        main(
+            ["bench", "--data", "prompts:x.jsonl", "--baselines", "llamacpp-server-ngram", "--out", str(tmp_path / "b")]
+        )
+        == 2
+    )
     one_line_error(capsys, "make llamacpp")
 
 
@@ -181,7 +196,10 @@ def test_llamacpp_server_peer_names(tmp_path, monkeypatch):
     fake_build(tmp_path / "b", server="")
     monkeypatch.setenv("MTP_LLAMACPP_DIR", str(tmp_path / "b"))
     assert peers.parse_baselines("llamacpp-server,llamacpp-server-ngram:m.gguf,llamacpp-server-eagle3:D") == [
-        "llamacpp-server", "llamacpp-server-ngram:m.gguf", "llamacpp-server-eagle3:D"]
+        "llamacpp-server",
+        "llamacpp-server-ngram:m.gguf",
+        "llamacpp-server-eagle3:D",
+    ]
     for bad in ("llamacpp-server-eagle3", "llamacpp-server:", "llamacpp-server-x"):
         with pytest.raises(ValueError):
             peers.parse_baselines(bad)
@@ -189,8 +207,12 @@ def test_llamacpp_server_peer_names(tmp_path, monkeypatch):
 
 def test_tokens_per_pass_from_server_timings():
     # 10 tokens, 4 of them accepted drafts: 6 passes (the prompt's included), as mtp counts them
-    assert peers.llamacpp_tokens_per_pass([{"predicted_n": 6, "draft_n_accepted": 3},
-                                           {"predicted_n": 4, "draft_n_accepted": 1}]) == 10 / 6
+    assert (
+        peers.llamacpp_tokens_per_pass(
+            [{"predicted_n": 6, "draft_n_accepted": 3}, {"predicted_n": 4, "draft_n_accepted": 1}]
+        )
+        == 10 / 6
+    )
     assert peers.llamacpp_tokens_per_pass([{"predicted_n": 5}]) == 1.0
     assert peers.llamacpp_tokens_per_pass([]) is None
 
@@ -288,9 +310,17 @@ def test_eagle3_peer_serves_an_export_folder_with_its_draft_count(tmp_path, monk
     exp.mkdir()
     for name in ("target-f16.gguf", "drafter-f16.gguf"):
         (exp / name).write_bytes(b"")
-    (exp / "export.json").write_text(json.dumps({"format": "mtp-llamacpp-export", "target": "target-f16.gguf",
-                                                 "drafter": "drafter-f16.gguf", "draft_tokens": 1,
-                                                 "draft_p_min": 0.25}))
+    (exp / "export.json").write_text(
+        json.dumps(
+            {
+                "format": "mtp-llamacpp-export",
+                "target": "target-f16.gguf",
+                "drafter": "drafter-f16.gguf",
+                "draft_tokens": 1,
+                "draft_p_min": 0.25,
+            }
+        )
+    )
     peer = peers.make_peer(f"llamacpp-server-eagle3:{exp}")
     peer.setup(tiny_engine)
     try:
@@ -310,6 +340,7 @@ def test_eagle3_peer_serves_an_export_folder_with_its_draft_count(tmp_path, monk
 def test_no_server_outlives_the_process_that_started_it(tmp_path):
     # a bench that never calls close(): its servers stop when it exits, normally or killed
     import subprocess
+
     root = fake_build(tmp_path / "b", server=FAKE_SERVER)
     script = textwrap.dedent(f"""
         import os, sys
@@ -340,15 +371,20 @@ def test_no_server_outlives_the_process_that_started_it(tmp_path):
 def synthetic_timings(t, a: float, drafts: int, draft_s: float, steps: int = 10_000) -> list[dict]:
     """llama-server timings of a geometric drafter: per-draft acceptance a, `drafts` per step."""
     pass_time = CostModel(t).pass_time
-    accepted = round(steps * sum(a ** d for d in range(1, drafts + 1)))
+    accepted = round(steps * sum(a**d for d in range(1, drafts + 1)))
     ms = 1e3 * steps * (pass_time(1 + drafts) + drafts * draft_s)
-    half = {"predicted_n": (steps + accepted) // 2, "predicted_ms": ms / 2, "draft_n": steps * drafts // 2,
-            "draft_n_accepted": accepted // 2}
+    half = {
+        "predicted_n": (steps + accepted) // 2,
+        "predicted_ms": ms / 2,
+        "draft_n": steps * drafts // 2,
+        "draft_n_accepted": accepted // 2,
+    }
     return [half, dict(half)]  # two requests
 
 
 def test_draft_advice_recovers_the_drafter_and_picks_the_best_count():
     from mtp.interop.llamacpp_profile import advice_line, advise
+
     t = {1: 0.060, 2: 0.070, 4: 0.080, 8: 0.120}
     pass_time = CostModel(t).pass_time  # the one t(q) reading: interpolated, extrapolated by the linear fit
     assert pass_time(3) == pytest.approx(0.075) and pass_time(0.5) == 0.060
@@ -356,7 +392,7 @@ def test_draft_advice_recovers_the_drafter_and_picks_the_best_count():
     adv = advise(t, synthetic_timings(t, 0.7, 3, 0.004))
     assert adv["acceptance"] == pytest.approx(0.7, abs=1e-3) and adv["draft_s"] == pytest.approx(0.004, rel=1e-3)
     # the advised count is the argmax of (1 + a + ... + a^n) / (t(n+1) + n t_draft), computed here by hand
-    by_hand = {n: sum(0.7 ** d for d in range(n + 1)) / (pass_time(n + 1) + n * 0.004) for n in range(8)}
+    by_hand = {n: sum(0.7**d for d in range(n + 1)) / (pass_time(n + 1) + n * 0.004) for n in range(8)}
     best = max(by_hand, key=by_hand.get)
     assert adv["n_max"] == best and best not in (0, 7)
     assert adv["speedup"] == pytest.approx(by_hand[best] * 0.060, rel=1e-3)
@@ -372,6 +408,7 @@ def test_draft_advice_recovers_the_drafter_and_picks_the_best_count():
 
 def test_llama_bench_needs_the_build(monkeypatch):
     from mtp.interop import llamacpp_profile
+
     monkeypatch.setattr(llamacpp_env, "missing", lambda: "llama.cpp is not built here (make llamacpp)")
     with pytest.raises(ValueError, match="make llamacpp"):
         llamacpp_profile.measure("target.gguf")
@@ -379,6 +416,7 @@ def test_llama_bench_needs_the_build(monkeypatch):
 
 def test_server_command_carries_the_advised_draft_settings():
     from mtp.interop.llamacpp_export import server_command
+
     cmd = server_command("t.gguf", "d.gguf", draft_tokens=2, draft_p_min=0.3)
     assert cmd[cmd.index("--spec-draft-n-max") + 1] == "2" and cmd[cmd.index("--spec-draft-p-min") + 1] == "0.3"
     assert "--spec-draft-p-min" not in server_command("t.gguf", "d.gguf")

@@ -5,6 +5,7 @@ Round trip: `mtp export --format llamacpp` of the shipped drafter, its GGUF meta
 pre-type), and a drafter fusing non-default layers keeps them. Then `llama-server` with the exported
 drafter: the same greedy tokens as plain `llama-server` on the same target, and drafts accepted.
 The export converts the 135M target once per outtype (~20 s); each server start takes a few seconds."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,9 +21,14 @@ from mtp.interop import llamacpp_env
 from mtp.interop.llamacpp_server import LlamaServer
 from mtp.training.eagle3_train import init_drafter
 
-pytestmark = [pytest.mark.llamacpp, pytest.mark.slow,
-              pytest.mark.skipif(llamacpp_env.missing() is not None or llamacpp_env.converter_python() is None,
-                                 reason="llama.cpp is not built here (make llamacpp)")]
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        llamacpp_env.missing() is not None or llamacpp_env.converter_python() is None,
+        reason="llama.cpp is not built here (make llamacpp)",
+    ),
+]
 
 SHIPPED_DRAFTER = SHIPPED["smollm2-135m"] / "eagle3"
 PROMPTS = ["What is 12 times 7?", "Name three colours.", "Tom has 5 apples and eats 2. How many are left?"]
@@ -66,8 +72,12 @@ def test_non_default_trunk_layers_survive(smollm2, tmp_path):
     d = init_drafter(model, Eagle3Config.for_model(model.config, len(vocab), (3, 10, 20)), vocab, seed=0)
     write_dir_atomic(tmp_path / "d", drafter_files(d, model))
     out = tmp_path / "f16"
-    assert main(["export", "--format", "llamacpp", "--drafter", str(tmp_path / "d"), "--outtype", "f16",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            ["export", "--format", "llamacpp", "--drafter", str(tmp_path / "d"), "--outtype", "f16", "--out", str(out)]
+        )
+        == 0
+    )
     assert list(field(GGUFReader(out / "drafter-f16.gguf"), "eagle3.target_layers")) == [3, 10, 20]
 
 
@@ -86,5 +96,6 @@ def test_llama_server_with_the_exported_drafter_keeps_greedy_output(smollm2, exp
 
 def test_llama_bench_gives_t_of_q(export_f32):
     from mtp.interop import llamacpp_profile
+
     t = llamacpp_profile.measure(export_f32 / "target-f32.gguf", qs=(1, 4), depth=16, repeats=1)
     assert set(t) == {1, 4} and all(0 < v < 10 for v in t.values())

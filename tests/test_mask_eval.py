@@ -1,5 +1,6 @@
 """Held-out acceptance of a mask adapter on text (`mtp.training.mask_eval`): exact on texts built
 from the adapter's own mask proposals."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,11 +36,13 @@ def test_tokens_per_pass_counts_the_leading_run_of_mask_proposals():
     def other(t):  # a different ordinary token
         return next(x for x in range(2, 90) if x not in (t, mask))
 
-    texts = [Example(prompt, [9, m1, m2, m3, 10]),  # every mask proposal right: 1 + 3
-             Example(prompt, [9, m1, m2, other(m3), 10]),  # the third wrong: 1 + 2
-             Example(prompt, [9, m1, other(m2), m3, 10]),  # the second wrong stops the run: 1 + 1
-             Example(prompt, [9, other(m1), m2, m3, 10]),  # the first wrong: 1 + 0
-             Example(prompt, [9, 10])]  # no span fits
+    texts = [
+        Example(prompt, [9, m1, m2, m3, 10]),  # every mask proposal right: 1 + 3
+        Example(prompt, [9, m1, m2, other(m3), 10]),  # the third wrong: 1 + 2
+        Example(prompt, [9, m1, other(m2), m3, 10]),  # the second wrong stops the run: 1 + 1
+        Example(prompt, [9, other(m1), m2, m3, 10]),  # the first wrong: 1 + 0
+        Example(prompt, [9, 10]),
+    ]  # no span fits
     got = tokens_per_pass(model, texts, k=4, stride=100, batch_size=2)
     assert got == [4.0, 3.0, 2.0, 1.0, None]
     with pytest.raises(ValueError):

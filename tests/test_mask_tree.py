@@ -4,6 +4,7 @@ group that followed the accepted node, no group -> no drafts, EOS and max_new_to
 path), every group's logits equal to a separate plain pass, and real tiny models (deep and sibling paths
 accepted, the committed KV a fresh prefill's, EOS inside a path, the pipeline's stages) equal to `ntp`.
 Greedy, sampled, `tree:auto` and ragged-batch equality live in tests/test_tree.py's parametrized tests."""
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,11 @@ def wrong(p: int) -> int:
 
 
 # a mask group's guesses by depth, for the token at position q: the top-1 at depth 1 is wrong, the truth second
-GUESSES = [lambda q: [(wrong(q), 0.6), (TARGET[q], 0.35)],
-           lambda q: [(TARGET[q], 0.9), (wrong(q), 0.05)],
-           lambda q: [(TARGET[q], 0.9), (wrong(q), 0.05)]]
+GUESSES = [
+    lambda q: [(wrong(q), 0.6), (TARGET[q], 0.35)],
+    lambda q: [(TARGET[q], 0.9), (wrong(q), 0.05)],
+    lambda q: [(TARGET[q], 0.9), (wrong(q), 0.05)],
+]
 
 
 class TreeStub(LogitStub):
@@ -45,8 +48,17 @@ class TreeStub(LogitStub):
     the anchor holds the true token, GARBAGE after a wrong one: drafts read from any other group than
     the one after the accepted node would differ."""
 
-    def __call__(self, tokens, positions, cache=None, slots=None, out_index=None, return_hidden=False,
-                 attn_mask=None, cache_positions=None):
+    def __call__(
+        self,
+        tokens,
+        positions,
+        cache=None,
+        slots=None,
+        out_index=None,
+        return_hidden=False,
+        attn_mask=None,
+        cache_positions=None,
+    ):
         B, T = self.record(tokens, positions)
         logits = torch.full((B, T, V), -30.0)
         for b in range(B):
@@ -61,15 +73,20 @@ class TreeStub(LogitStub):
                 pa = int(positions[b, anchor])
                 assert p == pa + 1 + depth, "a mask's RoPE position must follow its anchor's"
                 on_path = int(tokens[b, anchor]) == TARGET[pa]
-                for tok, prob in (GUESSES[depth](pa + 2 + depth) if on_path else [(GARBAGE, 0.9)]):
+                for tok, prob in GUESSES[depth](pa + 2 + depth) if on_path else [(GARBAGE, 0.9)]:
                     logits[b, t, tok] = math.log(prob)
         return logits.gather(1, out_index.unsqueeze(-1).expand(-1, -1, V))
 
 
 def run_tree_stub(strategy="tree:4", max_new=13, eos=(), branch=True, inspect=None):
     stub = TreeStub()
-    seq = Sequence(TARGET[:5], Strategy.parse(strategy), SamplingParams(max_new_tokens=max_new),
-                   MaskProposer(branch), eos_ids=tuple(eos))
+    seq = Sequence(
+        TARGET[:5],
+        Strategy.parse(strategy),
+        SamplingParams(max_new_tokens=max_new),
+        MaskProposer(branch),
+        eos_ids=tuple(eos),
+    )
     cache = KVCache(1, 1, 1, 64, 1)
     with torch.inference_mode():
         while not seq.finished:
@@ -148,14 +165,16 @@ def test_tree_mask_groups_equal_separate_passes(packed):
     over the prefix and that row's root path: nodes as if their path were the text, each group's masks
     as if they followed their anchor."""
     from test_pipeline import mtp_tiny
+
     model = mtp_tiny(2)
     if packed:
         from mtp.core.model import pack_weights
+
         pack_weights(model)
     mid = model.config.mask_token_id
     prompt, pending = [5, 9, 2, 7, 1], [3]
     seq = Sequence(prompt, Strategy.parse("tree:4"), SamplingParams(), MaskProposer())
-    seq.pending, seq.drafts = pending, Guesses([8, 4, 6, 2], [.3, .6, .5, .1], None, [-1, -1, 1, 0])
+    seq.pending, seq.drafts = pending, Guesses([8, 4, 6, 2], [0.3, 0.6, 0.5, 0.1], None, [-1, -1, 1, 0])
     g, anchors, P, D = seq.group_size(), seq.mask_anchors(), 1, 4
     assert g == 3 and anchors == [-1, 1, 2, 0, 3]
     cache = KVCache.for_model(model, 1, 64)
@@ -169,13 +188,14 @@ def test_tree_mask_groups_equal_separate_passes(packed):
 
         def path(j):  # node j's root path as tokens
             return [seq.drafts.tokens[a] for a in tree.ancestors(seq.drafts.parents, j)] if j >= 0 else []
+
         for j in range(-1, D):  # the root's row and every node's
             ref = model(torch.tensor([prompt + pending + path(j)]))[0, -1]
             torch.testing.assert_close(got[P + j], ref, rtol=1e-4, atol=1e-4)
         for q, a in enumerate(anchors):
             ref = model(torch.tensor([prompt + pending + path(a) + [mid] * g]))[0, -g:]
             first = P + D + g * q
-            torch.testing.assert_close(got[first:first + g], ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got[first : first + g], ref, rtol=1e-4, atol=1e-4)
 
 
 def record_paths(monkeypatch) -> list[list[int]]:
@@ -186,6 +206,7 @@ def record_paths(monkeypatch) -> list[list[int]]:
         out = real(*a, **k)
         paths.append(out[0])
         return out
+
     monkeypatch.setattr(tree, "accept", accept)
     return paths
 
@@ -240,7 +261,7 @@ def test_small_model_eos_and_max_new_tokens_inside_an_accepted_path_equal_ntp(n)
     assert got.output == ref.output == free.output[:i] and got.finish_reason == "stop"
     ref = generate(model, prompt, "ntp", SamplingParams(max_new_tokens=i + 1))
     got = generate(model, prompt, f"tree:{n}", SamplingParams(max_new_tokens=i + 1), MaskProposer())
-    assert got.output == ref.output == free.output[:i + 1] and got.finish_reason == "length"
+    assert got.output == ref.output == free.output[: i + 1] and got.finish_reason == "length"
 
 
 def test_tree_auto_prices_the_mask_groups():
@@ -256,6 +277,7 @@ def test_mask_trees_through_the_pipeline_match_one_process_and_every_stages_cach
     """3 stages: mask trees (greedy and sampled) give the single process's tokens and chunks, and
     after a tree run whose paths move every stage's cache holds a fresh prefill's keys and values."""
     from test_pipeline import PROMPT, _stage, mtp_tiny
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -267,10 +289,16 @@ def test_mask_trees_through_the_pipeline_match_one_process_and_every_stages_cach
         ref_model = mtp_tiny(1, n_layers=3, vocab_size=SMALL_V)
         mid = ref_model.config.mask_token_id
         for (strategy, _, temperature, seed), res in zip(jobs, got):
-            ref = generate(ref_model, PROMPT, strategy, SamplingParams(max_new_tokens=12, temperature=temperature,
-                                                                       seed=seed), MaskProposer(), mid)
+            ref = generate(
+                ref_model,
+                PROMPT,
+                strategy,
+                SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed),
+                MaskProposer(),
+                mid,
+            )
             assert res["output"] == ref.output and res["chunks"] == ref.stats.chunks, strategy
-        assert any(c > 1 for r in got[:len(jobs)] for c in r["chunks"])
+        assert any(c > 1 for r in got[: len(jobs)] for c in r["chunks"])
         ref = generate(ref_model, PROMPT, "tree:8", SamplingParams(max_new_tokens=20), MaskProposer(), mid)
         assert max(ref.stats.chunks) >= 3  # the checked run accepted paths of 2+ nodes
         assert_stage_caches_equal_prefill(ref_model, got[-1]["committed"], tmp_path, 3)

@@ -1,5 +1,6 @@
 """Our model against transformers' own implementation of each architecture, the mask token, and
 weight loading (HF directory, GGUF conversion)."""
+
 from __future__ import annotations
 
 import json
@@ -13,15 +14,32 @@ from mtp.core.model import add_mask_token
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+COMMON = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0)),
-    "llama3-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {
-        ("rope_parameters" if int(transformers.__version__.split(".")[0]) >= 5 else "rope_scaling"): {
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32, "rope_theta": 500000.0}}),
+    "llama3-rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            ("rope_parameters" if int(transformers.__version__.split(".")[0]) >= 5 else "rope_scaling"): {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 500000.0,
+            }
+        },
+    ),
     "smollm-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
@@ -52,6 +70,7 @@ def test_logits_match_transformers(arch, tmp_path):
 
 def test_cached_decoding_matches_full_forward(tiny):
     from mtp.core.cache import KVCache
+
     tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
     full = tiny(tokens)
     cache = KVCache.for_model(tiny, 1, 32)
@@ -123,6 +142,7 @@ def test_smollm2_gguf_matches_transformers_gguf_loader(smollm2):
 
 def test_packed_weights_match_plain_and_fall_back_after_a_change(tiny):
     from mtp.core.model import can_pack, pack_weights, unpack_weights
+
     if not can_pack(tiny):
         pytest.skip("this torch build has no oneDNN")
     tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -147,13 +167,15 @@ def test_packed_weights_match_plain_and_fall_back_after_a_change(tiny):
 def test_packed_weights_off_the_main_thread_only_for_several_rows(tiny, monkeypatch):
     import threading
     from mtp.core.model import can_pack, pack_weights
+
     if not can_pack(tiny):
         pytest.skip("this torch build has no oneDNN")
     pack_weights(tiny)
     calls = []
     real = torch._C._nn.mkldnn_linear
-    monkeypatch.setattr(torch._C._nn, "mkldnn_linear",
-                        lambda *a: calls.append(threading.current_thread().name) or real(*a))
+    monkeypatch.setattr(
+        torch._C._nn, "mkldnn_linear", lambda *a: calls.append(threading.current_thread().name) or real(*a)
+    )
     gen = torch.Generator().manual_seed(4)
     one, eight = torch.randint(0, 97, (1, 1), generator=gen), torch.randint(0, 97, (2, 4), generator=gen)
     out = {}

@@ -2,6 +2,7 @@
 row non-finite: `verify` (branched and single-group masks) still emits exactly plain greedy's tokens; a
 NaN in the LoRA weights makes ordinary positions non-finite too: decoding stops with one line instead of
 emitting garbage."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """The shipped assets (mtp/assets: adapter, heads, drafter, datastore, evaluation hashes) are never an
 output: every command that writes refuses an output path inside them (symlinks followed) in one line,
 before any work, and the shipped files stay byte for byte as they were (issue 47, D2)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -17,8 +18,10 @@ SHIPPED = ASSETS / "smollm2-135m"
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every entry under `root` (hidden ones too): a file's sha256, a folder's marker."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
 
 
 @pytest.fixture
@@ -71,8 +74,18 @@ def test_a_link_into_the_assets_is_followed(tmp_path, capsys, monkeypatch):
     (tmp_path / "link").symlink_to(fake / "m")
     (tmp_path / "examples.jsonl").write_text('{"prompt_ids": [1, 2], "response_ids": [3, 4]}\n')
     before = snapshot(fake)
-    code = main(["datastore", "build", "--data", str(tmp_path / "examples.jsonl"), "--model", "/nowhere",
-                 "--out", str(tmp_path / "link" / "datastore")])
+    code = main(
+        [
+            "datastore",
+            "build",
+            "--data",
+            str(tmp_path / "examples.jsonl"),
+            "--model",
+            "/nowhere",
+            "--out",
+            str(tmp_path / "link" / "datastore"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "shipped assets" in err and str(fake / "m" / "datastore") in err, err
     assert snapshot(fake) == before

@@ -1,6 +1,7 @@
 """Pipeline-parallel decoding (mtp.pipeline.stages): the same tokens as one process for every strategy,
 every stage's KV cache consistent after rollbacks, the link delay paid on every message, and a
 dead or hung stage failing the run cleanly within the timeout. Stages are real processes on gloo."""
+
 from __future__ import annotations
 
 import json
@@ -44,6 +45,7 @@ def mtp_tiny(seed: int = 0, **cfg) -> Transformer:
     """A tiny model with the mask token and gated LoRA adapters whose B factors are random, so the
     adapter gate (mask positions) changes the numbers and has to travel between the stages."""
     from mtp.core.adapter import add_adapters
+
     model = tiny_model(seed, **cfg)
     add_adapters(model, rank=4, mode="gated")
     g = torch.Generator().manual_seed(seed + 1)
@@ -58,8 +60,11 @@ def _run_batch(model, mask_id) -> list[list[int]]:
     """Three sequences in one batch, in cache rows 1, 0 and 2, different prompt lengths (ragged blocks),
     one with branched mask groups (its own attention layout) beside plainly causal rows."""
     cache = KVCache.for_model(model, 3, 64)
-    seqs = [_job(model, "verify:3", "lookup", 0.0, None), _job(model, "static:2", "mask", 0.0, None),
-            _job(model, "verify:4", "mask", 0.0, None)]
+    seqs = [
+        _job(model, "verify:3", "lookup", 0.0, None),
+        _job(model, "static:2", "mask", 0.0, None),
+        _job(model, "verify:4", "mask", 0.0, None),
+    ]
     seqs[0].slot, seqs[1].slot, seqs[2].slot, seqs[1].pending = 1, 0, 2, PROMPT[:7]
     seqs[1].prompt_ids = PROMPT[:7]
     with torch.inference_mode():
@@ -78,12 +83,15 @@ def _proposer(model, name):
     `stub`: a tree from an oracle of the greedy answer whose accepted path is off the diagonal."""
     if name == "stub":
         from test_tree import StubTree
-        truth = generate(model, PROMPT, "ntp", SamplingParams(max_new_tokens=40), make_proposer("mask"),
-                         model.config.mask_token_id).output
+
+        truth = generate(
+            model, PROMPT, "ntp", SamplingParams(max_new_tokens=40), make_proposer("mask"), model.config.mask_token_id
+        ).output
         return StubTree(truth, len(PROMPT))
     if name != "heads":
         return make_proposer(name)
     from mtp.core.proposers import heads as H
+
     base = model.model if isinstance(model, PipelineModel) else model
     torch.manual_seed(0)
     heads = H.MTPHeads(H.HeadsConfig.for_model(base.config, 3)).eval().requires_grad_(False)
@@ -114,6 +122,7 @@ def _run_jobs(pipe, jobs, outdir, check=("verify:3", "mask")):
 
 def _save_cache(cache, outdir, rank):
     from safetensors.torch import save_file
+
     save_file({"k": cache.k.contiguous(), "v": cache.v.contiguous()}, os.path.join(outdir, f"cache{rank}.safetensors"))
 
 
@@ -155,11 +164,13 @@ def _fault_stage(rank, world, model, outdir, sig):
                 with open(os.path.join(outdir, "fault_t"), "w") as f:
                     f.write(repr(time.time()))
                 os.kill(pid, sig)
+
     run_stage(rank, world, model, cfg, fn)
     return 0
 
 
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def one_thread():
@@ -191,11 +202,17 @@ def test_pipeline_matches_single_process(tmp_path, one_thread):
     got = json.loads((tmp_path / "stage0.json").read_text())
     mask_id = model.config.mask_token_id
     for (strategy, proposer, temperature, seed), res in zip(JOBS, got):
-        ref = generate(model, PROMPT, strategy, SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed),
-                       _proposer(model, proposer), mask_id)
+        ref = generate(
+            model,
+            PROMPT,
+            strategy,
+            SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed),
+            _proposer(model, proposer),
+            mask_id,
+        )
         assert res["output"] == ref.output, strategy
         assert res["chunks"] == ref.stats.chunks, strategy
-    assert any(c > 1 for r in got[:len(JOBS)] for c in r["chunks"])  # proposals were really used
+    assert any(c > 1 for r in got[: len(JOBS)] for c in r["chunks"])  # proposals were really used
     # the batch job, single process
     assert got[len(JOBS)]["batch"] == _run_batch(model, mask_id)
     # stage 0 holds a slice, but heads or a datastore made for the whole model still load there
@@ -211,7 +228,7 @@ def _rejections(model, strategy, proposer, max_new):
         while not seq.finished:
             drafts = list(seq.drafts.tokens)
             emitted = decode_step(model, cache, [seq], model.config.mask_token_id)[0]
-            n += bool(drafts) and emitted[:len(drafts)] != drafts
+            n += bool(drafts) and emitted[: len(drafts)] != drafts
     return n
 
 
@@ -219,8 +236,11 @@ def _moves(model, strategy, proposer, max_new, monkeypatch):
     """How many passes of the single-process run moved a tree's accepted path off the diagonal."""
     moved = []
     real = KVCache.compact
-    monkeypatch.setattr(KVCache, "compact", lambda self, row, start, src: (
-        moved.append(src != list(range(len(src)))), real(self, row, start, src))[1])
+    monkeypatch.setattr(
+        KVCache,
+        "compact",
+        lambda self, row, start, src: (moved.append(src != list(range(len(src)))), real(self, row, start, src))[1],
+    )
     seq = _job(model, strategy, proposer, 0.0, None, max_new=max_new)
     with torch.inference_mode():
         for _ in stream(model, seq, model.config.mask_token_id):
@@ -248,6 +268,7 @@ def assert_stage_caches_equal_prefill(ref_model, committed: list[int], folder, w
     """Every stage's saved cache (`cache{rank}.safetensors` in `folder`) holds, over the committed
     positions, what one fresh prefill of `committed` writes for that stage's layers."""
     from safetensors.torch import load_file
+
     L = len(committed)
     ref_cache = KVCache.for_model(ref_model, 1, 64)
     with torch.inference_mode():
@@ -255,7 +276,7 @@ def assert_stage_caches_equal_prefill(ref_model, committed: list[int], folder, w
     for rank, r in enumerate(layer_ranges(ref_model.config.n_layers, world)):
         got = load_file(str(folder / f"cache{rank}.safetensors"))
         for name in ("k", "v"):
-            want = getattr(ref_cache, name)[r.start:r.stop, 0, :, :L]
+            want = getattr(ref_cache, name)[r.start : r.stop, 0, :, :L]
             torch.testing.assert_close(got[name][:, 0, :, :L], want, atol=1e-4, rtol=1e-4)
 
 
@@ -317,8 +338,23 @@ def test_smollm2_two_stages_match_generate(smollm2, capfd):
     """The real model over 2 stages, through the command: the same tokens as `Engine.generate`."""
     prompt = "What is 12 + 30?"
     ref = smollm2.generate(prompt, "ntp", SamplingParams(max_new_tokens=8))  # verify is lossless
-    rc = cli_main(["pipeline", "--stages", "2", prompt, "--adapter", "none", "--proposer", "lookup",
-                   "--strategy", "verify:3", "--max-new-tokens", "8", "--json"])
+    rc = cli_main(
+        [
+            "pipeline",
+            "--stages",
+            "2",
+            prompt,
+            "--adapter",
+            "none",
+            "--proposer",
+            "lookup",
+            "--strategy",
+            "verify:3",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ]
+    )
     out = capfd.readouterr().out
     assert rc == 0, out
     got = json.loads(out.strip().splitlines()[-1])

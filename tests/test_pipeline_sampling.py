@@ -7,6 +7,7 @@ The model: a tiny word-level model whose layers barely touch the residual stream
 down_proj scaled by 0.02), so its next token is mostly a function of the current one, with a sharper
 head: sampled text falls into short cycles that prompt lookup drafts, and rejection sampling then
 both accepts and rejects drafts (a random tiny model never accepts a sampled draft)."""
+
 from __future__ import annotations
 
 import json
@@ -39,6 +40,7 @@ def cycling_model(tmp_path_factory):
 
     from mtp.core.loading import save_hf_dir
     from test_data import WORDS
+
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
@@ -54,8 +56,23 @@ def cycling_model(tmp_path_factory):
 
 
 def flags(model, strategy, seed):
-    return [PROMPT, "--model", str(model), "--adapter", "none", "--proposer", "lookup", "--strategy", strategy,
-            *SAMPLING, "--seed", seed, "--threads", "1", "--json"]
+    return [
+        PROMPT,
+        "--model",
+        str(model),
+        "--adapter",
+        "none",
+        "--proposer",
+        "lookup",
+        "--strategy",
+        strategy,
+        *SAMPLING,
+        "--seed",
+        seed,
+        "--threads",
+        "1",
+        "--json",
+    ]
 
 
 def generate_json(model, strategy, seed, capture) -> dict:
@@ -72,6 +89,7 @@ def _stage(rank, world, model, outfile):
     from mtp.cli.options import engine_config, sampling_params
     from mtp.cli.pipeline import config_from_args
     from mtp.pipeline.stages import run_stage
+
     torch.set_num_threads(1)
     parsed = [build_parser().parse_args(["pipeline", *flags(model, s, seed)]) for s, seed in JOBS]
     engine = Engine.load(engine_config(parsed[0]))
@@ -113,9 +131,16 @@ def test_mtp_pipeline_command_samples_like_generate(cycling_model, capfd):
     assert got["token_ids"] == ref["token_ids"] and got["chunks"] == ref["chunks"] and got["stages"] == 2
 
 
-@pytest.mark.parametrize("bad, words", [(["--temperature", "nan"], "temperature"), (["--seed", "-1"], "seed"),
-                                        (["--top-p", "0"], "top_p"), (["--top-k", "-3"], "top_k"),
-                                        (["--temperature", "3"], "temperature")])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (["--temperature", "nan"], "temperature"),
+        (["--seed", "-1"], "seed"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-k", "-3"], "top_k"),
+        (["--temperature", "3"], "temperature"),
+    ],
+)
 def test_bad_sampling_flags_are_one_line_before_any_stage(cycling_model, capfd, bad, words):
     code = cli_main(["pipeline", "--stages", "2", *flags(cycling_model, "tree:5", "11"), *bad])
     out, err = capfd.readouterr()

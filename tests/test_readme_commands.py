@@ -17,6 +17,7 @@ What is changed, and why:
 - `mtp serve` lines are not served: the command runs up to its model load (every flag and file it names,
   e.g. tune's deploy.json, checked by the command's own pre-load checks) and stops there.
 Lines of other programs (`make`, `curl`, `torchrun`, `python benchmarks/...`) are not run."""
+
 from __future__ import annotations
 
 import json
@@ -41,16 +42,43 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]  # every page whose commands run here
 # the pages the README's user manual hands each command and topic to
-PAGES = ("generate-and-strategies", "training", "data", "bench", "serve", "tune-and-rollout", "pipeline",
-         "export", "design")
+PAGES = (
+    "generate-and-strategies",
+    "training",
+    "data",
+    "bench",
+    "serve",
+    "tune-and-rollout",
+    "pipeline",
+    "export",
+    "design",
+)
 TRAINERS = ("train", "train-heads", "train-eagle3")
 INLINE = ("datastore",)  # commands the docs give only inline (`mtp datastore build ...`), run too
 # small values for the sizes the docs give (a flag missing from a command is left out)
-SMALL = {"--batch-size": "2", "--limit": "4", "--threads": "1", "--save-every": "1", "--seq-len": "64",
-         "--k-max": "4", "--spans": "2", "--draft-vocab": "16", "--self-written": "3", "--stages": "2"}
+SMALL = {
+    "--batch-size": "2",
+    "--limit": "4",
+    "--threads": "1",
+    "--save-every": "1",
+    "--seq-len": "64",
+    "--k-max": "4",
+    "--spans": "2",
+    "--draft-vocab": "16",
+    "--self-written": "3",
+    "--stages": "2",
+}
 # and flags added to the commands that have them (short answers, few tuning probes and repeats)
-ADDED = {"--max-new-tokens": "6", "--probe": "2", "--measure": "2", "--calibrate": "2",
-         "--measure-rows": "1", "--profile-repeats": "1", "--profile-cache-len": "32", "--repeats": "1"}
+ADDED = {
+    "--max-new-tokens": "6",
+    "--probe": "2",
+    "--measure": "2",
+    "--calibrate": "2",
+    "--measure-rows": "1",
+    "--profile-repeats": "1",
+    "--profile-cache-len": "32",
+    "--repeats": "1",
+}
 EXTERNAL_BASELINES = ("llamacpp", "vllm")  # peers that need their own build (see the docstring)
 
 
@@ -70,8 +98,11 @@ def shown_blocks(page: Path) -> list[list[list[str]]]:
     text = page.read_text(encoding="utf-8")
     out = []
     for body in re.findall(r"^```(?:bash)?\n(.*?)^```", text, flags=re.M | re.S):
-        lines = [line for line in re.sub(r"\\\n", " ", body).splitlines()  # (other lines are not split)
-                 if is_mtp(line.split()) or line.startswith("cp ")]
+        lines = [
+            line
+            for line in re.sub(r"\\\n", " ", body).splitlines()  # (other lines are not split)
+            if is_mtp(line.split()) or line.startswith("cp ")
+        ]
         cmds = [a for a in (shlex.split(line, comments=True) for line in lines) if runs_here(a)]
         if any(is_mtp(a) for a in cmds):
             out.append(cmds)
@@ -132,6 +163,7 @@ def make_inputs(args: list[str]) -> None:
     """The data files a command reads, where no earlier line of its block wrote them: tiny prompts (GSM8K
     style, or `prompt` lines for a `prompts:` file), or token ids (`--examples`, and the datastore's
     `--data`)."""
+
     def token_ids(p):
         write_jsonl(p, [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(6)])
 
@@ -158,8 +190,12 @@ def check_outputs(args: list[str], stdout: str) -> None:
     out = Path(args[args.index("--out") + 1]) if "--out" in args else None
     if command in (*TRAINERS, "export"):
         names = {p.name for p in out.iterdir()}
-        weights = {"train": "adapter.safetensors", "train-heads": "heads.safetensors",
-                   "train-eagle3": "model.safetensors", "export": "model.safetensors"}[command]
+        weights = {
+            "train": "adapter.safetensors",
+            "train-heads": "heads.safetensors",
+            "train-eagle3": "model.safetensors",
+            "export": "model.safetensors",
+        }[command]
         assert {"config.json", weights} <= names, (args, names)
         if command == "train":
             state = json.loads((out / "trainer_state.json").read_text())
@@ -239,21 +275,42 @@ def shipped(model, tmp_path_factory):
     """What the tiny model ships, as the default model does (`Engine` resolves `auto` from it): an MTP
     adapter (its mask token), heads and a suffix datastore."""
     root = tmp_path_factory.mktemp("shipped")
-    ids = write_jsonl(root / "examples.jsonl", [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}
-                                                for e in examples(6)])
+    ids = write_jsonl(
+        root / "examples.jsonl", [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(6)]
+    )
     common = ["--examples", str(ids), "--model", str(model), "--steps", "2", "--batch-size", "2", "--threads", "1"]
     with pytest.MonkeyPatch.context() as m:
         m.setenv("MTP_CACHE_DIR", str(root / "cache"))
-        assert main(["train", *common, "--k-max", "4", "--spans", "2", "--seq-len", "64", "--out", str(root / "run"),
-                     "--export", str(root / "adapter")]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    *common,
+                    "--k-max",
+                    "4",
+                    "--spans",
+                    "2",
+                    "--seq-len",
+                    "64",
+                    "--out",
+                    str(root / "run"),
+                    "--export",
+                    str(root / "adapter"),
+                ]
+            )
+            == 0
+        )
         assert main(["train-heads", *common, "--draft-vocab", "16", "--out", str(root / "heads")]) == 0
-        assert main(["datastore", "build", "--data", str(ids), "--model", str(model), "--out",
-                     str(root / "datastore")]) == 0
+        assert (
+            main(["datastore", "build", "--data", str(ids), "--model", str(model), "--out", str(root / "datastore")])
+            == 0
+        )
     return root
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"{page}: " + " | ".join(f"{Path(a[0]).name} {a[1]}" for a in b)
-                                            for page, b in SHOWN])
+@pytest.mark.parametrize(
+    "block", BLOCKS, ids=[f"{page}: " + " | ".join(f"{Path(a[0]).name} {a[1]}" for a in b) for page, b in SHOWN]
+)
 def test_readme_block_runs(block, model, shipped, tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)  # the docs' relative paths (data/..., runs/..., my-heads) land here
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
@@ -289,12 +346,20 @@ def test_the_limits_table_states_the_strategy_limits_the_parser_enforces():
     largest values, each accepted by `Strategy.parse` and the next one refused (the row once said 32 for
     both; `tree:32` is refused)."""
     from mtp.core.strategy import Strategy, StrategyError
-    row = next(line for page in DOCS for line in page.read_text().splitlines()
-               if line.strip().startswith("| K of a strategy"))
+
+    row = next(
+        line for page in DOCS for line in page.read_text().splitlines() if line.strip().startswith("| K of a strategy")
+    )
     k_max, n_max = (int(x) for x in re.search(r"\|\s*(\d+) / (\d+) \(every front end\)", row).groups())
     assert "N of `tree:N`" in row
-    for text, largest in ((f"verify:{k_max}", True), (f"static:{k_max}", True), (f"conf_adapt:0.9:{k_max}", True),
-                          (f"tree:{n_max}", True), (f"verify:{k_max + 1}", False), (f"tree:{n_max + 1}", False)):
+    for text, largest in (
+        (f"verify:{k_max}", True),
+        (f"static:{k_max}", True),
+        (f"conf_adapt:0.9:{k_max}", True),
+        (f"tree:{n_max}", True),
+        (f"verify:{k_max + 1}", False),
+        (f"tree:{n_max + 1}", False),
+    ):
         if largest:
             Strategy.parse(text)
         else:

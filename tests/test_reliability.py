@@ -1,5 +1,6 @@
 """The defects a hostile and a careless user found (CLI, files, training): each test reproduces one
 (numbered as in the report) and checks the fix: a one-line error, exit 2, nothing lost."""
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,9 @@ TRAIN_ARGS = ["--steps", "1", "--batch-size", "2", "--k-max", "3", "--spans", "1
 def test_1_train_refuses_a_user_folder(word_model, tmp_path, capsys, flag):
     d = user_folder(tmp_path)
     out = ["--out", str(d)] if flag == "--out" else ["--out", str(tmp_path / "run"), "--export", str(d)]
-    code, _, err = run_cli(["train", "--model", str(word_model), "--examples", str(examples_file(tmp_path)),
-                            *TRAIN_ARGS, *out], capsys)
+    code, _, err = run_cli(
+        ["train", "--model", str(word_model), "--examples", str(examples_file(tmp_path)), *TRAIN_ARGS, *out], capsys
+    )
     one_line_error(code, err, str(d), "refusing to overwrite")
     assert untouched(d) and not (tmp_path / "run").exists()
 
@@ -73,8 +75,22 @@ def test_1_train_refuses_a_user_folder(word_model, tmp_path, capsys, flag):
 def test_1_train_heads_refuses_a_user_folder(word_model, tmp_path, capsys):
     d = user_folder(tmp_path)
     data = write_jsonl(tmp_path / "train.jsonl", [{"question": "w1 w2", "answer": "w3 w4"}] * 3)
-    code, _, err = run_cli(["train-heads", "--model", str(word_model), "--data", str(data), "--out", str(d),
-                            "--steps", "1", "--limit", "3"], capsys)
+    code, _, err = run_cli(
+        [
+            "train-heads",
+            "--model",
+            str(word_model),
+            "--data",
+            str(data),
+            "--out",
+            str(d),
+            "--steps",
+            "1",
+            "--limit",
+            "3",
+        ],
+        capsys,
+    )
     one_line_error(code, err, "refusing to overwrite")
     assert untouched(d)
 
@@ -82,8 +98,19 @@ def test_1_train_heads_refuses_a_user_folder(word_model, tmp_path, capsys):
 def test_1_an_existing_file_is_refused_and_kept(word_model, tmp_path, capsys):
     report = tmp_path / "report.txt"
     report.write_text("mine")
-    code, _, err = run_cli(["train", "--model", str(word_model), "--examples", str(examples_file(tmp_path)),
-                            *TRAIN_ARGS, "--out", str(report)], capsys)
+    code, _, err = run_cli(
+        [
+            "train",
+            "--model",
+            str(word_model),
+            "--examples",
+            str(examples_file(tmp_path)),
+            *TRAIN_ARGS,
+            "--out",
+            str(report),
+        ],
+        capsys,
+    )
     one_line_error(code, err, "is not a directory")
     assert report.read_text() == "mine" and not (tmp_path / ".report.txt.old").exists()
 
@@ -107,8 +134,9 @@ def test_5_k_is_capped_before_loading(capsys):
     one_line_error(code, err, "K is at most 32")
     code, _, err = run_cli(["generate", "hi", "--model", "/nowhere", "--strategy", "verify:999"], capsys)
     one_line_error(code, err, "K is at most 32")
-    code, _, err = run_cli(["bench", "--model", "/nowhere", "--data", "prompts:/nowhere",
-                            "--strategies", "static:1..8000"], capsys)
+    code, _, err = run_cli(
+        ["bench", "--model", "/nowhere", "--data", "prompts:/nowhere", "--strategies", "static:1..8000"], capsys
+    )
     one_line_error(code, err, "1..32")
     assert time.perf_counter() - t0 < 5
 
@@ -116,8 +144,9 @@ def test_5_k_is_capped_before_loading(capsys):
 # ---- 6. pipeline stages checked against the layers before any stage starts --------------------------
 def test_6_pipeline_checks_stages_first(word_model, capsys):
     t0 = time.perf_counter()
-    code, _, err = run_cli(["pipeline", "--stages", "3", "w1 w2", "--model", str(word_model), "--adapter", "none"],
-                           capsys)
+    code, _, err = run_cli(
+        ["pipeline", "--stages", "3", "w1 w2", "--model", str(word_model), "--adapter", "none"], capsys
+    )
     one_line_error(code, err, "between 1 and the model's 2 layers")
     assert time.perf_counter() - t0 < 5  # no stage was spawned (each would load the model)
 
@@ -125,6 +154,7 @@ def test_6_pipeline_checks_stages_first(word_model, capsys):
 # ---- 7. corrupt safetensors: one line naming the file ----------------------------------------------
 def test_7_truncated_model_weights(word_model, tmp_path, capsys):
     import shutil
+
     bad = tmp_path / "bad"
     shutil.copytree(word_model, bad)
     w = bad / "model.safetensors"
@@ -142,6 +172,7 @@ def test_7_truncated_adapter_and_heads(tmp_path):
     with pytest.raises(ValueError, match="adapter.safetensors: not a readable safetensors file"):
         load_adapter(tiny_model(0), tmp_path / "a")
     from mtp.core.proposers import heads as N
+
     heads = N.MTPHeads(N.HeadsConfig.for_model(tiny_model(0).config, 2))
     write_dir_atomic(tmp_path / "h", N.heads_files(heads, tiny_model(0)))
     h = tmp_path / "h" / "heads.safetensors"
@@ -151,15 +182,19 @@ def test_7_truncated_adapter_and_heads(tmp_path):
 
 
 # ---- 8. bad config.json values: validated, naming file and field ----------------------------------
-@pytest.mark.parametrize("change, words", [
-    (lambda c: [c], ["must be a JSON object"]),
-    (lambda c: {**c, "hidden_size": 0}, ["'hidden_size'", "positive integer"]),
-    (lambda c: {**c, "num_hidden_layers": "two"}, ["'num_hidden_layers'", "positive integer"]),
-    (lambda c: {k: v for k, v in c.items() if k != "num_attention_heads"}, ["missing field 'num_attention_heads'"]),
-    (None, ["not a valid JSON"]),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda c: [c], ["must be a JSON object"]),
+        (lambda c: {**c, "hidden_size": 0}, ["'hidden_size'", "positive integer"]),
+        (lambda c: {**c, "num_hidden_layers": "two"}, ["'num_hidden_layers'", "positive integer"]),
+        (lambda c: {k: v for k, v in c.items() if k != "num_attention_heads"}, ["missing field 'num_attention_heads'"]),
+        (None, ["not a valid JSON"]),
+    ],
+)
 def test_8_bad_config_values(word_model, tmp_path, capsys, change, words):
     import shutil
+
     bad = tmp_path / "bad"
     shutil.copytree(word_model, bad)
     cfg = bad / "config.json"
@@ -171,8 +206,18 @@ def test_8_bad_config_values(word_model, tmp_path, capsys, change, words):
 # ---- 9. non-UTF-8 input ----------------------------------------------------------------------------
 def test_9_non_utf8_prompt_argv_and_stdin(word_model, tmp_path):
     env = {**os.environ, "MTP_CACHE_DIR": str(tmp_path / "cache")}
-    base = [sys.executable, "-m", "mtp.cli", "generate", "--model", str(word_model), "--adapter", "none",
-            "--max-new-tokens", "2"]
+    base = [
+        sys.executable,
+        "-m",
+        "mtp.cli",
+        "generate",
+        "--model",
+        str(word_model),
+        "--adapter",
+        "none",
+        "--max-new-tokens",
+        "2",
+    ]
     r = subprocess.run(base, input=b"Say \xff", capture_output=True, env=env, timeout=120)
     err = r.stderr.decode()
     assert r.returncode == 2 and err.count("\n") == 1 and "not valid UTF-8" in err, err
@@ -182,17 +227,24 @@ def test_9_non_utf8_prompt_argv_and_stdin(word_model, tmp_path):
 
 
 # ---- 10 / 11 / 17. sampling and engine flags: finite, in range, checked before loading ------------
-@pytest.mark.parametrize("args, words", [
-    (["--temperature", "nan"], ["temperature must be a number in [0, 2]"]),
-    (["--temperature", "inf"], ["temperature"]),
-    (["--temperature", "2.5"], ["temperature"]),
-    (["--top-p", "nan"], ["top_p"]),
-    (["--seed", str(2 ** 64)], ["seed must be in"]),
-    (["--threads", "-1"], ["--threads must be >= 0"]),
-    (["--device", "bogus"], ["--device 'bogus'"]),
-    (["--device", "cuda:7"] if torch.cuda.is_available() and torch.cuda.device_count() < 8 else ["--device", "cuda"],
-     ["CUDA"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--temperature", "nan"], ["temperature must be a number in [0, 2]"]),
+        (["--temperature", "inf"], ["temperature"]),
+        (["--temperature", "2.5"], ["temperature"]),
+        (["--top-p", "nan"], ["top_p"]),
+        (["--seed", str(2**64)], ["seed must be in"]),
+        (["--threads", "-1"], ["--threads must be >= 0"]),
+        (["--device", "bogus"], ["--device 'bogus'"]),
+        (
+            ["--device", "cuda:7"]
+            if torch.cuda.is_available() and torch.cuda.device_count() < 8
+            else ["--device", "cuda"],
+            ["CUDA"],
+        ),
+    ],
+)
 def test_10_11_17_flags_checked_before_the_model_loads(capsys, args, words):
     code, _, err = run_cli(["generate", "hi", "--model", "/nowhere", *args], capsys)  # a model load would fail
     one_line_error(code, err, *words)
@@ -200,10 +252,14 @@ def test_10_11_17_flags_checked_before_the_model_loads(capsys, args, words):
 
 # ---- 12. out-of-vocabulary ids in --examples -------------------------------------------------------
 def test_12_examples_with_out_of_vocabulary_ids(word_model, tmp_path, capsys):
-    path = write_jsonl(tmp_path / "examples.jsonl", [{"prompt_ids": [1, 2], "response_ids": [3, 4, 5]},
-                                                     {"prompt_ids": [1, 2], "response_ids": [3, 4000, 5]}])
-    code, _, err = run_cli(["train", "--model", str(word_model), "--examples", str(path), *TRAIN_ARGS,
-                            "--out", str(tmp_path / "run")], capsys)
+    path = write_jsonl(
+        tmp_path / "examples.jsonl",
+        [{"prompt_ids": [1, 2], "response_ids": [3, 4, 5]}, {"prompt_ids": [1, 2], "response_ids": [3, 4000, 5]}],
+    )
+    code, _, err = run_cli(
+        ["train", "--model", str(word_model), "--examples", str(path), *TRAIN_ARGS, "--out", str(tmp_path / "run")],
+        capsys,
+    )
     one_line_error(code, err, "examples.jsonl line 2", "token id 4000")
     assert not (tmp_path / "run").exists()
 
@@ -237,11 +293,13 @@ def test_13_mask_id_must_follow_the_tokenizer(tmp_path):
 # ---- 16. temp folders of interrupted saves are cleaned ----------------------------------------------
 def test_16_stale_temp_folders_are_removed_on_the_next_save_and_resume(tmp_path):
     exs = [__import__("mtp.training.data", fromlist=["Example"]).Example([1, 2, 3], [4, 5, 6, 7, 8])] * 4
-    cfg = dict(out=str(tmp_path / "run"), steps=2, batch_size=2, k_max=3, spans=1, seq_len=32, save_every=1,
-               log_every=1)
+    cfg = dict(
+        out=str(tmp_path / "run"), steps=2, batch_size=2, k_max=3, spans=1, seq_len=32, save_every=1, log_every=1
+    )
     import json
     import subprocess
     from mtp.core import artifacts
+
     dead = subprocess.Popen(["true"])
     dead.wait()  # a process id that no longer runs: the save that made the folder was killed
 
@@ -266,6 +324,7 @@ def test_16_stale_temp_folders_are_removed_on_the_next_save_and_resume(tmp_path)
 # ---- 18. the demo speaks while it works, and its table fits 80 columns -----------------------------
 def test_18_demo_progress_and_width(word_model, capsys):
     from mtp.cli import demo
+
     assert demo.main(["--model", str(word_model), "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()

@@ -3,6 +3,7 @@ character-level model of test_serve: a bad tuned configuration (`static:8`, whos
 guesses change the output) falls back within one window, a lossless one (`verify:4`) ramps up to
 every request, and no request is dropped or answered twice across a switch; the deploy file and
 rollout flags refuse bad input in one line."""
+
 from __future__ import annotations
 
 import json
@@ -20,10 +21,16 @@ from mtp.core.strategy import Strategy  # noqa: E402
 from mtp.serving.rollout import FALLBACK, TUNED, Rollout, bucket  # noqa: E402
 
 
-def make_deploy(tuned: str, fallback: str = "verify:4", tolerance: float = 0.0, metric: str = "exact",
-                **kw) -> D.Deploy:
-    return D.Deploy(tuned=D.Arm(Strategy.parse(tuned), "mask"), fallback=D.Arm(Strategy.parse(fallback), "mask"),
-                    tolerance=tolerance, metric=metric, **kw)
+def make_deploy(
+    tuned: str, fallback: str = "verify:4", tolerance: float = 0.0, metric: str = "exact", **kw
+) -> D.Deploy:
+    return D.Deploy(
+        tuned=D.Arm(Strategy.parse(tuned), "mask"),
+        fallback=D.Arm(Strategy.parse(fallback), "mask"),
+        tolerance=tolerance,
+        metric=metric,
+        **kw,
+    )
 
 
 def wait_for(cond, timeout=60.0):
@@ -59,6 +66,7 @@ def serve_all(app, log, n_shadow_expected=None):
 def arm_log(monkeypatch):
     """Record the arm of every request the server admits (in admission order)."""
     from mtp.serving import state as S
+
     original = S.ServerState.new_request
 
     def new_request(self, body, ids, max_tokens):
@@ -72,8 +80,15 @@ def arm_log(monkeypatch):
 def test_bad_configuration_falls_back_within_one_window(engine, tmp_path, arm_log):
     log = tmp_path / "shadow.jsonl"
     window = 4
-    app = make_app(engine, shadow_rate=1.0, shadow_log=str(log), deploy=make_deploy("static:8"), rollout=0.5,
-                   rollout_window=window, adaptive=False)
+    app = make_app(
+        engine,
+        shadow_rate=1.0,
+        shadow_log=str(log),
+        deploy=make_deploy("static:8"),
+        rollout=0.5,
+        rollout_window=window,
+        adaptive=False,
+    )
     app.state.mtp.rollout_arms = []
     texts, health, metrics = serve_all(app, log)
     arms = app.state.mtp.rollout_arms
@@ -86,7 +101,7 @@ def test_bad_configuration_falls_back_within_one_window(engine, tmp_path, arm_lo
     assert recs and recs[0]["arm"] == TUNED and recs[0]["loss"]["exact"] == 1.0
     assert len(recs) <= window
     first_bad = tuned_idx[0]
-    assert all(a == FALLBACK for a in arms[first_bad + 1:])
+    assert all(a == FALLBACK for a in arms[first_bad + 1 :])
     assert health["rollout"]["state"] == "fallback" and health["rollout"]["fallbacks"] == 1
     assert "mtp_rollout_fallbacks_total 1.0" in metrics
     assert 'mtp_rollout_state{state="fallback"} 1.0' in metrics and "mtp_rollout_fraction 0.0" in metrics
@@ -98,8 +113,16 @@ def test_bad_configuration_falls_back_within_one_window(engine, tmp_path, arm_lo
 
 def test_good_configuration_ramps_to_every_request(engine, tmp_path, arm_log):
     log = tmp_path / "shadow.jsonl"
-    app = make_app(engine, shadow_rate=1.0, shadow_log=str(log), deploy=make_deploy("verify:4", "ntp"),
-                   rollout=0.25, rollout_step=0.25, rollout_window=2, adaptive=False)
+    app = make_app(
+        engine,
+        shadow_rate=1.0,
+        shadow_log=str(log),
+        deploy=make_deploy("verify:4", "ntp"),
+        rollout=0.25,
+        rollout_step=0.25,
+        rollout_window=2,
+        adaptive=False,
+    )
     app.state.mtp.rollout_arms = []
     texts, health, metrics = serve_all(app, log)
     arms = app.state.mtp.rollout_arms
@@ -107,7 +130,7 @@ def test_good_configuration_ramps_to_every_request(engine, tmp_path, arm_log):
     assert health["rollout"]["state"] == "full" and health["rollout"]["fraction"] == 1.0
     assert health["rollout"]["ramps"] == 3 and health["rollout"]["fallbacks"] == 0
     last_fallback = max(i for i, a in enumerate(arms) if a == FALLBACK)
-    assert all(a == TUNED for a in arms[last_fallback + 1:]) and arms[-1] == TUNED
+    assert all(a == TUNED for a in arms[last_fallback + 1 :]) and arms[-1] == TUNED
     recs = [json.loads(x) for x in log.read_text().splitlines()]
     assert all(r["exact_match"] and r["loss"]["exact"] == 0.0 for r in recs)  # lossless
     assert "mtp_rollout_fraction 1.0" in metrics and "mtp_rollout_ramps_total 3.0" in metrics
@@ -119,12 +142,14 @@ def test_requests_naming_a_strategy_keep_it_within_the_caps(engine, tmp_path):
     deploy = make_deploy("conf_adapt:0.9:4", caps={"max_k": 4, "min_tau": 0.9})
     app = make_app(engine, shadow_rate=1.0, shadow_log=str(tmp_path / "s.jsonl"), deploy=deploy)
     with TestClient(app) as c:
-        ok = c.post("/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 8,
-                                             "mtp": {"strategy": "verify:8"}})
+        ok = c.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 8, "mtp": {"strategy": "verify:8"}}
+        )
         assert ok.status_code == 200  # lossless: no cap
         for s, word in (("static:8", "K <= 4"), ("conf_adapt:0.5:4", "tau >= 0.9")):
-            r = c.post("/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 8,
-                                                "mtp": {"strategy": s}})
+            r = c.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 8, "mtp": {"strategy": s}}
+            )
             assert r.status_code == 400 and word in r.json()["error"]["message"]
 
 
@@ -142,22 +167,26 @@ def test_rollout_window_arithmetic():
 # ---- bad input: one line, before any model loads ----------------------------------------------------
 def run_cli(argv):
     from mtp.cli import main
+
     return main(argv)
 
 
 def test_deploy_file_refusals(tmp_path, capsys):
     good = tmp_path / "deploy.json"
-    D.write(make_deploy("conf_adapt:0.9:4", tolerance=0.02, metric="answer", hashes={"model": "0123456789abcdef"}),
-            good)
+    D.write(
+        make_deploy("conf_adapt:0.9:4", tolerance=0.02, metric="answer", hashes={"model": "0123456789abcdef"}), good
+    )
     back = D.read(good)
     assert str(back.tuned) == "conf_adapt:0.9:4@mask" and back.tolerance == 0.02
     text = good.read_text()
-    cases = {"truncated": (text[: len(text) // 2], "truncated"),
-             "other": (json.dumps({"format": "something"}), "not an mtp deploy file"),
-             "tolerance": (text.replace('"tolerance": 0.02', '"tolerance": 1.5'), "must be a number in [0, 1]"),
-             "metric": (text.replace('"metric": "answer"', '"metric": "bleu"'), "unknown metric"),
-             "lossy-fallback": (text.replace('"strategy": "verify:4"', '"strategy": "static:4"'), "must be lossless"),
-             "strategy": (text.replace('"conf_adapt:0.9:4"', '"warp:9"'), "malformed strategy")}
+    cases = {
+        "truncated": (text[: len(text) // 2], "truncated"),
+        "other": (json.dumps({"format": "something"}), "not an mtp deploy file"),
+        "tolerance": (text.replace('"tolerance": 0.02', '"tolerance": 1.5'), "must be a number in [0, 1]"),
+        "metric": (text.replace('"metric": "answer"', '"metric": "bleu"'), "unknown metric"),
+        "lossy-fallback": (text.replace('"strategy": "verify:4"', '"strategy": "static:4"'), "must be lossless"),
+        "strategy": (text.replace('"conf_adapt:0.9:4"', '"warp:9"'), "malformed strategy"),
+    }
     for name, (body, words) in cases.items():
         p = tmp_path / f"{name}.json"
         p.write_text(body)
@@ -166,10 +195,12 @@ def test_deploy_file_refusals(tmp_path, capsys):
         assert run_cli(["serve", "--deploy", str(p)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words.split()[0] in err
-    for flags, words in ((["--rollout", "1.5"], "--rollout must be in [0, 1]"),
-                         (["--rollout", "-0.1"], "--rollout must be in [0, 1]"),
-                         (["--rollout-step", "2"], "--rollout-step must be in [0, 1]"),
-                         (["--rollout", "0.5", "--shadow-rate", "0"], "needs --shadow-rate > 0")):
+    for flags, words in (
+        (["--rollout", "1.5"], "--rollout must be in [0, 1]"),
+        (["--rollout", "-0.1"], "--rollout must be in [0, 1]"),
+        (["--rollout-step", "2"], "--rollout-step must be in [0, 1]"),
+        (["--rollout", "0.5", "--shadow-rate", "0"], "needs --shadow-rate > 0"),
+    ):
         assert run_cli(["serve", "--deploy", str(good), *flags]) == 2
         assert words in capsys.readouterr().err
     assert run_cli(["serve", "--rollout", "0.5"]) == 2

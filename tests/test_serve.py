@@ -2,6 +2,7 @@
 (the official `openai` client, streaming and not), outputs identical to `mtp generate` under
 concurrent mixed strategies, queueing, disconnects, every bad input, the API key, SIGTERM, shadow
 mode and the adaptive K policy."""
+
 from __future__ import annotations
 
 import asyncio
@@ -86,8 +87,9 @@ def slow_engine(engine, delay=0.02):
 
 
 def make_app(engine, pass_time=None, **kw):
-    sched = SchedulerConfig(**{k: kw.pop(k) for k in list(kw) if k in ("max_batch", "max_model_len",
-                                                                        "max_cache_tokens", "adaptive")})
+    sched = SchedulerConfig(
+        **{k: kw.pop(k) for k in list(kw) if k in ("max_batch", "max_model_len", "max_cache_tokens", "adaptive")}
+    )
     kw.setdefault("model_name", "tiny")
     return create_app(engine, ServeConfig(scheduler=sched, **kw), pass_time)
 
@@ -103,6 +105,7 @@ class LiveServer:
 
     def __init__(self, app):
         import uvicorn
+
         self.app, self.port = app, free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
@@ -139,27 +142,45 @@ def test_openai_client_round_trip(engine):
         c = client_for(srv)
         assert [m.id for m in c.models.list().data] == ["tiny"]
         ref = reference(engine, "Hello", "static:2", 20, chat=False)
-        r = c.completions.create(model="tiny", prompt="Hello", max_tokens=20, temperature=0,
-                                 extra_body={"mtp": {"strategy": "static:2"}})
+        r = c.completions.create(
+            model="tiny", prompt="Hello", max_tokens=20, temperature=0, extra_body={"mtp": {"strategy": "static:2"}}
+        )
         assert r.choices[0].text == ref.text
         assert r.choices[0].finish_reason == ref.finish_reason
         assert r.usage.completion_tokens == len(ref.token_ids)
         assert r.usage.prompt_tokens == ref.prompt_tokens
         assert r.model_extra["mtp"]["tokens_per_forward"] == pytest.approx(ref.summary["tokens_per_forward"], abs=1e-3)
 
-        parts = list(c.completions.create(model="tiny", prompt="Hello", max_tokens=20, temperature=0, stream=True,
-                                          extra_body={"mtp": {"strategy": "static:2"}}))
+        parts = list(
+            c.completions.create(
+                model="tiny",
+                prompt="Hello",
+                max_tokens=20,
+                temperature=0,
+                stream=True,
+                extra_body={"mtp": {"strategy": "static:2"}},
+            )
+        )
         assert "".join(p.choices[0].text for p in parts) == ref.text
         assert parts[-1].choices[0].finish_reason == ref.finish_reason
 
         ref = reference(engine, "Hi there", "verify:3", 30, chat=True)
         msgs = [{"role": "user", "content": "Hi there"}]
-        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=0,
-                                      extra_body={"mtp": {"strategy": "verify:3"}})
+        r = c.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=30, temperature=0, extra_body={"mtp": {"strategy": "verify:3"}}
+        )
         assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
-        parts = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=0,
-                                               stream=True, stream_options={"include_usage": True},
-                                               extra_body={"mtp": {"strategy": "verify:3"}}))
+        parts = list(
+            c.chat.completions.create(
+                model="tiny",
+                messages=msgs,
+                max_tokens=30,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"mtp": {"strategy": "verify:3"}},
+            )
+        )
         assert parts[0].choices[0].delta.role == "assistant"
         assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == ref.text
         assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == ref.finish_reason
@@ -168,8 +189,11 @@ def test_openai_client_round_trip(engine):
 
 def test_sse_wire_format(engine):
     with LiveServer(make_app(engine)) as srv:
-        with httpx.stream("POST", srv.url + "/v1/completions",
-                          json={"model": "tiny", "prompt": "abc", "max_tokens": 8, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            srv.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "abc", "max_tokens": 8, "stream": True},
+        ) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             lines = [ln for ln in r.iter_lines() if ln]
     assert all(ln.startswith("data: ") for ln in lines)
@@ -184,8 +208,14 @@ def test_stop_strings_streamed_and_not(engine, stop):
     ref = reference(engine, "Tell me", "static:3", 60, chat=True, stop=[stop])
     with LiveServer(make_app(engine)) as srv:
         c = client_for(srv)
-        kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell me"}], max_tokens=60, temperature=0,
-                  stop=[stop], extra_body={"mtp": {"strategy": "static:3"}})
+        kw = dict(
+            model="tiny",
+            messages=[{"role": "user", "content": "Tell me"}],
+            max_tokens=60,
+            temperature=0,
+            stop=[stop],
+            extra_body={"mtp": {"strategy": "static:3"}},
+        )
         full = c.chat.completions.create(**kw).choices[0].message.content
         streamed = "".join(p.choices[0].delta.content or "" for p in c.chat.completions.create(stream=True, **kw))
     assert full == streamed == ref.text
@@ -193,9 +223,15 @@ def test_stop_strings_streamed_and_not(engine, stop):
 
 
 # ---- continuous batching ------------------------------------------------------------------------
-JOBS = [("Hello", "ntp", 40), ("What is 2+2?", "verify:3", 53), ("abc def", "static:2", 66),
-        ("The quick brown fox", "conf_adapt:0.6", 79), ("x", "static:3", 30), ("Tell me a story", "verify:2", 90),
-        ("Once upon", "conf_adapt:0.9:4", 45)]
+JOBS = [
+    ("Hello", "ntp", 40),
+    ("What is 2+2?", "verify:3", 53),
+    ("abc def", "static:2", 66),
+    ("The quick brown fox", "conf_adapt:0.6", 79),
+    ("x", "static:3", 30),
+    ("Tell me a story", "verify:2", 90),
+    ("Once upon", "conf_adapt:0.9:4", 45),
+]
 
 
 def ask_all(srv, jobs):
@@ -204,8 +240,13 @@ def ask_all(srv, jobs):
 
     def ask(job):
         p, s, n = job
-        return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=n,
-                                         temperature=0, extra_body={"mtp": {"strategy": s}})
+        return c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": p}],
+            max_tokens=n,
+            temperature=0,
+            extra_body={"mtp": {"strategy": s}},
+        )
 
     with ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(ask, jobs))
@@ -230,8 +271,13 @@ def test_concurrent_mixed_strategies_equal_generate(engine, adaptive):
         assert out.usage.completion_tokens == len(ref.token_ids)
 
 
-TREE_JOBS = [("abcabcabcabc", "tree:8", 60), ("la la la la la", "tree:4", 50), ("Hello", "verify:3", 40),
-             ("xyxyxyxy xyxy", "tree:16", 70), ("The quick brown fox", "ntp", 30)]
+TREE_JOBS = [
+    ("abcabcabcabc", "tree:8", 60),
+    ("la la la la la", "tree:4", 50),
+    ("Hello", "verify:3", 40),
+    ("xyxyxyxy xyxy", "tree:16", 70),
+    ("The quick brown fox", "ntp", 30),
+]
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -241,8 +287,9 @@ def test_concurrent_trees_equal_ntp(tiny_dir, adaptive):
     kept); every output is ntp's."""
     lookup = Engine.load(EngineConfig(model=str(tiny_dir), adapter="none", proposer="lookup"))
     refs = [reference(lookup, p, "ntp", n, chat=True) for p, _, n in TREE_JOBS]
-    app = make_app(lookup, pass_time=(lambda q: 0.01 * (1 + q / 8)) if adaptive else None, max_batch=3,
-                   max_model_len=200)
+    app = make_app(
+        lookup, pass_time=(lambda q: 0.01 * (1 + q / 8)) if adaptive else None, max_batch=3, max_model_len=200
+    )
     with LiveServer(app) as srv:
         outs = ask_all(srv, TREE_JOBS)
         policy = app.state.mtp.scheduler.policy
@@ -258,8 +305,11 @@ def test_concurrent_trees_equal_ntp(tiny_dir, adaptive):
 def test_opted_out_requests_are_never_capped(engine):
     """`"mtp": {"adaptive": false}`: a steep cost model caps the other rows to K=1, but the opted-out
     lossy rows keep their K and emit exactly what `mtp generate` does."""
-    jobs = [("The quick brown fox", "conf_adapt:0.6", 40, False), ("x", "static:3", 30, False),
-            ("Tell me a story", "verify:2", 40, True)]
+    jobs = [
+        ("The quick brown fox", "conf_adapt:0.6", 40, False),
+        ("x", "static:3", 30, False),
+        ("Tell me a story", "verify:2", 40, True),
+    ]
     refs = [reference(engine, p, s, n, chat=True) for p, s, n, _ in jobs]
     app = make_app(engine, pass_time=lambda q: float(q), max_batch=3, max_model_len=200)
     with LiveServer(app) as srv:
@@ -267,8 +317,13 @@ def test_opted_out_requests_are_never_capped(engine):
 
         def ask(job):
             p, s, n, adaptive = job
-            return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=n,
-                                             temperature=0, extra_body={"mtp": {"strategy": s, "adaptive": adaptive}})
+            return c.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": p}],
+                max_tokens=n,
+                temperature=0,
+                extra_body={"mtp": {"strategy": s, "adaptive": adaptive}},
+            )
 
         with ThreadPoolExecutor(len(jobs)) as pool:
             outs = list(pool.map(ask, jobs))
@@ -283,6 +338,7 @@ def test_newcomers_are_prefilled_together_within_the_token_budget(engine, monkey
     from types import SimpleNamespace
     import mtp.serving.scheduler as S
     from mtp.core.batching import prefill_group
+
     monkeypatch.setattr(S, "PREFILL_TOKENS", 100)
     seqs = [SimpleNamespace(pending=[0] * n) for n in (30, 20, 40, 10, 90)]
     assert prefill_group(seqs, S.PREFILL_TOKENS) == seqs[:2]  # a third would pad 3 rows to 40: 120 > 100
@@ -298,7 +354,9 @@ def test_newcomers_are_prefilled_together_within_the_token_budget(engine, monkey
 
 def scheduled(engine, jobs, **cfg):
     """Run (prompt, strategy, max_tokens) jobs through a Scheduler directly; return the Requests."""
-    sched = Scheduler(engine.model, engine.mask_id, SchedulerConfig(**cfg.pop("config", {})), cfg.pop("pass_time", None))
+    sched = Scheduler(
+        engine.model, engine.mask_id, SchedulerConfig(**cfg.pop("config", {})), cfg.pop("pass_time", None)
+    )
     reqs = [Request(engine.new_sequence(engine.encode(p), s, SamplingParams(max_new_tokens=n))) for p, s, n in jobs]
     for r in reqs:
         sched.submit(r)
@@ -321,7 +379,9 @@ def test_queue_waits_when_budget_is_full(engine):
 
 
 def test_request_over_budget_is_refused(engine):
-    sched = Scheduler(engine.model, engine.mask_id, SchedulerConfig(max_batch=2, max_model_len=100, max_cache_tokens=20))
+    sched = Scheduler(
+        engine.model, engine.mask_id, SchedulerConfig(max_batch=2, max_model_len=100, max_cache_tokens=20)
+    )
     with pytest.raises(ValueError, match="max-cache-tokens"):
         sched.submit(Request(engine.new_sequence(engine.encode("Hello"), "ntp", SamplingParams(max_new_tokens=50))))
 
@@ -330,8 +390,11 @@ def test_disconnect_frees_the_row(engine):
     app = make_app(slow_engine(engine), max_batch=1, max_model_len=250)
     state = app.state.mtp
     with LiveServer(app) as srv:
-        with httpx.stream("POST", srv.url + "/v1/completions",
-                          json={"model": "tiny", "prompt": "abc", "max_tokens": 200, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            srv.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "abc", "max_tokens": 200, "stream": True},
+        ) as r:
             next(r.iter_lines())  # one event, then hang up
         for _ in range(200):
             if state.scheduler.running == 0:
@@ -341,7 +404,9 @@ def test_disconnect_frees_the_row(engine):
         assert state.metrics.value("mtp_requests_total", endpoint="completions", status="cancelled") == 1
         assert state.metrics.value("mtp_generation_tokens_total") < 200
         # the single row is free again: the next request is served
-        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 5}, timeout=30)
+        r = httpx.post(
+            srv.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 5}, timeout=30
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
@@ -355,29 +420,51 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "invalid_request_error", "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10_000}, "invalid_request_error", "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": LONG}, "invalid_request_error", "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": "hot"}, "invalid_request_error", "temperature"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "temperature": "hot"},
+        "invalid_request_error",
+        "temperature",
+    ),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 3.0}, "invalid_request_error", "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": "yes"}, "invalid_request_error", "stream"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, "invalid_request_error", "n"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "fast"}}, "invalid_request_error",
-     "mtp.strategy"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "static:0"}}, "invalid_request_error",
-     "mtp.strategy"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "static:999"}}, "invalid_request_error",
-     "mtp.strategy"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "fast"}},
+        "invalid_request_error",
+        "mtp.strategy",
+    ),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "static:0"}},
+        "invalid_request_error",
+        "mtp.strategy",
+    ),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "static:999"}},
+        "invalid_request_error",
+        "mtp.strategy",
+    ),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"strategi": "ntp"}}, "invalid_request_error", "mtp"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "mtp": {"adaptive": "no"}}, "invalid_request_error", "mtp"),
     ("/v1/completions", {"model": "tiny", "prompt": [5, 99999]}, "invalid_request_error", "prompt"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "invalid_request_error", "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "invalid_request_error", "messages"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": LONG}]},
-     "invalid_request_error", "messages"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": LONG}]},
+        "invalid_request_error",
+        "messages",
+    ),
 ]
 
 
 @pytest.mark.parametrize("path,body,etype,param", BAD)
 def test_bad_input_is_400(engine, path, body, etype, param):
     from fastapi.testclient import TestClient
+
     with TestClient(make_app(engine)) as c:
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
         r = c.post(path, headers={"content-type": "application/json"}, **kw)
@@ -388,10 +475,12 @@ def test_bad_input_is_400(engine, path, body, etype, param):
 
 def test_unknown_model_is_404_and_strategy_needing_adapter_is_400(engine):
     from fastapi.testclient import TestClient
+
     no_mask = Engine(engine.loaded, engine.config)
     no_mask.model = SlowModel(engine.model, 0.0)
-    no_mask.model.__dict__["config"] = type(engine.model.config)(**{**engine.model.config.to_dict(),
-                                                                      "mask_token_id": None})
+    no_mask.model.__dict__["config"] = type(engine.model.config)(
+        **{**engine.model.config.to_dict(), "mask_token_id": None}
+    )
     with TestClient(make_app(no_mask)) as c:
         r = c.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -415,18 +504,28 @@ def test_api_key_enforced(engine):
 
 def test_metrics_exposition(engine):
     from fastapi.testclient import TestClient
+
     with TestClient(make_app(engine)) as c:
         for s in ("ntp", "static:2"):
-            assert c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 6,
-                                                   "mtp": {"strategy": s}}).status_code == 200
+            assert (
+                c.post(
+                    "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 6, "mtp": {"strategy": s}}
+                ).status_code
+                == 200
+            )
         c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 0})
         text = c.get("/metrics").text
     from prometheus_client.parser import text_string_to_metric_families
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
     def value(name, **labels):
         return samples[(name, tuple(sorted(labels.items())))]
+
     assert value("mtp_requests_total", endpoint="completions", status="ok") == 2
     assert value("mtp_requests_total", endpoint="completions", status="invalid") == 1
     assert value("mtp_generation_tokens_total") == 12
@@ -462,8 +561,12 @@ def test_sigterm_finishes_running_requests_and_exits_0(tiny_dir, tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.1)
         lines = []
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"model": "tiny", "prompt": "abc", "max_tokens": 60, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=60,
+            json={"model": "tiny", "prompt": "abc", "max_tokens": 60, "stream": True},
+        ) as r:
             it = r.iter_lines()
             lines.append(next(it))
             proc.send_signal(signal.SIGTERM)  # mid-stream: ~60 passes of 20 ms are still to come
@@ -490,11 +593,16 @@ def test_shadow_mode_logs_divergence_and_report(engine, tmp_path, capsys):
     log = tmp_path / "shadow.jsonl"
     app = make_app(engine, shadow_rate=1.0, shadow_log=str(log))
     from fastapi.testclient import TestClient
+
     jobs = [("Hello", "static:3"), ("abc", "verify:3"), ("zz", "ntp")]
     with TestClient(app) as c:
         for p, s in jobs:
-            assert c.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 24,
-                                                   "mtp": {"strategy": s}}).status_code == 200
+            assert (
+                c.post(
+                    "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 24, "mtp": {"strategy": s}}
+                ).status_code
+                == 200
+            )
         for _ in range(400):
             if log.exists() and len(log.read_text().splitlines()) == 2:
                 break
@@ -513,6 +621,7 @@ def test_shadow_mode_logs_divergence_and_report(engine, tmp_path, capsys):
     assert f"mtp_shadow_exact_match_total {sum(r['exact_match'] for r in recs)}" in text
 
     from mtp.cli import main
+
     assert main(["shadow-report", str(log)]) == 0
     out = capsys.readouterr().out
     assert "static:3" in out and "verify:3" in out and "all" in out
@@ -526,8 +635,13 @@ def test_shadow_compare():
     assert shadow.first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert shadow.first_divergence([1, 2], [1, 2, 3]) == 2
     rec = shadow.compare([1, 2], "so #### 1,200", [1, 3], "The answer is 1200.")
-    assert rec == {"exact_match": False, "first_divergence": 1, "answer": "1200", "shadow_answer": "1200",
-                   "answer_agree": True}
+    assert rec == {
+        "exact_match": False,
+        "first_divergence": 1,
+        "answer": "1200",
+        "shadow_answer": "1200",
+        "answer_agree": True,
+    }
     assert shadow.compare([1], "no number", [1], "none")["answer_agree"] is None
     assert shadow.compare([1], "it is 3", [2], "it is 4")["answer_agree"] is False
 
@@ -544,6 +658,7 @@ class FakeSeq:
     def __init__(self, strategy, pending=1, drafts=0, branch=True):
         from mtp.core.proposers import Guesses, MaskProposer
         from mtp.core.strategy import Strategy
+
         self.strategy, self.proposer = Strategy.parse(strategy), MaskProposer(branch)
         self.pending, self.drafts = [0] * pending, Guesses([0] * drafts, [0.0] * drafts)
 
@@ -637,6 +752,7 @@ def test_capped_k_keeps_lossless_outputs(engine):
 
 def test_measured_cost_is_monotone_and_covers_the_batch():
     from mtp.core.costmodel import measured_cost
+
     cost = measured_cost(tiny_model(0), max_batch=4, cache_len=32, repeats=1)
     qs = sorted(cost.points)
     assert {1, 4, 8, 16, 64}.issubset(qs)  # batch-1 blocks and 4 rows x {1, 2, 4}
@@ -707,6 +823,7 @@ class FakeTree:
     def __init__(self, strategy="tree:8", parents=(), confidences=(), name="stub", pending=1):
         from mtp.core.proposers import Guesses, Proposer
         from mtp.core.strategy import Strategy
+
         self.strategy, self.proposer = Strategy.parse(strategy), Proposer()
         self.proposer.name = name
         self.pending = [0] * pending
@@ -726,6 +843,7 @@ KNEE = ([-1, 0, 1, -1, 0, 3, 2, 4], [0.9, 0.8, 0.7, 0.2, 0.1, 0.1, 0.05, 0.05])
 
 def test_tree_policy_prices_nodes_by_confidence():
     from mtp.serving.adaptive import ranked_confidences
+
     assert ranked_confidences(*KNEE) == [0.9, 0.8, 0.7, 0.2, 0.1, 0.1, 0.05, 0.05]
     expected, nodes = AdaptiveK(lambda q: 1.0).tree_expected(FakeTree(parents=KNEE[0], confidences=KNEE[1]))
     assert expected == pytest.approx([1, 1.9, 2.7, 3.4, 3.6, 3.7, 3.8, 3.85, 3.9])
@@ -736,8 +854,9 @@ def test_tree_policy_prices_nodes_by_confidence():
     # t(q) = 1 + 0.3 q, one row: E(n) / (1.3 + 0.3 n): n=2 2.7/1.9 = 1.42, n=3 3.4/2.2 = 1.55, n=4 3.6/2.5 = 1.44
     assert AdaptiveK(lambda q: 1 + 0.3 * q).choose([FakeTree(parents=KNEE[0], confidences=KNEE[1])]) == 4
     # t(q) = q at batch 16: plain 16 tokens / t(16) = 1; one node 16 x 1.9 / t(32) = 0.95; more is worse: plain
-    assert AdaptiveK(lambda q: float(q)).choose([FakeTree(parents=KNEE[0], confidences=KNEE[1])
-                                                 for _ in range(16)]) == 1
+    assert (
+        AdaptiveK(lambda q: float(q)).choose([FakeTree(parents=KNEE[0], confidences=KNEE[1]) for _ in range(16)]) == 1
+    )
 
 
 def test_tree_policy_pads_the_batch_to_its_largest_tree():
@@ -820,6 +939,7 @@ def test_tree_policy_learns_how_much_the_confidences_over_promise():
 
 def test_tree_policy_prices_a_mask_trees_groups():
     from mtp.core.proposers.mask import MaskProposer
+
     stub, mask = FakeTree(parents=KNEE[0], confidences=KNEE[1]), FakeTree(parents=KNEE[0], confidences=KNEE[1])
     mask.proposer = MaskProposer()
     # this pass: 1 pending + 8 nodes + groups of min(8, 3) = 3 masks after the root and 7 nodes (8 groups)
@@ -847,8 +967,11 @@ def test_trim_tree_keeps_the_most_confident_nodes():
 def test_chain_rows_are_priced_as_chains_beside_trees():
     """Chain-only batches never enter the tree pricing, and a chain row priced by it gets the chain price."""
     pol = AdaptiveK(lambda q: 1 + 0.1 * q)
-    for seqs in ([FakeSeq("conf_adapt:0.9:4")], [FakeSeq("verify:4", drafts=3)] * 3,
-                 [FakeSeq("static:3"), FakeSeq("verify:2", branch=False), FakeSeq("ntp")]):
+    for seqs in (
+        [FakeSeq("conf_adapt:0.9:4")],
+        [FakeSeq("verify:4", drafts=3)] * 3,
+        [FakeSeq("static:3"), FakeSeq("verify:2", branch=False), FakeSeq("ntp")],
+    ):
         assert pol._tree_rates(seqs, set(), 4) == pol._chain_rates(seqs, set(), 4)
     pol._tree_rates = None  # the existing chain choices (test_adaptive_policy_choices) do not touch it
     assert pol.choose([FakeSeq("conf_adapt:0.9:4")]) == 3 and pol.choose([FakeSeq("conf_adapt:0.9:4")] * 16) == 1
@@ -859,6 +982,7 @@ def test_trimmed_trees_keep_ntp_outputs(tiny_dir, monkeypatch):
     as rows join and leave the tree budget moves, a row holding more nodes than a new cap keeps its most
     confident ones (`AdaptiveK.trim_tree`), and every output is still ntp's."""
     from mtp.core.costmodel import CostModel
+
     lookup = Engine.load(EngineConfig(model=str(tiny_dir), adapter="none", proposer="lookup"))
     lookup.cost_model = CostModel({1: 0.01, 32: 0.05})  # tree:auto's own pruning, per row
     trims, trim = [], AdaptiveK.trim_tree
@@ -870,8 +994,9 @@ def test_trimmed_trees_keep_ntp_outputs(tiny_dir, monkeypatch):
     monkeypatch.setattr(AdaptiveK, "trim_tree", staticmethod(counted))
     monkeypatch.setattr(AdaptiveK, "observe_time", lambda *a, **kw: None)
     jobs = TREE_JOBS[:1] + [("la la la la la", "tree:auto", 50)] + TREE_JOBS[2:]
-    sched, reqs = scheduled(lookup, jobs, config=dict(max_batch=3, max_model_len=200),
-                            pass_time=lambda q: 0.01 * (1 + q / 8))
+    sched, reqs = scheduled(
+        lookup, jobs, config=dict(max_batch=3, max_model_len=200), pass_time=lambda q: 0.01 * (1 + q / 8)
+    )
     for r, (p, s, n) in zip(reqs, jobs):
         assert r.seq.output == reference(lookup, p, "ntp", n, chat=True).token_ids, s
     assert any(trims) and len([k for k in sched.k_caps if 1 < k < 17]) >= 2  # trimmed; budgets between plain and full

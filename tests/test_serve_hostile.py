@@ -4,6 +4,7 @@ and the message count are bounded (S1), the API key need not be on the command l
 scheme is case-insensitive, hostile JSON is a 400 (T1), requests still running at the end of
 --shutdown-timeout get a 503 / a final error event (T2), impossible KV caches are refused at start-up
 (T7), and /metrics comes from prometheus_client with a registry per app."""
+
 from __future__ import annotations
 
 import json
@@ -31,18 +32,23 @@ def no_tokenising(monkeypatch, app) -> list:
     def refuse(*a, **k):
         calls.append(a)
         raise AssertionError("tokenised a request over a limit")
+
     monkeypatch.setattr(app.state.mtp.engine, "encode", refuse)
     return calls
 
 
 def chat(srv, messages, **kw):
-    return httpx.post(srv.url + "/v1/chat/completions", timeout=30,
-                      json={"model": "tiny", "max_tokens": 2, "messages": messages, **kw})
+    return httpx.post(
+        srv.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "tiny", "max_tokens": 2, "messages": messages, **kw},
+    )
 
 
 def serve_error(capsys, *argv) -> str:
     """`mtp serve ARGV` in this process (as the `mtp` entry point runs it): exit 2, one stderr line."""
     from mtp.cli import main
+
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mtp: error:") and len(err.strip().splitlines()) == 1, err
@@ -82,14 +88,20 @@ def test_s1_message_count_is_bounded(engine, monkeypatch):
     assert not calls
 
 
-@pytest.mark.parametrize("field, value, param", [
-    ("model", "x" * 100_000, "model"), ("stop", ["x" * 100_000], "stop"), ("stop", "x" * 100_000, "stop"),
-    ("mtp", {"strategy": "x" * 100_000}, "mtp"),
-])
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("model", "x" * 100_000, "model"),
+        ("stop", ["x" * 100_000], "stop"),
+        ("stop", "x" * 100_000, "stop"),
+        ("mtp", {"strategy": "x" * 100_000}, "mtp"),
+    ],
+)
 def test_s1_other_strings_are_bounded(engine, field, value, param):
     with LiveServer(make_app(engine)) as srv:
-        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2,
-                                                           field: value})
+        r = httpx.post(
+            srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2, field: value}
+        )
         err = assert_error(r, 400, param)
     assert len(err["message"]) < 200  # never the client's string echoed back
 
@@ -102,6 +114,7 @@ def test_s1_cli_has_a_max_messages_flag(capsys):
 def serve_args(*argv):
     from mtp.cli import build_parser
     from mtp.cli.serve import build_config
+
     return build_config(build_parser().parse_args(["serve", *argv]), 1 << 30)
 
 
@@ -135,11 +148,14 @@ def test_s2_bearer_scheme_is_case_insensitive(engine):
 
 
 # ---- T1: hostile JSON -------------------------------------------------------------------------------
-@pytest.mark.parametrize("body", [
-    '{"model": "tiny", "prompt": "ab", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
-    '{"model": "tiny", "prompt": "ab", "max_tokens": ' + "9" * 5000 + "}",
-    '{"model": "tiny", "prompt": "ab", "max_tokens": ' + "9" * 4000 + "}",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"model": "tiny", "prompt": "ab", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"model": "tiny", "prompt": "ab", "max_tokens": ' + "9" * 5000 + "}",
+        '{"model": "tiny", "prompt": "ab", "max_tokens": ' + "9" * 4000 + "}",
+    ],
+)
 def test_t1_deep_nesting_and_huge_integers_are_400(engine, body):
     with LiveServer(make_app(engine)) as srv:
         r = httpx.post(srv.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -163,8 +179,7 @@ def test_t2_requests_past_the_shutdown_timeout_get_503_and_an_error_event(tiny_d
     port = free_port()
     script = tmp_path / "srv.py"
     script.write_text(SERVER_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tiny_dir), port=port))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url, body = f"http://127.0.0.1:{port}", {"model": "tiny", "prompt": "abc", "max_tokens": 200}
     results, lines = {}, []
     try:
@@ -174,8 +189,9 @@ def test_t2_requests_past_the_shutdown_timeout_get_503_and_an_error_event(tiny_d
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        plain = threading.Thread(target=lambda: results.update(r=httpx.post(url + "/v1/completions", json=body,
-                                                                             timeout=120)))
+        plain = threading.Thread(
+            target=lambda: results.update(r=httpx.post(url + "/v1/completions", json=body, timeout=120))
+        )
         plain.start()
         with httpx.stream("POST", url + "/v1/completions", timeout=120, json={**body, "stream": True}) as r:
             it = r.iter_lines()
@@ -204,6 +220,7 @@ def test_t2_in_process_nothing_in_flight_is_dropped_when_the_timeout_runs_out(en
     a queued chat stream (max batch 1) each get their 503 / final error event; none is cut off."""
     import os
     from mtp.serving.app import serve_app
+
     app = make_app(slow_engine(engine, 0.05), max_batch=1, max_model_len=256)
     state, port = app.state.mtp, free_port()
     url, body = f"http://127.0.0.1:{port}", {"model": "tiny", "max_tokens": 200}
@@ -234,13 +251,17 @@ def test_t2_in_process_nothing_in_flight_is_dropped_when_the_timeout_runs_out(en
                         break
                 except httpx.HTTPError:
                     time.sleep(0.05)
-            clients.append(threading.Thread(target=stream, args=("run", "/v1/completions",
-                                                                 {**body, "prompt": "abc"})))
+            clients.append(threading.Thread(target=stream, args=("run", "/v1/completions", {**body, "prompt": "abc"})))
             clients[-1].start()
             while state.scheduler.running < 1:
                 time.sleep(0.02)
-            clients += [threading.Thread(target=plain), threading.Thread(target=stream, args=(
-                "chat", "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "hi"}]}))]
+            clients += [
+                threading.Thread(target=plain),
+                threading.Thread(
+                    target=stream,
+                    args=("chat", "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "hi"}]}),
+                ),
+            ]
             for t in clients[1:]:
                 t.start()
             while state.scheduler.queue_length < 2:
@@ -270,6 +291,7 @@ def test_t2_shutdown_timeout_must_be_finite_and_not_negative(engine, capsys, val
     scheduler has just answered 503, silently), nan never cancelled and inf crashed the exit: refused
     in one line before the model loads, and by `serve_app` itself."""
     from mtp.serving.app import serve_app
+
     assert "--shutdown-timeout" in serve_error(capsys, "--shutdown-timeout", value, "--model", "/nowhere")
     with pytest.raises(ValueError, match="--shutdown-timeout"):
         serve_app(make_app(engine), "127.0.0.1", free_port(), "warning", float(value))
@@ -277,13 +299,18 @@ def test_t2_shutdown_timeout_must_be_finite_and_not_negative(engine, capsys, val
 
 # ---- T7: KV caches that cannot be allocated are refused before anything loads ---------------------
 def test_t7_huge_max_batch_is_refused_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "mtp.cli", "serve", "--max-batch", "100000", "--model", "/nowhere"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "mtp.cli", "serve", "--max-batch", "100000", "--model", "/nowhere"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--max-batch" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_t7_kv_cache_over_available_memory_is_refused(engine, monkeypatch):
     from mtp.serving import memory
+
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
     with pytest.raises(ValueError, match="KV cache"):
         Scheduler(engine.model, engine.mask_id, SchedulerConfig(max_batch=64, max_model_len=256))
@@ -293,12 +320,15 @@ def test_t7_kv_cache_over_available_memory_is_refused(engine, monkeypatch):
 def test_metrics_use_a_registry_per_app(engine):
     from prometheus_client import CollectorRegistry
     from prometheus_client.parser import text_string_to_metric_families
+
     a, b = make_app(engine), make_app(engine)
     assert isinstance(a.state.mtp.metrics.registry, CollectorRegistry)
     assert a.state.mtp.metrics.registry is not b.state.mtp.metrics.registry
     with LiveServer(a) as srv:
-        assert httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab",
-                                                             "max_tokens": 2}).status_code == 200
+        assert (
+            httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2}).status_code
+            == 200
+        )
         text = httpx.get(srv.url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert families["mtp_requests"].type == "counter"
@@ -309,11 +339,12 @@ def test_metrics_use_a_registry_per_app(engine):
 
 @pytest.mark.parametrize("stop", ['"ab\\ud800"', '["ok", "\\udfff"]'])
 def test_stop_strings_with_lone_surrogates_are_400(engine, stop):
-    body = '{"model": "tiny", "prompt": "ab", "max_tokens": 4, "stop": ' + stop + '}'
+    body = '{"model": "tiny", "prompt": "ab", "max_tokens": 4, "stop": ' + stop + "}"
     with LiveServer(make_app(engine)) as srv:
         r = httpx.post(srv.url + "/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
         err = assert_error(r, 400, "stop")  # refused when the body is read (pydantic): never reaches decoding
         assert "unicode" in err["message"] and "\\ud" not in err["message"]
-        ok = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 4,
-                                                            "stop": ["zz"]})
+        ok = httpx.post(
+            srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 4, "stop": ["zz"]}
+        )
         assert ok.status_code == 200  # the server goes on

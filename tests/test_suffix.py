@@ -1,6 +1,7 @@
 """The suffix proposer (mtp.core.proposers.suffix): matches on a toy corpus by hand, frequency trees,
 greedy `tree:N` and `verify:K` with it identical to plain greedy, and datastores that are refused
 (another model, empty, corrupt, missing)."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,7 @@ import torch
 from conftest import tiny_model
 from mtp.core.decode import generate
 from mtp.core.proposers import DraftRequest, PassView
-from mtp.core.proposers.suffix import (Datastore, SuffixProposer, build_datastore, frequent_tree,
-                                       load_suffix_proposer)
+from mtp.core.proposers.suffix import Datastore, SuffixProposer, build_datastore, frequent_tree, load_suffix_proposer
 from mtp.core.sampling import SamplingParams
 
 CORPUS = [[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [2, 3, 7], [8, 8, 8]]
@@ -85,8 +85,9 @@ def test_a_datastore_of_another_vocabulary_is_refused(tmp_path):
 
 
 def test_merged_proposers_join_their_trees_and_stay_lossless():
-    from mtp.core.proposers import PromptLookupProposer, check_proposer, make_proposer
+    from mtp.core.proposers import PromptLookupProposer, check_proposer
     from mtp.core.proposers.merged import MergedProposer
+
     model = tiny_model(0)
     prompt = [5, 17, 3, 44, 9, 5, 17]
     want = generate(model, prompt, "ntp", params=params()).output
@@ -98,7 +99,11 @@ def test_merged_proposers_join_their_trees_and_stay_lossless():
     assert g.tokens[:2] == [3, 9] and len(g.tokens) == len(set(zip(g.tokens, g.parents)))  # shared prefixes once
     for strategy in ("tree:8", "verify:4"):
         assert generate(model, prompt, strategy, params=params(), proposer=merged).output == want
-    for bad, words in [("heads+nope", "unknown proposer"), ("mask+lookup", "cannot be merged"),
-                       ("lookup+lookup", "each part once"), ("lookup+", "malformed")]:
+    for bad, words in [
+        ("heads+nope", "unknown proposer"),
+        ("mask+lookup", "cannot be merged"),
+        ("lookup+lookup", "each part once"),
+        ("lookup+", "malformed"),
+    ]:
         with pytest.raises(ValueError, match=words):
             check_proposer(bad)

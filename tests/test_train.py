@@ -1,5 +1,6 @@
 """Self-distillation training: the mask layout (exact), the split forward against the one-pass
 layout, the loss variants, bit-for-bit resume, DDP under torchrun, and the `mtp train` CLI."""
+
 from __future__ import annotations
 
 import json
@@ -14,30 +15,46 @@ from safetensors.torch import load_file
 from conftest import tiny_model
 from mtp.core.adapter import add_adapters
 from mtp.training.data import Example
-from mtp.training.distill import (Span, TrainConfig, build_layout, distill_loss, forward_pair, make_batch, train,
-                       batch_indices)
+from mtp.training.distill import (
+    Span,
+    TrainConfig,
+    build_layout,
+    distill_loss,
+    forward_pair,
+    make_batch,
+    train,
+    batch_indices,
+)
 
 
 def examples(n=12, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [Example(torch.randint(2, 90, (4 + i % 3,), generator=g).tolist(),
-                    torch.randint(2, 90, (10 + (7 * i) % 15,), generator=g).tolist()) for i in range(n)]
+    return [
+        Example(
+            torch.randint(2, 90, (4 + i % 3,), generator=g).tolist(),
+            torch.randint(2, 90, (10 + (7 * i) % 15,), generator=g).tolist(),
+        )
+        for i in range(n)
+    ]
 
 
 def test_layout_exact():
     # N=5 ground-truth tokens; span A after p=1 predicting k=3 (2 masks); span B after p=3, k=2 (1 mask)
     pos, attn, rows, depth, span_of, feeds = build_layout(5, [Span(1, 3), Span(3, 2)])
     #                t0 t1 t2 t3 t4 a1 a2 b1
-    want = torch.tensor([
-        [1, 0, 0, 0, 0, 0, 0, 0],  # t0
-        [1, 1, 0, 0, 0, 0, 0, 0],  # t1
-        [1, 1, 1, 0, 0, 0, 0, 0],  # t2
-        [1, 1, 1, 1, 0, 0, 0, 0],  # t3
-        [1, 1, 1, 1, 1, 0, 0, 0],  # t4: ground truth never sees a mask
-        [1, 1, 0, 0, 0, 1, 0, 0],  # a1: prefix t0..t1, itself
-        [1, 1, 0, 0, 0, 1, 1, 0],  # a2: prefix, a1 (causal within its span)
-        [1, 1, 1, 1, 0, 0, 0, 1],  # b1: prefix t0..t3, never span A
-    ], dtype=torch.bool)
+    want = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0, 0],  # t0
+            [1, 1, 0, 0, 0, 0, 0, 0],  # t1
+            [1, 1, 1, 0, 0, 0, 0, 0],  # t2
+            [1, 1, 1, 1, 0, 0, 0, 0],  # t3
+            [1, 1, 1, 1, 1, 0, 0, 0],  # t4: ground truth never sees a mask
+            [1, 1, 0, 0, 0, 1, 0, 0],  # a1: prefix t0..t1, itself
+            [1, 1, 0, 0, 0, 1, 1, 0],  # a2: prefix, a1 (causal within its span)
+            [1, 1, 1, 1, 0, 0, 0, 1],  # b1: prefix t0..t3, never span A
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(attn, want)
     assert pos.tolist() == [0, 1, 2, 3, 4, 2, 3, 4]  # j-th mask after p sits at p + j
     assert rows.tolist() == [1, 5, 6, 3, 7]  # depth 1 is the last prefix token itself
@@ -53,7 +70,7 @@ def test_batch_columns():
     assert b.tokens[0, :5].tolist() == [10, 11, 12, 13, 14] and b.tokens[1, :7].tolist() == [20, 21, 22, 23, 24, 25, 26]
     for i in range(2):
         m = int((b.tokens[i, 7:] == 97).sum())
-        assert m >= 1 and b.attn[i, 7:7 + m, 5 if i == 0 else 7:7].sum() == 0  # masks never see padding
+        assert m >= 1 and b.attn[i, 7 : 7 + m, 5 if i == 0 else 7 : 7].sum() == 0  # masks never see padding
         d1 = b.out_index[i, 0]
         assert b.depth[i, 0] == 1 and int(d1) < 7 and b.positions[i, 7] == d1 + 1
         assert b.gt_target[i, 0] == b.tokens[i, d1 + 1]
@@ -103,12 +120,24 @@ def test_loss_variants_differ():
 def test_hard_teacher_weights_by_proposal_prefix():
     """Depth-1 weight is 1; deeper entries weigh prod P_T(y'_<d): a hand-built example."""
     from mtp.training.distill import Batch
+
     s = torch.log(torch.tensor([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]]]))
-    t = torch.log(torch.tensor([[[0.5, 0.5, 0.0 + 1e-9, 0.0 + 1e-9], [0.1, 0.2, 0.7, 0.0 + 1e-9],
-                                 [0.1, 0.1, 0.1, 0.7]]]))
-    b = Batch(tokens=None, positions=None, attn=None, out_index=None, valid=torch.ones(1, 3, dtype=torch.bool),
-              depth=torch.tensor([[1, 2, 3]]), span_start=torch.zeros(1, 3, dtype=torch.long), feeds=None,
-              gt_target=torch.zeros(1, 3, dtype=torch.long), n_gt=0, n_tokens=0)
+    t = torch.log(
+        torch.tensor([[[0.5, 0.5, 0.0 + 1e-9, 0.0 + 1e-9], [0.1, 0.2, 0.7, 0.0 + 1e-9], [0.1, 0.1, 0.1, 0.7]]])
+    )
+    b = Batch(
+        tokens=None,
+        positions=None,
+        attn=None,
+        out_index=None,
+        valid=torch.ones(1, 3, dtype=torch.bool),
+        depth=torch.tensor([[1, 2, 3]]),
+        span_start=torch.zeros(1, 3, dtype=torch.long),
+        feeds=None,
+        gt_target=torch.zeros(1, 3, dtype=torch.long),
+        n_gt=0,
+        n_tokens=0,
+    )
     proposals = s.argmax(-1)  # [0, 1, 0]
     loss, agree = distill_loss(s, t, b, "hard", proposals)
     logp = torch.log_softmax(s, -1)[0]
@@ -119,8 +148,19 @@ def test_hard_teacher_weights_by_proposal_prefix():
 
 
 def cfg(out, **kw):
-    base = dict(out=str(out), steps=4, batch_size=3, k_max=5, spans=2, seq_len=64, save_every=2, log_every=1,
-                lr=1e-2, warmup=1, seed=3)
+    base = dict(
+        out=str(out),
+        steps=4,
+        batch_size=3,
+        k_max=5,
+        spans=2,
+        seq_len=64,
+        save_every=2,
+        log_every=1,
+        lr=1e-2,
+        warmup=1,
+        seed=3,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -133,6 +173,7 @@ def kill_after(n):
     def on_step(step):
         if step >= n:
             raise Killed
+
     return on_step
 
 
@@ -194,19 +235,48 @@ def test_plain_and_full_modes_train(tmp_path):
 
 # --- CLI: the tiny model as a HF directory with a word-level tokenizer ------------------------------
 
+
 def _env(tmp_path):
     return {**os.environ, "MTP_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
 
 def test_cli_end_to_end(tmp_path):
     from test_data import make_tiny_model_dir, prompts_file
+
     model_dir = make_tiny_model_dir(tmp_path / "tiny")
     data = prompts_file(tmp_path, n=6)
     out = tmp_path / "adapter"
-    cmd = [sys.executable, "-m", "mtp.cli", "train", "--model", str(model_dir), "--data", str(data),
-           "--self-generate", "--max-new-tokens", "12", "--steps", "3", "--batch-size", "2", "--k-max", "4",
-           "--spans", "2", "--seq-len", "64", "--out", str(out), "--export", str(tmp_path / "ship"), "--threads", "1",
-           "--amp", "on"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mtp.cli",
+        "train",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--self-generate",
+        "--max-new-tokens",
+        "12",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--k-max",
+        "4",
+        "--spans",
+        "2",
+        "--seq-len",
+        "64",
+        "--out",
+        str(out),
+        "--export",
+        str(tmp_path / "ship"),
+        "--threads",
+        "1",
+        "--amp",
+        "on",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
     assert "trained 3 steps" in r.stderr
@@ -216,8 +286,22 @@ def test_cli_end_to_end(tmp_path):
     ship = load_file(str(tmp_path / "ship" / "adapter.safetensors"))
     assert all(v.dtype == torch.float16 for v in ship.values())
     assert sorted(p.name for p in (tmp_path / "ship").iterdir()) == ["adapter.safetensors", "config.json"]
-    gen = [sys.executable, "-m", "mtp.cli", "generate", "w1 w2 w3", "--model", str(model_dir), "--adapter",
-           str(tmp_path / "ship"), "--strategy", "conf_adapt:0.5:4", "--max-new-tokens", "8", "--json"]
+    gen = [
+        sys.executable,
+        "-m",
+        "mtp.cli",
+        "generate",
+        "w1 w2 w3",
+        "--model",
+        str(model_dir),
+        "--adapter",
+        str(tmp_path / "ship"),
+        "--strategy",
+        "conf_adapt:0.5:4",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]
     r = subprocess.run(gen, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["strategy"] == "conf_adapt:0.5:4"
@@ -231,14 +315,43 @@ def test_cli_end_to_end(tmp_path):
 def test_torchrun_two_processes_gloo(tmp_path):
     """DDP on CPU: two processes, each its own share of every batch, replicas identical at the end."""
     from test_data import make_tiny_model_dir
+
     model_dir = make_tiny_model_dir(tmp_path / "tiny")
     ex_path = tmp_path / "examples.jsonl"
-    ex_path.write_text("".join(json.dumps({"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}) + "\n"
-                               for e in examples()))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "mtp.cli", "train", "--model", str(model_dir), "--examples", str(ex_path), "--steps", "3",
-           "--batch-size", "2", "--k-max", "4", "--spans", "2", "--seq-len", "64", "--save-every", "2",
-           "--out", str(tmp_path / "ddp"), "--threads", "1"]
+    ex_path.write_text(
+        "".join(json.dumps({"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}) + "\n" for e in examples())
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "mtp.cli",
+        "train",
+        "--model",
+        str(model_dir),
+        "--examples",
+        str(ex_path),
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--k-max",
+        "4",
+        "--spans",
+        "2",
+        "--seq-len",
+        "64",
+        "--save-every",
+        "2",
+        "--out",
+        str(tmp_path / "ddp"),
+        "--threads",
+        "1",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 processes, replicas in sync: True" in r.stderr

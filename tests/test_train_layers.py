@@ -1,5 +1,6 @@
 """`mtp train --lora-layers FROM:TO` (LoRA on the upper layers only: the backward pass stops at layer
 FROM) and `--init-adapter DIR` (a new run starting from an adapter's weights), on tiny random models."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,9 @@ def test_backward_stops_at_the_first_adapted_layer(split, teacher):
     flows, graded, n_params = _grad_flow((2, 4), split, teacher)
     # autograd records nothing below layer 2: those blocks' outputs need no gradient, so no backward runs there
     assert flows == {0: False, 1: False, 2: True, 3: True}
-    assert graded and all(n.startswith(("layers.2.", "layers.3.")) and n.endswith((".lora_a", ".lora_b"))
-                          for n in graded)
+    assert graded and all(
+        n.startswith(("layers.2.", "layers.3.")) and n.endswith((".lora_a", ".lora_b")) for n in graded
+    )
     assert len(graded) == n_params == 2 * 7 * 2  # A and B of 7 projections in 2 layers; no mask row
     # control: LoRA on every layer trains the mask row, and so every block is in the graph
     flows, graded, _ = _grad_flow(None, split, teacher)
@@ -56,8 +58,12 @@ def test_backward_stops_at_the_first_adapted_layer(split, teacher):
 
 def test_lora_layers_run_trains_upper_layers_and_decodes_like_ntp(tmp_path):
     model = tiny_model(0)
-    state = train(cfg(tmp_path / "run", steps=3, lora_layers=(1, 2), export=str(tmp_path / "ship")), model,
-                  examples(), progress=False)
+    state = train(
+        cfg(tmp_path / "run", steps=3, lora_layers=(1, 2), export=str(tmp_path / "ship")),
+        model,
+        examples(),
+        progress=False,
+    )
     assert state["step"] == 3
     saved = load_file(str(tmp_path / "run" / "adapter.safetensors"))
     assert {k.split(".")[1] for k in saved if k.startswith("layers.")} == {"1"}  # nothing on layer 0
@@ -84,14 +90,23 @@ def test_init_adapter_starts_from_exactly_the_source(tmp_path, monkeypatch):
         at_start.update(self.files_fn()[adapter.WEIGHTS])
         assert not self.opt.state  # a fresh optimizer
         return self.state
+
     with monkeypatch.context() as m:
         m.setattr(trainer_mod.Trainer, "run", capture)
-        train(cfg(tmp_path / "a", rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")), tiny_model(0),
-              examples(), progress=False)
+        train(
+            cfg(tmp_path / "a", rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")),
+            tiny_model(0),
+            examples(),
+            progress=False,
+        )
     assert at_start.keys() == src.keys() and all(torch.equal(at_start[k], src[k]) for k in src)
     # a real run: new steps from the source's weights, the source recorded in the run's config
-    state = train(cfg(tmp_path / "b", steps=2, seed=5, rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")),
-                  tiny_model(0), examples(), progress=False)
+    state = train(
+        cfg(tmp_path / "b", steps=2, seed=5, rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")),
+        tiny_model(0),
+        examples(),
+        progress=False,
+    )
     assert state["step"] == 2
     conf = json.loads((tmp_path / "b" / "config.json").read_text())
     assert conf["meta"]["training"]["init_adapter"] == str(tmp_path / "src")
@@ -101,18 +116,25 @@ def test_init_adapter_starts_from_exactly_the_source(tmp_path, monkeypatch):
 def test_init_adapter_refusals(tmp_path):
     train(cfg(tmp_path / "src", steps=1, rank=4), tiny_model(0), examples(), progress=False)
     with pytest.raises(ValueError, match="trained on another base model"):
-        train(cfg(tmp_path / "a", rank=4, init_adapter=str(tmp_path / "src")), tiny_model(1), examples(),
-              progress=False)
+        train(
+            cfg(tmp_path / "a", rank=4, init_adapter=str(tmp_path / "src")), tiny_model(1), examples(), progress=False
+        )
     with pytest.raises(ValueError, match=r"^--rank 8 conflicts with --init-adapter .* \(rank 4\)"):
-        train(cfg(tmp_path / "a", rank=8, init_adapter=str(tmp_path / "src")), tiny_model(0), examples(),
-              progress=False)
+        train(
+            cfg(tmp_path / "a", rank=8, init_adapter=str(tmp_path / "src")), tiny_model(0), examples(), progress=False
+        )
     with pytest.raises(ValueError, match=r"^--lora-layers 1:2 conflicts with --init-adapter .* \(lora_layers 0:2\)"):
-        train(cfg(tmp_path / "a", rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")), tiny_model(0),
-              examples(), progress=False)
+        train(
+            cfg(tmp_path / "a", rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")),
+            tiny_model(0),
+            examples(),
+            progress=False,
+        )
     assert not (tmp_path / "a").exists()
 
 
 # --- CLI -------------------------------------------------------------------------------------------
+
 
 def _env(tmp_path):
     return {**os.environ, "MTP_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
@@ -120,26 +142,66 @@ def _env(tmp_path):
 
 def _examples_file(tmp_path):
     path = tmp_path / "examples.jsonl"
-    path.write_text("".join(json.dumps({"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}) + "\n"
-                            for e in examples()))
+    path.write_text(
+        "".join(json.dumps({"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}) + "\n" for e in examples())
+    )
     return path
 
 
 def test_cli_lora_layers_and_init_adapter(tmp_path):
     from test_data import make_tiny_model_dir
+
     model_dir = make_tiny_model_dir(tmp_path / "tiny")
-    base = [sys.executable, "-m", "mtp.cli", "train", "--model", str(model_dir), "--examples",
-            str(_examples_file(tmp_path)), "--steps", "2", "--batch-size", "2", "--k-max", "4", "--spans", "2",
-            "--seq-len", "64", "--threads", "1"]
+    base = [
+        sys.executable,
+        "-m",
+        "mtp.cli",
+        "train",
+        "--model",
+        str(model_dir),
+        "--examples",
+        str(_examples_file(tmp_path)),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--k-max",
+        "4",
+        "--spans",
+        "2",
+        "--seq-len",
+        "64",
+        "--threads",
+        "1",
+    ]
     run = lambda *a: subprocess.run(base + list(a), capture_output=True, text=True, env=_env(tmp_path), timeout=120)
     r = run("--lora-layers", "1:", "--rank", "4", "--out", str(tmp_path / "upper"), "--export", str(tmp_path / "ship"))
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "ship" / "config.json").read_text())["layers"] == [1, 2]
     out = {}
     for strategy, adapter_dir in (("ntp", "none"), ("verify:4", str(tmp_path / "ship"))):
-        g = subprocess.run([sys.executable, "-m", "mtp.cli", "generate", "w1 w2 w3", "--model", str(model_dir),
-                            "--adapter", adapter_dir, "--strategy", strategy, "--max-new-tokens", "16", "--json"],
-                           capture_output=True, text=True, env=_env(tmp_path), timeout=120)
+        g = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mtp.cli",
+                "generate",
+                "w1 w2 w3",
+                "--model",
+                str(model_dir),
+                "--adapter",
+                adapter_dir,
+                "--strategy",
+                strategy,
+                "--max-new-tokens",
+                "16",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=_env(tmp_path),
+            timeout=120,
+        )
         assert g.returncode == 0, g.stderr
         out[strategy] = json.loads(g.stdout)["token_ids"]
     assert out["verify:4"] == out["ntp"]
@@ -154,23 +216,38 @@ def test_cli_lora_layers_and_init_adapter(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--lora-layers", "1:1"], "must satisfy 0 <= FROM < TO"),
-    (["--lora-layers", "0:3"], "(the model has 2 layers)"),
-    (["--lora-layers", "2:"], "must satisfy 0 <= FROM < TO"),
-    (["--lora-layers", "one:two"], "expected FROM:TO"),
-    (["--lora-layers", "0:2", "--mode", "full"], "needs --mode gated or plain"),
-    (["--init-adapter", "nowhere"], "adapter directory not found"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--lora-layers", "1:1"], "must satisfy 0 <= FROM < TO"),
+        (["--lora-layers", "0:3"], "(the model has 2 layers)"),
+        (["--lora-layers", "2:"], "must satisfy 0 <= FROM < TO"),
+        (["--lora-layers", "one:two"], "expected FROM:TO"),
+        (["--lora-layers", "0:2", "--mode", "full"], "needs --mode gated or plain"),
+        (["--init-adapter", "nowhere"], "adapter directory not found"),
+    ],
+)
 def test_cli_bad_layers_fail_before_the_model_loads(tmp_path, monkeypatch, capsys, flags, message):
     from test_data import make_tiny_model_dir
+
     model_dir = make_tiny_model_dir(tmp_path / "tiny")
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
+
     monkeypatch.setattr("mtp.cli.train.Engine.load", no_load)
-    rc = cli_main(["train", "--model", str(model_dir), "--examples", str(_examples_file(tmp_path)),
-                   "--out", str(tmp_path / "out"), *flags])
+    rc = cli_main(
+        [
+            "train",
+            "--model",
+            str(model_dir),
+            "--examples",
+            str(_examples_file(tmp_path)),
+            "--out",
+            str(tmp_path / "out"),
+            *flags,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.strip().count("\n") == 0 and message in err, err
     assert not (tmp_path / "out").exists()

@@ -3,6 +3,7 @@ greedy for every tree proposer (mask groups included: tests/test_mask_tree.py ha
 off-diagonal path's keys and values compacted exactly as a fresh prefill would hold them, ragged batches of
 different trees and chains, and sampling that stays exact (the same draws as plain decoding for a seed, and
 the right distribution where a naive sibling rule is not)."""
+
 from __future__ import annotations
 
 import collections
@@ -76,9 +77,21 @@ def test_build_merges_shared_prefixes_within_the_budget():
         tree.depths([0])
 
 
-@pytest.mark.parametrize("text, ok", [("tree:1", True), ("tree:31", True), ("tree:0", False), ("tree:-1", False),
-                                      ("tree:100000", False), ("tree:４", False), ("tree", False),
-                                      ("tree:auto", True), ("tree:Auto", False), ("tree:auto:3", False)])
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ("tree:1", True),
+        ("tree:31", True),
+        ("tree:0", False),
+        ("tree:-1", False),
+        ("tree:100000", False),
+        ("tree:４", False),
+        ("tree", False),
+        ("tree:auto", True),
+        ("tree:Auto", False),
+        ("tree:auto:3", False),
+    ],
+)
 def test_tree_strategy_parsing(text, ok):
     if ok:
         s = Strategy.parse(text)
@@ -91,6 +104,7 @@ def test_tree_strategy_parsing(text, ok):
 class StubTree(Proposer):
     """A fixed-shape tree from an oracle of the true continuation: the right token sits in the second
     child at depth 1 and in the first child below it, so the accepted path is off the diagonal."""
+
     name = "stub-tree"
     has_confidence = True
 
@@ -101,7 +115,7 @@ class StubTree(Proposer):
         if not request.tree:
             return Guesses.none()
         done = len(request.view.context) - self.prompt_len  # emitted so far (the model's own token included)
-        nxt = self.truth[done:done + 3]
+        nxt = self.truth[done : done + 3]
         if len(nxt) < 3:
             return Guesses.none()
         bad = (nxt[0] + 1) % 90
@@ -156,8 +170,7 @@ def test_ranked_orders_by_confidence_and_stops_where_a_prefix_would_not_be_a_tre
 def test_auto_tree_sizes_itself_by_the_pass_time_and_stays_exact(cost, fewer_passes):
     model = tiny_model(0)
     want = generate(model, PROMPT, "ntp", params=params(30)).output
-    seq = Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(30), StubTree(want, len(PROMPT)),
-                   pass_time=cost)
+    seq = Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(30), StubTree(want, len(PROMPT)), pass_time=cost)
     cache = KVCache.for_model(model, 1, len(PROMPT) + 30 + block_slack(seq.strategy.k))
     with torch.inference_mode():
         while not seq.finished:
@@ -186,6 +199,7 @@ def test_auto_tree_equals_plain_greedy_for_every_tree_proposer(which):
 
 class OracleChain(Proposer):
     """A merge part named like a real one: the next two true tokens as a chain (0.9, 0.8)."""
+
     name = "heads"
 
     def __init__(self, truth: list[int], prompt_len: int):
@@ -195,19 +209,20 @@ class OracleChain(Proposer):
         if not request.tree:
             return Guesses.none()
         done = len(request.view.context) - self.prompt_len
-        return Guesses(self.truth[done:done + 2], [0.9, 0.8], None, [-1, 0])
+        return Guesses(self.truth[done : done + 2], [0.9, 0.8], None, [-1, 0])
 
 
 class OracleFirstOnly(OracleChain):
     """The other part: the first true token with a wrong child, and a wrong sibling (confidence 1,
     weighted 0.5 as lookup)."""
+
     name = "lookup"
 
     def propose(self, request):
         if not request.tree:
             return Guesses.none()
         done = len(request.view.context) - self.prompt_len
-        t0, t1 = self.truth[done:done + 2]
+        t0, t1 = self.truth[done : done + 2]
         return Guesses([t0, (t1 + 1) % 90, (t0 + 1) % 90], [1.0] * 3, None, [-1, 0, -1])
 
 
@@ -217,6 +232,7 @@ def test_merged_tree_credits_each_accepted_token_to_every_part_that_drafted_it(s
     each part is credited in full for the tokens it drafted (not split): heads 2 per pass, lookup 1."""
     from mtp.core import metrics
     from mtp.core.proposers import MergedProposer
+
     model = tiny_model(0)
     truth = generate(model, PROMPT, "ntp", params=params(40)).output
     merged = MergedProposer([OracleChain(truth, len(PROMPT)), OracleFirstOnly(truth, len(PROMPT))])
@@ -240,6 +256,7 @@ def test_merged_tree_credits_each_accepted_token_to_every_part_that_drafted_it(s
 
 def test_a_single_proposer_is_credited_under_its_own_name():
     from mtp.core import metrics
+
     model = tiny_model(0)
     truth = generate(model, PROMPT, "ntp", params=params(40)).output
     seq = generate(model, PROMPT, "tree:4", params=params(30), proposer=OracleChain(truth, len(PROMPT)))
@@ -263,8 +280,9 @@ def test_greedy_tree_equals_plain_greedy_for_every_tree_proposer(which, n):
 def test_heads_tree_holds_the_chain_and_its_alternatives():
     model = tiny_model(0)
     prop = N.HeadsProposer(model, random_heads(model), "float32")
-    view = PassView(context=PROMPT, mask_logits=torch.zeros(0, 1), hidden=torch.randn(model.config.dim),
-                    masks_valid=False)
+    view = PassView(
+        context=PROMPT, mask_logits=torch.zeros(0, 1), hidden=torch.randn(model.config.dim), masks_valid=False
+    )
     chain = prop.propose(DraftRequest(view, 3, False, params()))
     t = prop.propose(DraftRequest(view, 9, True))
     assert len(t.tokens) == 9 and tree.depths(t.parents) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
@@ -277,11 +295,15 @@ def test_ragged_batch_of_different_trees_equals_plain_greedy():
     mask groups after every prefix), different prompt lengths, in one pass each step."""
     model = mask_model()
     heads = N.HeadsProposer(model, random_heads(model), "float32")
-    rows = [(PROMPT, "tree:6", PromptLookupProposer()), ([7, 7, 8, 9, 7, 7], "tree:2", heads),
-            ([30, 31, 32, 30, 31], "verify:3", PromptLookupProposer()),
-            ([3, 1, 4, 1, 5, 9, 2, 6], "tree:8", MaskProposer()),
-            ([2, 7], "verify:4", MaskProposer()), ([11, 0, 11, 0, 11], "tree:4", MaskProposer(branch=False)),
-            ([6, 5, 4], "tree:3", MaskProposer())]
+    rows = [
+        (PROMPT, "tree:6", PromptLookupProposer()),
+        ([7, 7, 8, 9, 7, 7], "tree:2", heads),
+        ([30, 31, 32, 30, 31], "verify:3", PromptLookupProposer()),
+        ([3, 1, 4, 1, 5, 9, 2, 6], "tree:8", MaskProposer()),
+        ([2, 7], "verify:4", MaskProposer()),
+        ([11, 0, 11, 0, 11], "tree:4", MaskProposer(branch=False)),
+        ([6, 5, 4], "tree:3", MaskProposer()),
+    ]
     rows = [([t % SMALL_V for t in p], s, prop) for p, s, prop in rows]
     wants = [generate(model, p, "ntp", params=params(20)).output for p, _, _ in rows]
     seqs = [Sequence(list(p), Strategy.parse(s), params(20), prop, slot=i) for i, (p, s, prop) in enumerate(rows)]
@@ -349,22 +371,30 @@ def test_sampling_distribution_is_exact_where_a_naive_sibling_rule_is_not():
     assert ours < 0.03 and naive > 0.15, (ours, naive)
 
 
-@pytest.mark.parametrize("argv", [["generate", "x", "--strategy", "tree:8"],
-                                  ["generate", "x", "--strategy", "tree:8", "--proposer", "mask-single"],
-                                  ["bench", "--data", "prompts:P", "--strategies", "tree:8", "--out", "O"],
-                                  ["bench", "--data", "prompts:P", "--strategies", "tree:8@mask", "--out", "O"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "x", "--strategy", "tree:8"],
+        ["generate", "x", "--strategy", "tree:8", "--proposer", "mask-single"],
+        ["bench", "--data", "prompts:P", "--strategies", "tree:8", "--out", "O"],
+        ["bench", "--data", "prompts:P", "--strategies", "tree:8@mask", "--out", "O"],
+    ],
+)
 def test_tree_with_the_mask_proposer_passes_every_check_before_loading(argv, tmp_path, capsys, monkeypatch):
     """`tree:N` with the mask proposers (once refused in one line) gets through every front end's checks
     to the model load (`mtp pipeline`: tests/test_mask_tree.py runs its stages)."""
     from mtp.cli import main
     from mtp.core import engine, loading
+
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
-    argv = [a.replace("P", str(prompts)).replace("O", str(tmp_path / "o")) if a in ("prompts:P", "O") else a
-            for a in argv]
+    argv = [
+        a.replace("P", str(prompts)).replace("O", str(tmp_path / "o")) if a in ("prompts:P", "O") else a for a in argv
+    ]
 
     def reached(*a, **k):
         raise ValueError("reached the model load")
+
     monkeypatch.setattr(engine.Engine, "load", reached)
     monkeypatch.setattr(loading, "load", reached)
     assert main(argv) == 2
@@ -376,29 +406,43 @@ def test_tree_with_the_mask_proposer_passes_every_check_before_loading(argv, tmp
 def smollm2_engines():
     """SmolLM2 engines by proposer (shipped heads and datastore), loaded once per module."""
     from conftest import require_smollm2
+
     require_smollm2()
     from mtp.core.engine import Engine, EngineConfig
+
     made = {}
 
     def get(proposer):
         if proposer not in made:  # the mask proposer: the shipped adapter
-            made[proposer] = Engine.load(EngineConfig(adapter="auto" if proposer == "mask" else "none",
-                                                      proposer=proposer))
+            made[proposer] = Engine.load(
+                EngineConfig(adapter="auto" if proposer == "mask" else "none", proposer=proposer)
+            )
         return made[proposer]
+
     return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("proposer,strategy", [("heads", "tree:8"), ("lookup", "tree:8"), ("suffix", "tree:8"),
-                                               ("mask", "tree:8"), ("heads+suffix+lookup", "tree:16"),
-                                               ("heads+suffix+lookup", "tree:auto")])
+@pytest.mark.parametrize(
+    "proposer,strategy",
+    [
+        ("heads", "tree:8"),
+        ("lookup", "tree:8"),
+        ("suffix", "tree:8"),
+        ("mask", "tree:8"),
+        ("heads+suffix+lookup", "tree:16"),
+        ("heads+suffix+lookup", "tree:auto"),
+    ],
+)
 def test_greedy_trees_equal_ntp_on_smollm2(smollm2_engines, proposer, strategy):
     """On the real model, every tree proposer (mask: with the shipped adapter) and the merge: greedy tree
     output is `ntp`'s token for token (a maths answer and a request that repeats its prompt), in fewer passes."""
     engine = smollm2_engines(proposer)
-    for prompt in ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-                   "How many clips did Natalia sell altogether in April and May?",
-                   "Repeat this list twice: apple, pear, plum, cherry, fig."):
+    for prompt in (
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+        "Repeat this list twice: apple, pear, plum, cherry, fig.",
+    ):
         ids = engine.encode(prompt)
         ref = engine.generate(ids, "ntp", SamplingParams(max_new_tokens=32))
         out = engine.generate(ids, strategy, SamplingParams(max_new_tokens=32))

@@ -3,6 +3,7 @@ over-confident guesses on held-out pairs, the (confidence, right) pairs come fro
 offline batched decoding gives the single-stream outputs, predictability reads the model's own
 confidences, the end-to-end run writes a deploy file whose choice is the fastest measured
 configuration within the tolerance, the toy check prints blocks, and bad input is one line."""
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ def overconfident(n, seed):
     out = []
     for _ in range(n):
         c = rng.uniform(0.3, 1.0)
-        out.append((c, rng.random() < c ** 3))
+        out.append((c, rng.random() < c**3))
     return out
 
 
@@ -75,25 +76,36 @@ def test_calibrated_proposer_maps_confidences_and_keeps_tokens():
 
 
 def test_chain_pairs_reads_each_proposal_against_the_next_pass():
-    out = Output(ids=[], text="", chunks=[1, 3, 1, 4, 2], blocks=[],
-                 finish="length", proposals=[[.9, .8, .7], [.6, .5, .4], [.9, .9, .9], [.1, .1, .1], [.2]])
+    out = Output(
+        ids=[],
+        text="",
+        chunks=[1, 3, 1, 4, 2],
+        blocks=[],
+        finish="length",
+        proposals=[[0.9, 0.8, 0.7], [0.6, 0.5, 0.4], [0.9, 0.9, 0.9], [0.1, 0.1, 0.1], [0.2]],
+    )
     pairs = chain_pairs(out)
     # pass 1 emitted 3 = 2 accepted + its own: guesses 0, 1 right, guess 2 reached and wrong;
     # pass 2 accepted none; pass 3 accepted 3; the last pass (4) may be cut, so proposal 3 is left out
-    assert pairs[0] == [(.9, True), (.6, False), (.9, True)]
-    assert pairs[1] == [(.8, True), (.9, True)]
-    assert pairs[2] == [(.7, False), (.9, True)]
+    assert pairs[0] == [(0.9, True), (0.6, False), (0.9, True)]
+    assert pairs[1] == [(0.8, True), (0.9, True)]
+    assert pairs[2] == [(0.7, False), (0.9, True)]
 
 
 def test_tree_pairs_check_each_nodes_path_against_the_output():
     # after pass 0 (1 token) the output continues 7 8 9; after pass 1 (3 tokens) it continues 4
-    out = Output(ids=[1, 7, 8, 9, 4], text="", chunks=[1, 3, 1], blocks=[], finish="length",
-                 trees=[([7, 5, 8, 9], [-1, -1, 0, 2], [.9, .5, .6, .4]), ([4, 6], [-1, 0], [.8, .3]),
-                        ([2], [-1], [.7])])
+    out = Output(
+        ids=[1, 7, 8, 9, 4],
+        text="",
+        chunks=[1, 3, 1],
+        blocks=[],
+        finish="length",
+        trees=[([7, 5, 8, 9], [-1, -1, 0, 2], [0.9, 0.5, 0.6, 0.4]), ([4, 6], [-1, 0], [0.8, 0.3]), ([2], [-1], [0.7])],
+    )
     pairs = tree_pairs(out)
-    assert pairs[0] == [(.9, True), (.5, False), (.8, True)]
-    assert pairs[1] == [(.6, True)]  # 7 8; the path 4 6 runs past the output's end: unknown, left out
-    assert pairs[2] == [(.4, True)]  # 7 8 9
+    assert pairs[0] == [(0.9, True), (0.5, False), (0.8, True)]
+    assert pairs[1] == [(0.6, True)]  # 7 8; the path 4 6 runs past the output's end: unknown, left out
+    assert pairs[2] == [(0.4, True)]  # 7 8 9
 
 
 def test_merge_compares_calibrated_node_probabilities():
@@ -118,6 +130,7 @@ def test_merge_compares_calibrated_node_probabilities():
     assert g.tokens == [22] and g.confidences[0] == pytest.approx(0.9, abs=1e-3)
     assert heads_cal.propose(one_node).confidences[0] == pytest.approx(0.3, abs=1e-3)
     from mtp.core.proposers import PromptLookupProposer  # a tree map gives lookup no chain confidences
+
     assert calib.CalibratedProposer(PromptLookupProposer(), tree=lookup_cal.tree_calibration).has_confidence is False
 
 
@@ -144,8 +157,12 @@ def test_predictability_reads_the_models_own_confidences(engine):
     assert len(top1) == len(res.token_ids)
     assert top1 == pytest.approx(res.confidences[: len(top1)], abs=1e-4)  # teacher-forced = decoded
     assert all(e >= 0 for e in entropy)
-    rep = predictability.report(engine.model, [{"prompt": "a", "category": "x"}, {"prompt": "b", "category": "y"}],
-                                [ids, ids], [res.token_ids, res.token_ids])
+    rep = predictability.report(
+        engine.model,
+        [{"prompt": "a", "category": "x"}, {"prompt": "b", "category": "y"}],
+        [ids, ids],
+        [res.token_ids, res.token_ids],
+    )
     assert set(rep) == {"x", "y", "all"} and rep["all"]["tokens"] == 2 * len(top1)
     shares = [rep["all"]["share_at_least"][t] for t in ("0.5", "0.8", "0.9", "0.95", "0.99")]
     assert shares == sorted(shares, reverse=True)
@@ -160,18 +177,49 @@ def prompts_file(path, n=4):
 
 def test_tune_end_to_end_chooses_the_fastest_measured_within_tolerance(tiny_dir, tmp_path, capsys):
     from mtp.cli import main
+
     data = prompts_file(tmp_path / "p.jsonl")
     out = tmp_path / "tuned"
-    argv = ["tune", "--model", str(tiny_dir), "--adapter", "none", "--data", f"prompts:{data}", "--tolerance", "0",
-            "--metric", "exact", "--limit", "4", "--probe", "2", "--calibrate", "3", "--measure", "2", "--max-new-tokens", "12",
-            "--candidates", "verify:4@mask,static:4@mask,static:2@mask,conf_adapt:0.9:4@mask,tree:4@lookup", "--out", str(out)]
+    argv = [
+        "tune",
+        "--model",
+        str(tiny_dir),
+        "--adapter",
+        "none",
+        "--data",
+        f"prompts:{data}",
+        "--tolerance",
+        "0",
+        "--metric",
+        "exact",
+        "--limit",
+        "4",
+        "--probe",
+        "2",
+        "--calibrate",
+        "3",
+        "--measure",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--candidates",
+        "verify:4@mask,static:4@mask,static:2@mask,conf_adapt:0.9:4@mask,tree:4@lookup",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     assert "mtp tune:" in capsys.readouterr().out
     deploy = D.read(out / "deploy.json")
     res = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in res["rows"]}
-    assert set(rows) == {"ntp", "verify:4@mask", "static:4@mask", "static:2@mask", "conf_adapt:0.9:4@mask",
-                         "tree:4@lookup"}
+    assert set(rows) == {
+        "ntp",
+        "verify:4@mask",
+        "static:4@mask",
+        "static:2@mask",
+        "conf_adapt:0.9:4@mask",
+        "tree:4@lookup",
+    }
     assert rows["tree:4@lookup"]["note"] == "replayed on 4 answers" and rows["tree:4@lookup"]["qualifies"]
     assert rows["verify:4@mask"]["note"] == "decoded on 3 prompts"  # its calibration run: --calibrate 3
     assert rows["verify:4@mask"]["qualifies"] and rows["verify:4@mask"]["loss"] == 0.0
@@ -203,13 +251,15 @@ def test_tune_end_to_end_chooses_the_fastest_measured_within_tolerance(tiny_dir,
     assert all(r["measured_tps"] is not None for r in rows.values() if r["lossless"])
     lossy = [r for r in rows.values() if not r["lossless"] and r["qualifies"] is not False]
     assert lossy and all(r["measured_tps"] is not None for r in lossy)
-    best = max((r for r in rows.values() if r["qualifies"] and r["measured_tps"] is not None),
-               key=lambda r: r["measured_tps"])
+    best = max(
+        (r for r in rows.values() if r["qualifies"] and r["measured_tps"] is not None), key=lambda r: r["measured_tps"]
+    )
     assert res["chosen"] == best["name"] and res["price_pick_vs_best"] <= 1.0
 
 
 def test_tune_refuses_bad_input_in_one_line(tiny_dir, tmp_path, capsys):
     from mtp.cli import main
+
     data = prompts_file(tmp_path / "p.jsonl")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -217,23 +267,31 @@ def test_tune_refuses_bad_input_in_one_line(tiny_dir, tmp_path, capsys):
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     bad_cfg = tmp_path / "cfg.toml"
-    bad_cfg.write_text('tolerance = 0.02\nwarp = 9\n')
+    bad_cfg.write_text("tolerance = 0.02\nwarp = 9\n")
     good_cfg = tmp_path / "cfg.json"
     good_cfg.write_text(json.dumps({"data": f"prompts:{data}", "tolerance": 0.5, "metric": "exact"}))
     base = ["tune", "--model", str(tiny_dir), "--adapter", "none"]
-    cases = [(["--data", f"prompts:{data}", "--tolerance", "1.5", "--out", str(tmp_path / "o")], "[0, 1]"),
-             (["--data", f"prompts:{data}", "--tolerance", "-0.1", "--out", str(tmp_path / "o")], "[0, 1]"),
-             (["--data", f"prompts:{data}", "--tolerance", "0.1", "--metric", "bleu", "--out", str(tmp_path / "o")],
-              "unknown metric"),
-             (["--data", f"prompts:{empty}", "--tolerance", "0.1", "--out", str(tmp_path / "o")], "no items"),
-             (["--data", f"prompts:{data}", "--tolerance", "0.1", "--out", str(foreign)], "did not write"),
-             (["--config", str(bad_cfg), "--out", str(tmp_path / "o")], "unknown option 'warp'"),
-             (["--tolerance", "0.1", "--out", str(tmp_path / "o")], "needs --data"),
-             (["--config", str(good_cfg), "--tolerance", "3", "--out", str(tmp_path / "o")], "[0, 1]"),
-             (["--data", f"prompts:{data}", "--tolerance", "0.1", "--candidates", "ntp", "--out", str(tmp_path / "o")],
-              "names no candidate"),
-             (["--data", f"prompts:{data}", "--tolerance", "0.1", "--probe", "0", "--out", str(tmp_path / "o")],
-              "--probe must be")]
+    cases = [
+        (["--data", f"prompts:{data}", "--tolerance", "1.5", "--out", str(tmp_path / "o")], "[0, 1]"),
+        (["--data", f"prompts:{data}", "--tolerance", "-0.1", "--out", str(tmp_path / "o")], "[0, 1]"),
+        (
+            ["--data", f"prompts:{data}", "--tolerance", "0.1", "--metric", "bleu", "--out", str(tmp_path / "o")],
+            "unknown metric",
+        ),
+        (["--data", f"prompts:{empty}", "--tolerance", "0.1", "--out", str(tmp_path / "o")], "no items"),
+        (["--data", f"prompts:{data}", "--tolerance", "0.1", "--out", str(foreign)], "did not write"),
+        (["--config", str(bad_cfg), "--out", str(tmp_path / "o")], "unknown option 'warp'"),
+        (["--tolerance", "0.1", "--out", str(tmp_path / "o")], "needs --data"),
+        (["--config", str(good_cfg), "--tolerance", "3", "--out", str(tmp_path / "o")], "[0, 1]"),
+        (
+            ["--data", f"prompts:{data}", "--tolerance", "0.1", "--candidates", "ntp", "--out", str(tmp_path / "o")],
+            "names no candidate",
+        ),
+        (
+            ["--data", f"prompts:{data}", "--tolerance", "0.1", "--probe", "0", "--out", str(tmp_path / "o")],
+            "--probe must be",
+        ),
+    ]
     for flags, words in cases:
         assert main(base + flags) == 2, flags
         err = capsys.readouterr().err
@@ -243,6 +301,7 @@ def test_tune_refuses_bad_input_in_one_line(tiny_dir, tmp_path, capsys):
 
 def test_toy_check_prints_blocks(engine, capsys):
     from mtp.tune import toy
+
     lines = []
     rows = toy.run(engine, max_new_tokens=12, write=lines.append, colour=False)
     strategies = {r["strategy"] for r in rows}
@@ -253,6 +312,7 @@ def test_toy_check_prints_blocks(engine, capsys):
 
 def test_a_map_that_makes_held_out_answers_worse_is_not_used():
     from mtp.tune.run import fit_held_out
+
     rng = random.Random(3)
     # even-numbered prompts: confident guesses mostly wrong; odd ones: confident guesses right
     even = [[(rng.uniform(0.8, 1.0), rng.random() < 0.1) for _ in range(200)]]
@@ -267,22 +327,32 @@ def test_a_map_that_makes_held_out_answers_worse_is_not_used():
 def test_held_out_error_is_the_mean_of_two_cross_fitted_folds():
     from mtp.core import calibration as calib
     from mtp.tune.run import fit_held_out
+
     prompts = [[overconfident(150, seed), overconfident(100, seed + 50)] for seed in range(6)]  # 2 depths each
     fitted, rep = fit_held_out(prompts)
     by_hand = []
     for fit_on in (0, 1):  # a map fitted on one parity of prompts, scored on the other, by hand
         pick = lambda parity: [[p for j, pr in enumerate(prompts) if j % 2 == parity for p in pr[d]] for d in (0, 1)]
         m, scored = calib.fit(pick(fit_on)), pick(1 - fit_on)
-        by_hand.append((calib.expected_calibration_error([p for d in scored for p in d]),
-                        calib.expected_calibration_error([(m.map(d, c), r) for d in (0, 1) for c, r in scored[d]])))
+        by_hand.append(
+            (
+                calib.expected_calibration_error([p for d in scored for p in d]),
+                calib.expected_calibration_error([(m.map(d, c), r) for d in (0, 1) for c, r in scored[d]]),
+            )
+        )
     assert rep["folds"] == 2 and rep["test_pairs"] == rep["fit_pairs"] == 6 * 250  # every prompt held out once
     assert rep["ece_before"] == pytest.approx((by_hand[0][0] + by_hand[1][0]) / 2)
-    assert rep["ece_after"] == pytest.approx((by_hand[0][1] + by_hand[1][1]) / 2) and rep["ece_after"] < rep["ece_before"]
-    assert fitted.to_json() == calib.fit([[p for pr in prompts for p in pr[d]] for d in (0, 1)]).to_json()  # all prompts
+    assert (
+        rep["ece_after"] == pytest.approx((by_hand[0][1] + by_hand[1][1]) / 2) and rep["ece_after"] < rep["ece_before"]
+    )
+    assert (
+        fitted.to_json() == calib.fit([[p for pr in prompts for p in pr[d]] for d in (0, 1)]).to_json()
+    )  # all prompts
 
 
 def test_quality_losses():
     from mtp.core import quality
+
     assert quality.item_loss("exact", [1, 2], "a", [1, 2], "a") == 0.0
     assert quality.item_loss("exact", [1, 2], "a", [1, 3], "a") == 1.0
     assert quality.item_loss("answer", [1], "so 12", [2], "it is 12") == 0.0
@@ -300,8 +370,10 @@ def test_lossy_bound_prices_the_recorded_passes():
 
     cost = CostModel({1: 0.1, 2: 0.15, 4: 0.2})
     # two prompts; the first pass (the prompt's) is left out of the pricing
-    outs = [Output([], "", [1, 1, 1], [5, 1, 1], "length", proposals=[[0.1, 0.1, 0.1], [0.99, 0.97, 0.5], [0.2, 0.9, 0.9]]),
-            Output([], "", [1, 1], [5, 1], "length", proposals=[[0.0] * 3, [0.96, 0.1, 0.99]])]
+    outs = [
+        Output([], "", [1, 1, 1], [5, 1, 1], "length", proposals=[[0.1, 0.1, 0.1], [0.99, 0.97, 0.5], [0.2, 0.9, 0.9]]),
+        Output([], "", [1, 1], [5, 1], "length", proposals=[[0.0] * 3, [0.96, 0.1, 0.99]]),
+    ]
     records = RunStats(outs, proposing_s=0.09, guesses=9)  # 0.01 s per guess
     # conf_adapt:0.95:4: passes emit 1 + leading guesses >= 0.95 -> 3, 1, 2 (own token taken as sure)
     tpf, tps = lossy_bound(Strategy.parse("conf_adapt:0.95:4"), 0, cost, records)
@@ -324,17 +396,38 @@ def test_lossy_bound_prices_the_recorded_passes():
 def gsm8k_folder(path, train=True, test=True):
     """A GSM8K-style folder: test.jsonl (3 questions) and train.jsonl (2 other questions)."""
     path.mkdir(parents=True, exist_ok=True)
-    splits = {"test.jsonl": [("What is 2 + 3?", "5"), ("What is 7 - 4?", "3"), ("What is 3 * 3?", "9")],
-              "train.jsonl": [("Add 10 and 20.", "30"), ("Take 1 from 8.", "7")]}
+    splits = {
+        "test.jsonl": [("What is 2 + 3?", "5"), ("What is 7 - 4?", "3"), ("What is 3 * 3?", "9")],
+        "train.jsonl": [("Add 10 and 20.", "30"), ("Take 1 from 8.", "7")],
+    }
     for name, rows in splits.items():
         if (name == "test.jsonl" and test) or (name == "train.jsonl" and train):
-            (path / name).write_text("".join(json.dumps({"question": q, "answer": f"so #### {a}"}) + "\n"
-                                             for q, a in rows))
+            (path / name).write_text(
+                "".join(json.dumps({"question": q, "answer": f"so #### {a}"}) + "\n" for q, a in rows)
+            )
     return path
 
 
-TINY_TUNE = ["--adapter", "none", "--tolerance", "0.02", "--max-new-tokens", "8", "--probe", "2", "--calibrate", "2",
-             "--measure", "1", "--measure-rows", "1", "--candidates", "verify:2@lookup", "--threads", "1"]
+TINY_TUNE = [
+    "--adapter",
+    "none",
+    "--tolerance",
+    "0.02",
+    "--max-new-tokens",
+    "8",
+    "--probe",
+    "2",
+    "--calibrate",
+    "2",
+    "--measure",
+    "1",
+    "--measure-rows",
+    "1",
+    "--candidates",
+    "verify:2@lookup",
+    "--threads",
+    "1",
+]
 
 
 def test_tune_reads_a_gsm8k_folders_test_split_and_says_which_file(tiny_dir, tmp_path, capsys):
@@ -342,6 +435,7 @@ def test_tune_reads_a_gsm8k_folders_test_split_and_says_which_file(tiny_dir, tmp
     results.json and deploy.json name that file, not just the folder."""
     from mtp.cli import main
     import torch
+
     folder = gsm8k_folder(tmp_path / "gsm8k")
     out = tmp_path / "tuned"
     threads = torch.get_num_threads()
@@ -364,14 +458,17 @@ def test_tune_refuses_a_gsm8k_folder_without_test_split_and_a_training_split(tin
     A file named train.jsonl that holds GSM8K test questions is evaluation data (by its content)."""
     from mtp.cli import main
     from mtp.tune.run import tune_data
+
     only_train = gsm8k_folder(tmp_path / "only-train", test=False)
     both = gsm8k_folder(tmp_path / "both")
     link = tmp_path / "my-questions.jsonl"
     link.symlink_to(both / "train.jsonl")
-    cases = [(f"gsm8k:{only_train}", "is a folder without test.jsonl"),
-             (f"gsm8k:{tmp_path / 'empty-folder'}", "is a folder without test.jsonl"),
-             (f"gsm8k:{both / 'train.jsonl'}", "is a training split (named train.jsonl"),
-             (f"gsm8k:{link}", "is a training split (named my-questions.jsonl -> train.jsonl")]
+    cases = [
+        (f"gsm8k:{only_train}", "is a folder without test.jsonl"),
+        (f"gsm8k:{tmp_path / 'empty-folder'}", "is a folder without test.jsonl"),
+        (f"gsm8k:{both / 'train.jsonl'}", "is a training split (named train.jsonl"),
+        (f"gsm8k:{link}", "is a training split (named my-questions.jsonl -> train.jsonl"),
+    ]
     (tmp_path / "empty-folder").mkdir()
     for data, words in cases:
         code = main(["tune", "--model", str(tiny_dir), *TINY_TUNE, "--data", data, "--out", str(tmp_path / "o")])
@@ -379,6 +476,7 @@ def test_tune_refuses_a_gsm8k_folder_without_test_split_and_a_training_split(tin
         assert code == 2 and err.startswith("mtp: error:") and err.count("\n") == 1 and words in err, (data, err)
     assert not (tmp_path / "o").exists()
     import mtp.training.eval_guard as guard  # a train-named file of GSM8K test questions is evaluation data
+
     real = guard.evaluation_set
     try:
         guard.evaluation_set = lambda text: "GSM8K test" if text.startswith("Add 10") else real(text)

@@ -1,6 +1,7 @@
 """`mtp tune` prices lossless candidates by replaying them on the reference answers
 (mtp.tune.simulate): for heads chains and trees, prompt-lookup trees and `tree:auto`, the replayed
 passes (tokens emitted and fed per pass) are those a real decode records, pass for pass."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,14 @@ class FakeEngine:
 
 
 def decoded(model, prompt, strategy, proposer, n=40):
-    seq = Sequence(list(prompt), Strategy.parse(strategy), SamplingParams(max_new_tokens=n), proposer,
-                   eos_ids=(2,), pass_time=COST if strategy == "tree:auto" else None)
+    seq = Sequence(
+        list(prompt),
+        Strategy.parse(strategy),
+        SamplingParams(max_new_tokens=n),
+        proposer,
+        eos_ids=(2,),
+        pass_time=COST if strategy == "tree:auto" else None,
+    )
     cache = KVCache.for_model(model, 1, len(prompt) + n + block_slack(seq.strategy.k))
     with torch.inference_mode():
         while not seq.finished:
@@ -51,8 +58,10 @@ def decoded(model, prompt, strategy, proposer, n=40):
     return seq
 
 
-@pytest.mark.parametrize("strategy, which", [("verify:4", "heads"), ("tree:8", "heads"), ("tree:auto", "heads"),
-                                             ("tree:4", "lookup"), ("verify:3", "lookup")])
+@pytest.mark.parametrize(
+    "strategy, which",
+    [("verify:4", "heads"), ("tree:8", "heads"), ("tree:auto", "heads"), ("tree:4", "lookup"), ("verify:3", "lookup")],
+)
 def test_replayed_passes_are_the_decoded_ones(strategy, which):
     model = tiny_model(0)
     torch.manual_seed(0)
@@ -89,6 +98,7 @@ def test_replayed_eagle3_passes_are_the_decoded_ones(strategy, tmp_path):
     from test_eagle3 import AUX, examples_of
     from mtp.core.proposers.eagle3 import Eagle3Proposer, load_drafter
     from mtp.training.eagle3_train import TrainEagle3Config, extract_features, train_eagle3
+
     model = tiny_model(3)
     feats = extract_features(model, examples_of(model, n=12, new=30), AUX, dtype=torch.float32)
     cfg = TrainEagle3Config(aux_layers=AUX, draft_vocab=97, steps=40, batch_size=4, lr=3e-3, val_fraction=0.0)

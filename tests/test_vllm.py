@@ -3,6 +3,7 @@
 Skipped where vLLM is absent, so `make test` passes without it. Each test loads SmolLM2 in vLLM twice
 (plain and with the drafter: ~1-4 min on 2 cores). The trained-drafter test uses the drafter shipped
 for SmolLM2, or MTP_EAGLE3_DRAFTER (a `mtp train-eagle3` directory)."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,11 @@ from mtp.core.artifacts import write_dir_atomic
 from mtp.interop.vllm_env import run_vllm, strip_eos, target_dir, vllm_python
 from mtp.training.eagle3_train import init_drafter
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed here (make vllm)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed here (make vllm)"),
+]
 
 PROMPTS = ["What is 12 times 7?", "Name three colours.", "Tom has 5 apples and eats 2. How many are left?"]
 K = 3  # speculative tokens
@@ -30,10 +34,18 @@ def check_in_vllm(engine, drafter_dir, tmp_path):
     out = tmp_path / "vllm-eagle3"
     export_vllm_eagle3(drafter_dir, out)
     ids = [engine.encode(p) for p in PROMPTS]
-    plain, spec = run_vllm(target_dir(), ids, 32, [
-        {"name": "vllm"},
-        {"name": "vllm-eagle3", "speculative_config": {"method": "eagle3", "model": str(out),
-                                                       "num_speculative_tokens": K}}])
+    plain, spec = run_vllm(
+        target_dir(),
+        ids,
+        32,
+        [
+            {"name": "vllm"},
+            {
+                "name": "vllm-eagle3",
+                "speculative_config": {"method": "eagle3", "model": str(out), "num_speculative_tokens": K},
+            },
+        ],
+    )
     eos = set(engine.loaded.eos_ids)
     assert [strip_eos(o, eos) for o in spec["outputs"]] == [strip_eos(o, eos) for o in plain["outputs"]]
     assert spec["drafts"] > 0  # the drafter ran

@@ -2,6 +2,7 @@
 that registers its parser and sets `func`. Bad input ends in a one-line `mtp: error: ...` and exit
 status 2 (`report`), never a traceback. No command writes into the shipped assets: every output
 option (`OUTPUTS`) is checked here, once, before a command runs (`artifacts.check_not_shipped`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,20 @@ from mtp.core.artifacts import check_not_shipped
 
 # modules under mtp.cli, imported when the parser is built: importing one of them (a pipeline stage
 # imports mtp.cli.pipeline) loads this package, and that must not load the server or the trainers
-COMMANDS = ("generate", "train", "train_heads", "train_eagle3", "export", "data", "datastore", "bench", "serve",
-            "shadow", "pipeline", "tune")
+COMMANDS = (
+    "generate",
+    "train",
+    "train_heads",
+    "train_eagle3",
+    "export",
+    "data",
+    "datastore",
+    "bench",
+    "serve",
+    "shadow",
+    "pipeline",
+    "tune",
+)
 # every option that names a place a command writes (its parsed attribute: the flag); a new output
 # option belongs here, so the shipped assets stay out of reach of every command
 OUTPUTS = {"out": "--out", "export": "--export", "cache_dir": "--cache-dir", "shadow_log": "--shadow-log"}

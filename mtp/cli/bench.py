@@ -1,4 +1,5 @@
 """`mtp bench`: every strategy and peer on the same prompts, interleaved (`mtp.eval.bench`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,23 +13,35 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from mtp.cli.options import add_model_args, engine_config
 from mtp.core import deploy as deploy_file
 from mtp.core.engine import Engine
-from mtp.eval.bench import (BenchConfig, check_out, load_data, parse_strategies, print_summary, run_bench,
-                            write_outputs)
+from mtp.eval.bench import BenchConfig, check_out, load_data, parse_strategies, print_summary, run_bench, write_outputs
 from mtp.eval.peers import OPTIONAL_ARG, PARAMETRISED, PEERS, parse_baselines
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmark strategies and peers: speed, quality, cost model, report",
-                       description="Greedy decoding of every prompt by every strategy and peer, interleaved; "
-                                   "writes results.jsonl, pareto.png, acceptance.png and report.html to --out.")
+    p = sub.add_parser(
+        "bench",
+        help="benchmark strategies and peers: speed, quality, cost model, report",
+        description="Greedy decoding of every prompt by every strategy and peer, interleaved; "
+        "writes results.jsonl, pareto.png, acceptance.png and report.html to --out.",
+    )
     add_model_args(p)
-    p.add_argument("--data", required=True, help="gsm8k:PATH (GSM8K JSONL or its folder) or prompts:PATH (JSONL "
-                                                 "with 'prompt' or 'turns')")
-    p.add_argument("--strategies", default="ntp",
-                   help="comma list and sweeps, e.g. 'verify:4,conf_adapt:0.99,0.9,static:1..8' (ntp always runs); "
-                        "STRATEGY@PROPOSER gives a row its own proposer, e.g. verify:4@mask-single")
-    p.add_argument("--baselines", default="", help="peers to run alongside: " + ",".join(
-        n + (":DIR" if n in PARAMETRISED else "[:GGUF]" if n in OPTIONAL_ARG else "") for n in PEERS))
+    p.add_argument(
+        "--data",
+        required=True,
+        help="gsm8k:PATH (GSM8K JSONL or its folder) or prompts:PATH (JSONL with 'prompt' or 'turns')",
+    )
+    p.add_argument(
+        "--strategies",
+        default="ntp",
+        help="comma list and sweeps, e.g. 'verify:4,conf_adapt:0.99,0.9,static:1..8' (ntp always runs); "
+        "STRATEGY@PROPOSER gives a row its own proposer, e.g. verify:4@mask-single",
+    )
+    p.add_argument(
+        "--baselines",
+        default="",
+        help="peers to run alongside: "
+        + ",".join(n + (":DIR" if n in PARAMETRISED else "[:GGUF]" if n in OPTIONAL_ARG else "") for n in PEERS),
+    )
     p.add_argument("--limit", type=int, default=None, help="use the first N items")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1, help="timed repeats per prompt (median and spread)")
@@ -37,9 +50,13 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", action="store_true", help="measure t(q), predict speedups, advise K")
     p.add_argument("--profile-cache-len", type=int, default=300)
     p.add_argument("--profile-repeats", type=int, default=5)
-    p.add_argument("--calibration", metavar="DEPLOY.json", default=None,
-                   help="an `mtp tune` deploy file: every proposer reads its calibrated confidences, as under "
-                        "`mtp serve --deploy` (merged trees rank their parts' nodes by them)")
+    p.add_argument(
+        "--calibration",
+        metavar="DEPLOY.json",
+        default=None,
+        help="an `mtp tune` deploy file: every proposer reads its calibrated confidences, as under "
+        "`mtp serve --deploy` (merged trees rank their parts' nodes by them)",
+    )
     p.add_argument("--chunk-examples", type=int, default=2, help="prompts shown in the report's chunk view")
     p.add_argument("--out", default="bench-out", help="output directory")
     p.set_defaults(func=run)
@@ -56,8 +73,17 @@ def run(args) -> int:
     kind, items = load_data(args.data, args.limit)
     check_out(Path(args.out))
     deploy = deploy_file.read(args.calibration) if args.calibration else None
-    cfg = BenchConfig(strategies, baselines, args.repeats, args.max_new_tokens, args.warmup, args.chat,
-                      args.profile, args.profile_cache_len, args.profile_repeats)
+    cfg = BenchConfig(
+        strategies,
+        baselines,
+        args.repeats,
+        args.max_new_tokens,
+        args.warmup,
+        args.chat,
+        args.profile,
+        args.profile_cache_len,
+        args.profile_repeats,
+    )
     console = Console(stderr=True)
     ecfg = engine_config(args)
     if deploy is not None:
@@ -71,19 +97,35 @@ def run(args) -> int:
     n_rows = len(strategies) + len(baselines)
     total = len(items) * args.repeats * n_rows + (n_rows if args.warmup else 0) + (1 if args.profile else 0)
     if console.is_terminal:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as progress:
             task = progress.add_task("bench", total=total)
-            res = run_bench(engine, kind, items, cfg,
-                            on_step=lambda label: progress.update(task, advance=1, description=label))
+            res = run_bench(
+                engine, kind, items, cfg, on_step=lambda label: progress.update(task, advance=1, description=label)
+            )
     else:  # a log file: one plain line per step
         done = iter(range(1, total + 1))
         t0 = time.perf_counter()
-        res = run_bench(engine, kind, items, cfg, on_step=lambda label: print(
-            f"[{next(done, total)}/{total} {time.perf_counter() - t0:.0f}s] {label}", file=sys.stderr, flush=True))
+        res = run_bench(
+            engine,
+            kind,
+            items,
+            cfg,
+            on_step=lambda label: print(
+                f"[{next(done, total)}/{total} {time.perf_counter() - t0:.0f}s] {label}", file=sys.stderr, flush=True
+            ),
+        )
     out = Path(args.out)
     write_outputs(res, out, engine, "mtp " + " ".join(sys.argv[1:]), args.chunk_examples)
     print_summary(res, Console() if sys.stdout.isatty() else Console(width=160))
-    console.print(f"wrote {out}/results.jsonl, pareto.png, acceptance.png, report.html"
-                  + (", profile.json" if res.cost is not None else ""))
+    console.print(
+        f"wrote {out}/results.jsonl, pareto.png, acceptance.png, report.html"
+        + (", profile.json" if res.cost is not None else "")
+    )
     return 0

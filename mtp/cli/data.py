@@ -1,4 +1,5 @@
 """`mtp data`: self-generate training answers for many prompts (`mtp.training.data_engine`)."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,13 @@ from mtp.training.data_engine import DataConfig, check_folder, file_prompts, run
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("data", help="self-generate answers for GSM8K, self-instruct and self-written prompts",
-                       description="The model's own greedy answers, batched with continuous refill, resumable; "
-                                   "writes OUT/train.jsonl (for `mtp train --examples` / `mtp train-heads "
-                                   "--examples`), OUT/heldout/*.jsonl (never trained on) and a data card.")
+    p = sub.add_parser(
+        "data",
+        help="self-generate answers for GSM8K, self-instruct and self-written prompts",
+        description="The model's own greedy answers, batched with continuous refill, resumable; "
+        "writes OUT/train.jsonl (for `mtp train --examples` / `mtp train-heads "
+        "--examples`), OUT/heldout/*.jsonl (never trained on) and a data card.",
+    )
     p.add_argument("--out", required=True, help="output directory (resumed when it holds a run with the same settings)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--gsm8k", help="GSM8K training prompts (e.g. $MTP_DATA_DIR/gsm8k/train.jsonl)")
@@ -30,9 +34,14 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--card", action="store_true", help="only (re)write and print the data card of OUT (no source needed)")
-    p.add_argument("--seal", action="store_true",
-                   help="only seal OUT's working files into new shards (a run does this itself when it stops)")
+    p.add_argument(
+        "--card", action="store_true", help="only (re)write and print the data card of OUT (no source needed)"
+    )
+    p.add_argument(
+        "--seal",
+        action="store_true",
+        help="only seal OUT's working files into new shards (a run does this itself when it stops)",
+    )
     p.set_defaults(func=run)
 
 
@@ -42,10 +51,19 @@ def run(args) -> int:
             seal(Path(args.out))
         print(json.dumps(write_card(Path(args.out)), indent=1))
         return 0
-    cfg = DataConfig(out=args.out, gsm8k=args.gsm8k, self_instruct=args.self_instruct, prompts=args.prompts,
-                     self_written=args.self_written, max_new_tokens=args.max_new_tokens,
-                     max_prompt_tokens=args.max_prompt_tokens, heldout_fraction=args.heldout_fraction,
-                     batch_size=args.batch_size, seed=args.seed, limit=args.limit)
+    cfg = DataConfig(
+        out=args.out,
+        gsm8k=args.gsm8k,
+        self_instruct=args.self_instruct,
+        prompts=args.prompts,
+        self_written=args.self_written,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        heldout_fraction=args.heldout_fraction,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        limit=args.limit,
+    )
     check_threads(args.threads)
     check_device(args.device)
     check_folder(Path(args.out))  # a file, or a folder mtp did not write, refused before the model loads
@@ -63,7 +81,10 @@ def run(args) -> int:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(f"{card['answers']:,} answers, {card['response_tokens']:,} response tokens, "
-          f"{card['cut_by_length_limit']:,} cut by the length limit -> {args.out} ({len(card['shards'])} shards) "
-          f"(card: {args.out}/card.md)", file=sys.stderr)
+    print(
+        f"{card['answers']:,} answers, {card['response_tokens']:,} response tokens, "
+        f"{card['cut_by_length_limit']:,} cut by the length limit -> {args.out} ({len(card['shards'])} shards) "
+        f"(card: {args.out}/card.md)",
+        file=sys.stderr,
+    )
     return 0

@@ -1,4 +1,5 @@
 """`mtp datastore build`: the suffix proposer's datastore from an `mtp data` folder (mtp.core.proposers.suffix)."""
+
 from __future__ import annotations
 
 import sys
@@ -13,14 +14,22 @@ from mtp.training.data import check_examples_for, read_examples
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("datastore", help="build the suffix proposer's datastore from the model's own answers",
-                       description="Indexes the answers of an `mtp data` folder (or one of its shards, or a JSONL "
-                                   "of token ids) for `--proposer suffix --datastore DIR`.")
+    p = sub.add_parser(
+        "datastore",
+        help="build the suffix proposer's datastore from the model's own answers",
+        description="Indexes the answers of an `mtp data` folder (or one of its shards, or a JSONL "
+        "of token ids) for `--proposer suffix --datastore DIR`.",
+    )
     p.add_argument("action", choices=["build"])
     p.add_argument("--data", required=True, help="an `mtp data` folder, one of its shards, or a JSONL of token ids")
-    p.add_argument("--out", required=True,
-                   help="the datastore directory to write: new, empty, or an earlier datastore (replaced atomically)")
-    p.add_argument("--model", default=loading.DEFAULT_MODEL, help="the model the answers come from (its hash is recorded)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="the datastore directory to write: new, empty, or an earlier datastore (replaced atomically)",
+    )
+    p.add_argument(
+        "--model", default=loading.DEFAULT_MODEL, help="the model the answers come from (its hash is recorded)"
+    )
     p.set_defaults(func=run)
 
 
@@ -41,6 +50,8 @@ def run(args) -> int:
     model = loading.load(args.model).model
     check_examples_for(examples, model, data)  # another model's answers: refused here
     store = build_datastore([ex.response_ids for ex in examples], model, meta, out)
-    print(f"datastore: {len(examples):,} answers, {len(store):,} tokens -> {out} "
-          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    print(
+        f"datastore: {len(examples):,} answers, {len(store):,} tokens -> {out} ({time.perf_counter() - t0:.1f} s)",
+        file=sys.stderr,
+    )
     return 0

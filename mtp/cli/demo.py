@@ -1,6 +1,7 @@
 """`make demo` / `python -m mtp.cli.demo`: the embedded SmolLM2-135M decodes a few prompts with plain
 next-token decoding and with MTP strategies, alternating prompt by prompt, and prints tokens per
 forward pass and tokens/s side by side (metrics from mtp.core.metrics)."""
+
 from __future__ import annotations
 
 import argparse
@@ -50,16 +51,19 @@ def main(argv=None) -> int:
     total, n = len(PROMPTS) * len(runs), 0
     with torch.inference_mode():
         for i, prompt in enumerate(PROMPTS):
-            order = runs[i % len(runs):] + runs[: i % len(runs)]  # rotate so drift cancels
+            order = runs[i % len(runs) :] + runs[: i % len(runs)]  # rotate so drift cancels
             outs = {}
             for strategy, proposer in order:
                 n += 1
                 res = engines[proposer].generate(prompt, strategy, params)
                 outs[(strategy, proposer)] = res
                 stats[(strategy, proposer)].append(res)
-                console.print(f"[{n}/{total}] prompt {i + 1}, {strategy} ({proposer}): "
-                              f"{res.summary['tokens_per_forward']:.2f} tokens/pass, "
-                              f"{res.summary['tokens_per_s']:.0f} tokens/s", highlight=False)
+                console.print(
+                    f"[{n}/{total}] prompt {i + 1}, {strategy} ({proposer}): "
+                    f"{res.summary['tokens_per_forward']:.2f} tokens/pass, "
+                    f"{res.summary['tokens_per_s']:.0f} tokens/s",
+                    highlight=False,
+                )
             for r in runs:
                 same[r] += outs[r].token_ids == outs[("ntp", "mask")].token_ids
     console.print(f"[bold]{PROMPTS[0]}[/bold]")
@@ -71,8 +75,14 @@ def main(argv=None) -> int:
     for r in runs:
         m = merge([x.stats for x in stats[r]])
         base = base or m["tokens_per_s"]
-        table.add_row(r[0], r[1] if r[0] != "ntp" else "-", f"{m['tokens_per_forward']:.2f}",
-                      f"{m['tokens_per_s']:.1f}", f"{m['tokens_per_s'] / base:.2f}x", f"{same[r]}/{len(PROMPTS)}")
+        table.add_row(
+            r[0],
+            r[1] if r[0] != "ntp" else "-",
+            f"{m['tokens_per_forward']:.2f}",
+            f"{m['tokens_per_s']:.1f}",
+            f"{m['tokens_per_s'] / base:.2f}x",
+            f"{same[r]}/{len(PROMPTS)}",
+        )
     console.print(table)
     return 0
 

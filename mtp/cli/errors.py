@@ -1,5 +1,6 @@
 """The one error wrapper of every command (and of a pipeline stage under torchrun): user errors become
 one line, `mtp: error: ...`, and exit status 2."""
+
 from __future__ import annotations
 
 import sys
@@ -9,8 +10,15 @@ class UserError(Exception):
     """An input problem to report in one line."""
 
 
-USER_ERRORS = (UserError, ValueError, FileNotFoundError, KeyError, IsADirectoryError, NotADirectoryError,
-               PermissionError)
+USER_ERRORS = (
+    UserError,
+    ValueError,
+    FileNotFoundError,
+    KeyError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
 
 
 def report(e: BaseException) -> int:

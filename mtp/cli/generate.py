@@ -1,4 +1,5 @@
 """`mtp generate`: decode one prompt with a strategy and print the text and its metrics."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,14 @@ import sys
 
 import jinja2
 
-from mtp.cli.options import (add_model_args, add_sampling_args, check_decoding_args, engine_config, read_prompt,
-                             sampling_params)
+from mtp.cli.options import (
+    add_model_args,
+    add_sampling_args,
+    check_decoding_args,
+    engine_config,
+    read_prompt,
+    sampling_params,
+)
 from mtp.core.engine import Engine
 from mtp.core.loading import chat_template_file
 
@@ -29,8 +36,10 @@ def run(args) -> int:
     try:
         result = engine.generate(prompt, args.strategy, sampling_params(args), chat=args.chat)
     except jinja2.TemplateError as e:  # rendered once at load; this prompt makes it fail
-        raise ValueError(f"{chat_template_file(engine.loaded.source)}: the chat template fails on this "
-                         f"prompt ({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"{chat_template_file(engine.loaded.source)}: the chat template fails on this "
+            f"prompt ({type(e).__name__}: {e})"
+        ) from None
     if args.json:
         print(json.dumps(result.to_json()))
         return 0
@@ -39,7 +48,10 @@ def run(args) -> int:
     else:
         print(result.text)
     s = result.summary
-    print(f"[{result.strategy}] {len(result.token_ids)} tokens, {s['forward_passes']} passes, "
-          f"{s['tokens_per_forward']:.2f} tokens/forward, {s['tokens_per_s']:.1f} tokens/s, "
-          f"finish={result.finish_reason}", file=sys.stderr)
+    print(
+        f"[{result.strategy}] {len(result.token_ids)} tokens, {s['forward_passes']} passes, "
+        f"{s['tokens_per_forward']:.2f} tokens/forward, {s['tokens_per_s']:.1f} tokens/s, "
+        f"finish={result.finish_reason}",
+        file=sys.stderr,
+    )
     return 0

@@ -1,6 +1,7 @@
 """The options every decoding command shares (`generate`, `bench`, `serve`, `tune`, `pipeline`, and a
 pipeline stage under torchrun) and what they build, all checked before a model loads: a bad flag costs
 a one-line error (`mtp.cli.errors`), never a load."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,19 +16,30 @@ from mtp.core.strategy import Strategy
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file, or smollm2-135m (default)")
-    p.add_argument("--adapter", default="auto",
-                   help="MTP adapter directory; 'auto' = the shipped one for the default model; 'none' = no adapter")
-    p.add_argument("--proposer", default="mask",
-                   help="where proposals come from: mask (default), mask-single (verify: masks only after the "
-                   "last draft), heads, eagle3, lookup, suffix, or a merge such as heads+suffix+lookup")
+    p.add_argument(
+        "--adapter",
+        default="auto",
+        help="MTP adapter directory; 'auto' = the shipped one for the default model; 'none' = no adapter",
+    )
+    p.add_argument(
+        "--proposer",
+        default="mask",
+        help="where proposals come from: mask (default), mask-single (verify: masks only after the "
+        "last draft), heads, eagle3, lookup, suffix, or a merge such as heads+suffix+lookup",
+    )
     p.add_argument("--heads", default="auto", help="MTP heads checkpoint directory (for --proposer heads)")
     p.add_argument("--eagle3", default="auto", help="EAGLE-3 drafter directory (for --proposer eagle3)")
-    p.add_argument("--datastore", default="auto",
-                   help="suffix datastore directory (for --proposer suffix; `mtp datastore build`)")
+    p.add_argument(
+        "--datastore", default="auto", help="suffix datastore directory (for --proposer suffix; `mtp datastore build`)"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
-                   help="CPU float32: oneDNN-packed weights, faster small-block passes (default on)")
+    p.add_argument(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU float32: oneDNN-packed weights, faster small-block passes (default on)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -38,24 +50,41 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="apply the model's chat template (default on)")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="apply the model's chat template (default on)",
+    )
 
 
 def engine_config(args) -> EngineConfig:
     """The engine the flags describe, checked (proposer, threads, device) before anything loads."""
     check_proposer(args.proposer)
-    return EngineConfig(model=args.model, adapter=args.adapter, proposer=args.proposer, heads=args.heads,
-                        eagle3=getattr(args, "eagle3", "auto"), datastore=getattr(args, "datastore", "auto"),
-                        threads=check_threads(args.threads), device=check_device(args.device),
-                        pack=getattr(args, "pack", True))
+    return EngineConfig(
+        model=args.model,
+        adapter=args.adapter,
+        proposer=args.proposer,
+        heads=args.heads,
+        eagle3=getattr(args, "eagle3", "auto"),
+        datastore=getattr(args, "datastore", "auto"),
+        threads=check_threads(args.threads),
+        device=check_device(args.device),
+        pack=getattr(args, "pack", True),
+    )
 
 
 def sampling_params(args) -> SamplingParams:
     """SamplingParams from the flags (its checks are the server's too); stop strings valid UTF-8."""
     stop = [valid_text(s, f"--stop string {s!r}") for s in args.stop or []]
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                          max_new_tokens=args.max_new_tokens, stop=stop)
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=stop,
+    )
 
 
 def check_decoding_args(args) -> Strategy:

@@ -1,5 +1,6 @@
 """`mtp pipeline`: decode one prompt across P pipeline stages (`mtp.pipeline`), as local processes
 or, under torchrun, one stage per process (`python -m mtp.pipeline`, same options)."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,14 @@ import os
 import sys
 
 from mtp.cli.errors import USER_ERRORS, report
-from mtp.cli.options import (add_model_args, add_sampling_args, check_decoding_args, engine_config, read_prompt,
-                             sampling_params)
+from mtp.cli.options import (
+    add_model_args,
+    add_sampling_args,
+    check_decoding_args,
+    engine_config,
+    read_prompt,
+    sampling_params,
+)
 from mtp.pipeline.pricing import parse_cluster, predict_cluster
 from mtp.core.engine import Engine
 from mtp.core.loading import model_layers
@@ -19,16 +26,22 @@ from mtp.pipeline.transport import PipelineConfig, PipelineError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("pipeline", help="decode across P pipeline stages (local processes) on torch.distributed",
-                       description="Split the model's layers over P local processes linked by torch.distributed "
-                                   "and decode one prompt; across machines run `torchrun ... -m mtp.pipeline` "
-                                   "with the same options.")
+    p = sub.add_parser(
+        "pipeline",
+        help="decode across P pipeline stages (local processes) on torch.distributed",
+        description="Split the model's layers over P local processes linked by torch.distributed "
+        "and decode one prompt; across machines run `torchrun ... -m mtp.pipeline` "
+        "with the same options.",
+    )
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = local processes (default 2)")
     add_stage_args(p)
-    p.add_argument("--predict", metavar="SPEC",
-                   help="print the cost model's prediction for a cluster instead of running, e.g. "
-                        "stages=8,latency_ms=0.5,pass_ms=40,tokens_per_pass=3[,block_cost=1.1,"
-                        "bandwidth_gbps=10,dim=4096,vocab=128256,dtype_bytes=2]")
+    p.add_argument(
+        "--predict",
+        metavar="SPEC",
+        help="print the cost model's prediction for a cluster instead of running, e.g. "
+        "stages=8,latency_ms=0.5,pass_ms=40,tokens_per_pass=3[,block_cost=1.1,"
+        "bandwidth_gbps=10,dim=4096,vocab=128256,dtype_bytes=2]",
+    )
     p.set_defaults(func=run)
 
 
@@ -40,8 +53,10 @@ def run(args) -> int:
     check_decoding_args(args)
     config_from_args(args)
     if "eagle3" in args.proposer.split("+"):  # its drafter reads trunk layers that other stages hold
-        raise ValueError("mtp pipeline does not run --proposer eagle3 (its drafter reads residual streams of layers "
-                         "spread over the stages); use heads, suffix, lookup or a merge of them")
+        raise ValueError(
+            "mtp pipeline does not run --proposer eagle3 (its drafter reads residual streams of layers "
+            "spread over the stages); use heads, suffix, lookup or a merge of them"
+        )
     if args.stages < 1:
         raise ValueError("--stages must be >= 1")
     n_layers = model_layers(args.model)  # from the config alone: no stage starts before this check
@@ -57,10 +72,18 @@ def print_prediction(spec: str) -> None:
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--link-delay-ms", type=float, default=0.0,
-                   help="delay every inter-stage message by this many ms (P messages per pass)")
-    p.add_argument("--timeout-s", type=float, default=60.0,
-                   help="a stage silent this long (dead, hung) fails the run with an error naming it")
+    p.add_argument(
+        "--link-delay-ms",
+        type=float,
+        default=0.0,
+        help="delay every inter-stage message by this many ms (P messages per pass)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        help="a stage silent this long (dead, hung) fails the run with an error naming it",
+    )
     p.add_argument("--backend", default="auto", help="torch.distributed backend: auto (gloo on CPU, nccl on CUDA)")
 
 
@@ -90,8 +113,9 @@ def cli_stage(rank: int, world: int, args) -> int:
         args.threads = max(1, (os.cpu_count() or 1) // local)
     try:
         engine = Engine.load(engine_config(args))  # every stage loads the model and keeps its slice
-        run_stage(rank, world, engine.model, config_from_args(args),
-                  lambda pipe: _cli_generate(engine, pipe, args, world))
+        run_stage(
+            rank, world, engine.model, config_from_args(args), lambda pipe: _cli_generate(engine, pipe, args, world)
+        )
     except USER_ERRORS as e:
         return report(e) if rank == 0 else 2
     return 0
@@ -105,23 +129,29 @@ def _cli_generate(engine, pipe: PipelineModel, args, world: int) -> None:
         print(json.dumps({**result.to_json(), "stages": world, "link_delay_ms": args.link_delay_ms}), flush=True)
         return
     print(engine.render_chunks(result) if args.show_chunks else result.text, flush=True)
-    print(f"[{result.strategy}] {len(result.token_ids)} tokens, {s['forward_passes']} passes, "
-          f"{s['tokens_per_forward']:.2f} tokens/forward, {s['tokens_per_s']:.1f} tokens/s, "
-          f"{world} stages, link delay {args.link_delay_ms:g} ms, finish={result.finish_reason}",
-          file=sys.stderr, flush=True)
+    print(
+        f"[{result.strategy}] {len(result.token_ids)} tokens, {s['forward_passes']} passes, "
+        f"{s['tokens_per_forward']:.2f} tokens/forward, {s['tokens_per_s']:.1f} tokens/s, "
+        f"{world} stages, link delay {args.link_delay_ms:g} ms, finish={result.finish_reason}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def stage_main(argv: list[str] | None = None) -> int:
     """`python -m mtp.pipeline` under torchrun: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the env."""
-    p = argparse.ArgumentParser(prog="python -m mtp.pipeline",
-                                description="One pipeline stage; start one per node with torchrun.")
+    p = argparse.ArgumentParser(
+        prog="python -m mtp.pipeline", description="One pipeline stage; start one per node with torchrun."
+    )
     add_stage_args(p)
     args = p.parse_args(argv)
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except KeyError:
-        print("mtp: error: run under torchrun (RANK and WORLD_SIZE unset), or use `mtp pipeline --stages P`",
-              file=sys.stderr)
+        print(
+            "mtp: error: run under torchrun (RANK and WORLD_SIZE unset), or use `mtp pipeline --stages P`",
+            file=sys.stderr,
+        )
         return 2
     try:
         check_decoding_args(args)

@@ -4,6 +4,7 @@ The API key comes from `--api-key KEY` (seen by anyone who runs `ps`), `--api-ke
 line) or the environment variable MTP_API_KEY, in that order; an empty one is refused, as is giving
 both flags. Every flag is checked before the model loads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,41 +30,98 @@ def add_parser(sub) -> None:
     add_sampling_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health); "
-                                                     f"visible in `ps`: prefer --api-key-file or ${API_KEY_ENV}")
-    p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help=f"read the API key from this file (default: ${API_KEY_ENV}, if set)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (all but /health); "
+        f"visible in `ps`: prefer --api-key-file or ${API_KEY_ENV}",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help=f"read the API key from this file (default: ${API_KEY_ENV}, if set)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
-    p.add_argument("--max-batch", type=int, default=8,
-                   help=f"requests decoded together (KV-cache rows, 1..{MAX_BATCH}; the cache must fit in memory)")
-    p.add_argument("--max-model-len", type=int, default=0,
-                   help="prompt + max_tokens per request (default: min(context window, 1024))")
-    p.add_argument("--max-cache-tokens", type=int, default=0,
-                   help="admission budget: sum of prompt + max_tokens + K over running requests "
-                        "(default max-batch x max-model-len)")
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="cap K per pass with the cost model when proposals do not pay (default on)")
-    p.add_argument("--cost-model", default=None, help="cost-model JSON from `mtp bench --profile` "
-                                                       "(default: measured at start-up)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
-                   help="largest request body accepted (HTTP 413 above it; default 4 MiB)")
-    p.add_argument("--max-prompt-chars", type=int, default=0,
-                   help="largest prompt in characters, checked before tokenising (default 32 x max-model-len)")
-    p.add_argument("--max-messages", type=int, default=MAX_MESSAGES,
-                   help=f"most messages in a chat request (default {MAX_MESSAGES})")
-    p.add_argument("--deploy", default=None, metavar="DEPLOY.json",
-                   help="serve `mtp tune`'s choice: requests without their own strategy get the tuned configuration "
-                        "(a --rollout fraction of them) or its lossless fallback")
-    p.add_argument("--rollout", type=float, default=1.0,
-                   help="with --deploy: fraction of requests given the tuned configuration at start (default 1)")
-    p.add_argument("--rollout-step", type=float, default=0.0,
-                   help="with --deploy: added to the fraction after each window of shadow comparisons within "
-                        "the tolerance (default 0: no ramp)")
-    p.add_argument("--rollout-window", type=int, default=20,
-                   help="with --deploy: shadow comparisons per window (fallback when a window's loss exceeds "
-                        "the deploy file's tolerance)")
-    p.add_argument("--shadow-rate", type=float, default=None,
-                   help="fraction of MTP requests re-decoded with ntp (default 0; 1 with --deploy)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help=f"requests decoded together (KV-cache rows, 1..{MAX_BATCH}; the cache must fit in memory)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="prompt + max_tokens per request (default: min(context window, 1024))",
+    )
+    p.add_argument(
+        "--max-cache-tokens",
+        type=int,
+        default=0,
+        help="admission budget: sum of prompt + max_tokens + K over running requests "
+        "(default max-batch x max-model-len)",
+    )
+    p.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cap K per pass with the cost model when proposals do not pay (default on)",
+    )
+    p.add_argument(
+        "--cost-model", default=None, help="cost-model JSON from `mtp bench --profile` (default: measured at start-up)"
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="largest request body accepted (HTTP 413 above it; default 4 MiB)",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=0,
+        help="largest prompt in characters, checked before tokenising (default 32 x max-model-len)",
+    )
+    p.add_argument(
+        "--max-messages",
+        type=int,
+        default=MAX_MESSAGES,
+        help=f"most messages in a chat request (default {MAX_MESSAGES})",
+    )
+    p.add_argument(
+        "--deploy",
+        default=None,
+        metavar="DEPLOY.json",
+        help="serve `mtp tune`'s choice: requests without their own strategy get the tuned configuration "
+        "(a --rollout fraction of them) or its lossless fallback",
+    )
+    p.add_argument(
+        "--rollout",
+        type=float,
+        default=1.0,
+        help="with --deploy: fraction of requests given the tuned configuration at start (default 1)",
+    )
+    p.add_argument(
+        "--rollout-step",
+        type=float,
+        default=0.0,
+        help="with --deploy: added to the fraction after each window of shadow comparisons within "
+        "the tolerance (default 0: no ramp)",
+    )
+    p.add_argument(
+        "--rollout-window",
+        type=int,
+        default=20,
+        help="with --deploy: shadow comparisons per window (fallback when a window's loss exceeds "
+        "the deploy file's tolerance)",
+    )
+    p.add_argument(
+        "--shadow-rate",
+        type=float,
+        default=None,
+        help="fraction of MTP requests re-decoded with ntp (default 0; 1 with --deploy)",
+    )
     p.add_argument("--shadow-log", default="mtp-shadow.jsonl", help="JSONL log of shadow comparisons")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -100,8 +158,9 @@ def read_deploy(args):
         try:
             import rouge_score  # noqa: F401
         except ImportError:
-            raise ValueError(f"{args.deploy}: its metric rougeL needs the rouge-score package "
-                             "(pip install 'mtp[bench]')") from None
+            raise ValueError(
+                f"{args.deploy}: its metric rougeL needs the rouge-score package (pip install 'mtp[bench]')"
+            ) from None
     return deploy
 
 
@@ -110,15 +169,30 @@ def build_config(args, context_window: int, deploy=None) -> ServeConfig:
     if max_len > context_window:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's context window {context_window}")
     shadow_rate = args.shadow_rate if args.shadow_rate is not None else (1.0 if deploy is not None else 0.0)
-    sched = SchedulerConfig(max_batch=args.max_batch, max_model_len=max_len, max_cache_tokens=args.max_cache_tokens,
-                            adaptive=args.adaptive)
-    return ServeConfig(model_name=args.served_model_name or args.model, strategy=args.strategy,
-                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                       max_tokens=args.max_new_tokens, stop=list(args.stop or []), seed=args.seed,
-                       api_key=api_key(args), shadow_rate=shadow_rate, shadow_log=args.shadow_log,
-                       max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
-                       max_messages=args.max_messages, scheduler=sched, deploy=deploy, rollout=args.rollout,
-                       rollout_step=args.rollout_step, rollout_window=args.rollout_window)
+    sched = SchedulerConfig(
+        max_batch=args.max_batch, max_model_len=max_len, max_cache_tokens=args.max_cache_tokens, adaptive=args.adaptive
+    )
+    return ServeConfig(
+        model_name=args.served_model_name or args.model,
+        strategy=args.strategy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_new_tokens,
+        stop=list(args.stop or []),
+        seed=args.seed,
+        api_key=api_key(args),
+        shadow_rate=shadow_rate,
+        shadow_log=args.shadow_log,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        max_messages=args.max_messages,
+        scheduler=sched,
+        deploy=deploy,
+        rollout=args.rollout,
+        rollout_step=args.rollout_step,
+        rollout_window=args.rollout_window,
+    )
 
 
 def run(args) -> int:
@@ -157,14 +231,22 @@ def run(args) -> int:
             cost = measured_cost(engine.model, config.scheduler.max_batch)
             pass_time = cost.pass_time
             engine.cost_model = cost
-            print("mtp serve: t(q) ms: " + ", ".join(f"{q}:{1000 * t:.0f}" for q, t in cost.points.items()),
-                  file=sys.stderr)
+            print(
+                "mtp serve: t(q) ms: " + ", ".join(f"{q}:{1000 * t:.0f}" for q, t in cost.points.items()),
+                file=sys.stderr,
+            )
     app = create_app(engine, config, pass_time)
-    print(f"mtp serve: {config.model_name} on http://{args.host}:{args.port}/v1 (strategy {config.strategy}, "
-          f"max batch {config.scheduler.max_batch})", file=sys.stderr)
+    print(
+        f"mtp serve: {config.model_name} on http://{args.host}:{args.port}/v1 (strategy {config.strategy}, "
+        f"max batch {config.scheduler.max_batch})",
+        file=sys.stderr,
+    )
     if deploy is not None:
-        print(f"mtp serve: rolling out {deploy.tuned} to {100 * config.rollout:.0f}% of requests"
-              f"{f', +{100 * config.rollout_step:.0f}% per clean window' if config.rollout_step else ''} "
-              f"(fallback {deploy.fallback}; {deploy.metric} loss within {deploy.tolerance:g} over windows of "
-              f"{config.rollout_window}, shadow rate {config.shadow_rate:g})", file=sys.stderr)
+        print(
+            f"mtp serve: rolling out {deploy.tuned} to {100 * config.rollout:.0f}% of requests"
+            f"{f', +{100 * config.rollout_step:.0f}% per clean window' if config.rollout_step else ''} "
+            f"(fallback {deploy.fallback}; {deploy.metric} loss within {deploy.tolerance:g} over windows of "
+            f"{config.rollout_window}, shadow rate {config.shadow_rate:g})",
+            file=sys.stderr,
+        )
     return serve_app(app, args.host, args.port, args.log_level, args.shutdown_timeout)

@@ -1,4 +1,5 @@
 """`mtp shadow-report`: summarise a `mtp serve --shadow-rate` log per strategy."""
+
 from __future__ import annotations
 
 import json
@@ -23,4 +24,3 @@ def run(args) -> int:
     else:
         print(format_summary(summary))
     return 0
-

@@ -2,6 +2,7 @@
 
 Under torchrun every process trains a replica (DDP: gloo on CPU, nccl on CUDA); rank 0 generates
 and caches the self-generated answers first, then the others read that cache."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,16 @@ from mtp.core.artifacts import ArtifactError, read_json, recover_interrupted, re
 from mtp.core.engine import SHIPPED, Engine, EngineConfig
 from mtp.core.loading import model_layers
 from mtp.training.data import Example, build_examples, check_examples_for, load_prompts, read_examples
-from mtp.training.distill import (RESUME_KEYS, SHAPE_KEYS, TEACHERS, TrainConfig, check_export, describe,
-                                  shape_conflict, train)
+from mtp.training.distill import (
+    RESUME_KEYS,
+    SHAPE_KEYS,
+    TEACHERS,
+    TrainConfig,
+    check_export,
+    describe,
+    shape_conflict,
+    train,
+)
 from mtp.training.trainer import AMP_CHOICES, STATE, check_lr, distributed, use_bf16
 
 # the adapter-shape flags left unset without --init-adapter take TrainConfig's defaults (with --resume:
@@ -30,8 +39,11 @@ DEFAULT_SHAPE = {f.name: f.default for f in fields(TrainConfig) if f.name in ("m
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="self-distil an MTP adapter (mask token + gated LoRA)",
-                       description="Student-forced online self-distillation (mask token + gated LoRA).")
+    p = sub.add_parser(
+        "train",
+        help="self-distil an MTP adapter (mask token + gated LoRA)",
+        description="Student-forced online self-distillation (mask token + gated LoRA).",
+    )
     p.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file, or smollm2-135m (default)")
     p.add_argument("--data", help="JSONL of prompts (e.g. $MTP_DATA_DIR/gsm8k/train.jsonl)")
     p.add_argument("--examples", help="JSONL of token ids {prompt_ids, response_ids} (e.g. a self-generate cache)")
@@ -48,12 +60,20 @@ def add_parser(sub) -> None:
     p.add_argument("--rank", type=int, default=None, help="LoRA rank (default 16)")
     p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default 32)")
     p.add_argument("--targets", default=None, help=f"projections with LoRA (default {','.join(TARGETS)})")
-    p.add_argument("--lora-layers", default=None, metavar="FROM:TO",
-                   help="LoRA on layers FROM..TO-1 only (FROM: = to the last layer); FROM > 0 also freezes the "
-                        "mask embedding, so the backward pass stops at layer FROM (faster steps)")
-    p.add_argument("--init-adapter", default=None, metavar="DIR|auto",
-                   help="start from this adapter's weights (auto: the shipped one) with a fresh optimizer; "
-                        "mode, rank, alpha, targets and layers come from it")
+    p.add_argument(
+        "--lora-layers",
+        default=None,
+        metavar="FROM:TO",
+        help="LoRA on layers FROM..TO-1 only (FROM: = to the last layer); FROM > 0 also freezes the "
+        "mask embedding, so the backward pass stops at layer FROM (faster steps)",
+    )
+    p.add_argument(
+        "--init-adapter",
+        default=None,
+        metavar="DIR|auto",
+        help="start from this adapter's weights (auto: the shipped one) with a fresh optimizer; "
+        "mode, rank, alpha, targets and layers come from it",
+    )
     p.add_argument("--k-max", type=int, default=16, help="span length k ~ U[2, K_MAX]")
     p.add_argument("--spans", type=int, default=5, help="mask spans per sequence")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (longer ones are cut)")
@@ -63,14 +83,20 @@ def add_parser(sub) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", required=True, help="adapter + checkpoint directory")
     p.add_argument("--export", default=None, help="also write a float16 adapter-only copy here at the end")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out (same settings; adapter-shape flags left out come from it)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out (same settings; adapter-shape flags left out come from it)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu | cuda (under torchrun: each process its own GPU)")
-    p.add_argument("--amp", choices=AMP_CHOICES, default="auto",
-                   help="bf16 autocast for the forward passes (auto: on where bf16 is native: CUDA, "
-                        "AVX-512 BF16 / AMX CPUs)")
+    p.add_argument(
+        "--amp",
+        choices=AMP_CHOICES,
+        default="auto",
+        help="bf16 autocast for the forward passes (auto: on where bf16 is native: CUDA, AVX-512 BF16 / AMX CPUs)",
+    )
     p.set_defaults(func=run)
 
 
@@ -97,8 +123,14 @@ def check_example_flags(args) -> None:
     check_batch_size(args.gen_batch_size, "--gen-batch-size")
 
 
-def prepare_examples(args, device: str, response_field: str | None, sizes: Callable | None = None,
-                     cache_dir: Path | None = None, log=None) -> tuple[Engine, object, list[Example]]:
+def prepare_examples(
+    args,
+    device: str,
+    response_field: str | None,
+    sizes: Callable | None = None,
+    cache_dir: Path | None = None,
+    log=None,
+) -> tuple[Engine, object, list[Example]]:
     """What a trainer trains on, its flags checked (`check_example_flags`): --examples read, or the
     prompts of --data (with the responses of `response_field`; None: self-generated), each checked
     against the evaluation sets before any weight loads; then the model loaded without an adapter,
@@ -118,8 +150,15 @@ def prepare_examples(args, device: str, response_field: str | None, sizes: Calla
     else:
         if d is not None and rank != 0:
             d.barrier()  # rank 0 generates (and caches) first; the others then read its cache
-        examples = build_examples(engine, prompts, args.self_generate, args.max_new_tokens, args.gen_batch_size,
-                                  cache_dir / "selfgen" if cache_dir is not None else None, progress=rank == 0)
+        examples = build_examples(
+            engine,
+            prompts,
+            args.self_generate,
+            args.max_new_tokens,
+            args.gen_batch_size,
+            cache_dir / "selfgen" if cache_dir is not None else None,
+            progress=rank == 0,
+        )
         if d is not None and rank == 0:
             d.barrier()
     if log is not None:
@@ -129,8 +168,12 @@ def prepare_examples(args, device: str, response_field: str | None, sizes: Calla
 
 def example_meta(args) -> dict:
     """What a trained artifact records of the examples it learnt from (its config's `meta`)."""
-    return {"model": args.model, "data": Path(args.data or args.examples).name,
-            "self_generate": bool(args.self_generate), "limit": args.limit}
+    return {
+        "model": args.model,
+        "data": Path(args.data or args.examples).name,
+        "self_generate": bool(args.self_generate),
+        "limit": args.limit,
+    }
 
 
 def say(line: str) -> None:
@@ -162,10 +205,25 @@ def run(args) -> int:
         if args.export:
             check_export_target(Path(args.export), out)
         cfg = TrainConfig(
-            out=args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, **shape,
-            k_max=args.k_max, spans=args.spans, seq_len=args.seq_len, teacher=args.teacher,
-            save_every=args.save_every, seed=args.seed, resume=args.resume, device=device,
-            log_every=args.log_every, export=args.export, amp=use_bf16(args.amp, device), meta=example_meta(args))
+            out=args.out,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            warmup=args.warmup,
+            **shape,
+            k_max=args.k_max,
+            spans=args.spans,
+            seq_len=args.seq_len,
+            teacher=args.teacher,
+            save_every=args.save_every,
+            seed=args.seed,
+            resume=args.resume,
+            device=device,
+            log_every=args.log_every,
+            export=args.export,
+            amp=use_bf16(args.amp, device),
+            meta=example_meta(args),
+        )
         if args.resume:
             cfg = resumed_config(cfg, args)
         engine, _, examples = prepare_examples(args, device, args.response_field)
@@ -180,11 +238,17 @@ def run(args) -> int:
             d.barrier()  # nobody tears the group down while a peer still talks (gloo aborts)
         if rank == 0:
             last = state["history"][-1] if state["history"] else {}
-            print(f"trained {state['step']} steps in {time.perf_counter() - t0:.0f} s "
-                  f"(total {state['wall_s']:.0f} s); last: {describe(last) if last else '-'}; adapter -> {cfg.out} "
-                  f"[{cfg.meta['data']}, {len(examples)} examples]"
-                  + (f"; {state['world']} processes, replicas in sync: {state['ranks_in_sync']}"
-                     if "ranks_in_sync" in state else ""), file=sys.stderr)
+            print(
+                f"trained {state['step']} steps in {time.perf_counter() - t0:.0f} s "
+                f"(total {state['wall_s']:.0f} s); last: {describe(last) if last else '-'}; adapter -> {cfg.out} "
+                f"[{cfg.meta['data']}, {len(examples)} examples]"
+                + (
+                    f"; {state['world']} processes, replicas in sync: {state['ranks_in_sync']}"
+                    if "ranks_in_sync" in state
+                    else ""
+                ),
+                file=sys.stderr,
+            )
     finally:
         d = distributed()[0]
         if d is not None:
@@ -206,21 +270,29 @@ def parse_layers(text: str, n_layers: int | None = None) -> tuple[int, int | Non
             raise ValueError
         return int(lo), (int(hi) if hi.strip() else n_layers)
     except ValueError:
-        raise ValueError(f"--lora-layers {text!r}: expected FROM:TO (e.g. 15:30) or FROM: (to the last layer)") from None
+        raise ValueError(
+            f"--lora-layers {text!r}: expected FROM:TO (e.g. 15:30) or FROM: (to the last layer)"
+        ) from None
 
 
 def adapter_shape(args) -> dict:
     """TrainConfig's mode, rank, alpha, targets, lora_layers and init_adapter from the flags, checked
     before any weight loads: a layer range the model lacks, or (with --init-adapter) a flag that
     contradicts the adapter, is one line. The layer count comes from the model's config alone."""
-    given = {"mode": args.mode, "rank": args.rank, "alpha": args.alpha,
-             "targets": tuple(args.targets.split(",")) if args.targets else None}
+    given = {
+        "mode": args.mode,
+        "rank": args.rank,
+        "alpha": args.alpha,
+        "targets": tuple(args.targets.split(",")) if args.targets else None,
+    }
     n_layers = model_layers(args.model) if args.lora_layers or args.init_adapter else None
     layers = parse_layers(args.lora_layers, n_layers) if args.lora_layers else None
     if layers is not None:
         if layers[1] is None:
-            raise ValueError(f"--lora-layers {args.lora_layers}: give TO as well (the layer count of "
-                             f"{args.model} is known only once it loads)")
+            raise ValueError(
+                f"--lora-layers {args.lora_layers}: give TO as well (the layer count of "
+                f"{args.model} is known only once it loads)"
+            )
         check_layers(layers, n_layers)
         if (args.mode or DEFAULT_SHAPE["mode"]) == "full":
             raise ValueError("--lora-layers needs --mode gated or plain (full mode trains every weight)")
@@ -235,8 +307,14 @@ def adapter_shape(args) -> dict:
             raise ValueError(bad)
     # all layers is the default (None), so a run started from an all-layer adapter records no range
     every = have is None or (n_layers is not None and tuple(have) == (0, n_layers))
-    return {"mode": acfg["mode"], "rank": acfg["rank"], "alpha": acfg["alpha"], "targets": tuple(acfg["targets"]),
-            "lora_layers": None if every else tuple(have), "init_adapter": str(path.resolve())}
+    return {
+        "mode": acfg["mode"],
+        "rank": acfg["rank"],
+        "alpha": acfg["alpha"],
+        "targets": tuple(acfg["targets"]),
+        "lora_layers": None if every else tuple(have),
+        "init_adapter": str(path.resolve()),
+    }
 
 
 def init_adapter_dir(value: str, model: str) -> Path:
@@ -261,9 +339,11 @@ def check_out(out: Path, resume: bool) -> None:
     replaceable(out, is_adapter_dir)
     if out.is_dir() and any(out.iterdir()):
         if not (out / STATE).exists():
-            raise ArtifactError(f"{out} holds an adapter but no training checkpoint (an --export copy or a shipped "
-                                f"adapter); refusing to replace it: choose another --out (to start from it: "
-                                f"--init-adapter {out})")
+            raise ArtifactError(
+                f"{out} holds an adapter but no training checkpoint (an --export copy or a shipped "
+                f"adapter); refusing to replace it: choose another --out (to start from it: "
+                f"--init-adapter {out})"
+            )
         if not resume:
             raise ValueError(f"{out} already holds a training run; pass --resume to continue or choose another --out")
     elif resume:
@@ -280,11 +360,15 @@ def check_export_target(export: Path, out: Path) -> None:
     meta = read_json(export / "config.json", "adapter config").get("meta")
     made = meta.get("training") if isinstance(meta, dict) else None
     made = made if isinstance(made, dict) else {}
-    ours = all(isinstance(made.get(key), str) and Path(made[key]).resolve() == path.resolve()
-               for key, path in (("out", out), ("export", export)))
+    ours = all(
+        isinstance(made.get(key), str) and Path(made[key]).resolve() == path.resolve()
+        for key, path in (("out", out), ("export", export))
+    )
     if (export / STATE).exists() or not ours:
-        raise ArtifactError(f"--export {export} holds an adapter that is not this run's earlier export (of --out "
-                            f"{out}); refusing to replace it: choose a new or empty folder")
+        raise ArtifactError(
+            f"--export {export} holds an adapter that is not this run's earlier export (of --out "
+            f"{out}); refusing to replace it: choose a new or empty folder"
+        )
 
 
 def _comparable(key: str, value, n_layers: int | None):
@@ -319,11 +403,15 @@ def resumed_config(cfg: TrainConfig, args) -> TrainConfig:
     for k in (k for k in RESUME_KEYS if k in now):  # not n_examples, world: known once data and processes are
         given, before = _comparable(k, now[k], n_layers), _comparable(k, was.get(k), n_layers)
         if k not in left_out and given != before:
-            raise ValueError(f"--resume: --{k.replace('_', '-')} {_shown(k, given)} contradicts the checkpoint in "
-                             f"{cfg.out} ({k} {_shown(k, before)}); a resumed run keeps the settings it started "
-                             "with: drop the flag or train into another --out")
+            raise ValueError(
+                f"--resume: --{k.replace('_', '-')} {_shown(k, given)} contradicts the checkpoint in "
+                f"{cfg.out} ({k} {_shown(k, before)}); a resumed run keeps the settings it started "
+                "with: drop the flag or train into another --out"
+            )
         keep[k] = tuple(was[k]) if isinstance(was.get(k), list) else was.get(k)  # as recorded: the trainer compares
     if keep.get("init_adapter") and not Path(keep["init_adapter"]).is_dir():
-        raise ValueError(f"--resume: the run in {cfg.out} started from --init-adapter {keep['init_adapter']}, "
-                         "which is gone; put it back to resume")
+        raise ValueError(
+            f"--resume: the run in {cfg.out} started from --init-adapter {keep['init_adapter']}, "
+            "which is gone; put it back to resume"
+        )
     return replace(cfg, **keep)

@@ -8,6 +8,7 @@ given on the command line wins over the file. `mtp tune --toy` prints the toy ch
 counting, a repeated phrase and a list) and needs nothing else. Every option is checked before the
 model loads.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,15 +23,31 @@ try:
 except ModuleNotFoundError:  # Python 3.10: JSON config files only
     tomllib = None
 
-FIELDS = {"data": str, "tolerance": float, "metric": str, "latency_ms": float, "limit": int, "max_new_tokens": int,
-          "probe": int, "calibrate": int, "measure": int, "measure_rows": int, "measure_all": bool, "batch": int, "candidates": str,
-          "out": str}
+FIELDS = {
+    "data": str,
+    "tolerance": float,
+    "metric": str,
+    "latency_ms": float,
+    "limit": int,
+    "max_new_tokens": int,
+    "probe": int,
+    "calibrate": int,
+    "measure": int,
+    "measure_rows": int,
+    "measure_all": bool,
+    "batch": int,
+    "candidates": str,
+    "out": str,
+}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("tune", help="choose the fastest configuration within a quality tolerance; write deploy.json",
-                       description="Reference answers, this machine's t(q), predictability, calibration, a priced "
-                                   "sweep and a measured final round; writes deploy.json, results.json, report.html.")
+    p = sub.add_parser(
+        "tune",
+        help="choose the fastest configuration within a quality tolerance; write deploy.json",
+        description="Reference answers, this machine's t(q), predictability, calibration, a priced "
+        "sweep and a measured final round; writes deploy.json, results.json, report.html.",
+    )
     add_model_args(p)
     p.add_argument("--data", default=None, help="gsm8k:PATH or prompts:PATH (JSONL with 'prompt', optional 'category')")
     p.add_argument("--tolerance", type=float, default=None, help="largest quality loss accepted, in [0, 1]")
@@ -38,16 +55,33 @@ def add_parser(sub) -> None:
     p.add_argument("--latency-ms", type=float, default=None, help="target milliseconds per token (reported against)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts (default 100)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
-    p.add_argument("--probe", type=int, default=None, help="prompts a decoded candidate decodes, batched (default 8; replayable lossless ones use every prompt)")
-    p.add_argument("--calibrate", type=int, default=None,
-                   help="prompts a decoded proposer (mask adapter) decodes for its calibration (default 48)")
+    p.add_argument(
+        "--probe",
+        type=int,
+        default=None,
+        help="prompts a decoded candidate decodes, batched (default 8; replayable lossless ones use every prompt)",
+    )
+    p.add_argument(
+        "--calibrate",
+        type=int,
+        default=None,
+        help="prompts a decoded proposer (mask adapter) decodes for its calibration (default 48)",
+    )
     p.add_argument("--measure", type=int, default=None, help="prompts the finalists decode one at a time (default 8)")
     p.add_argument("--measure-rows", type=int, default=None, help="finalists besides ntp (default 3)")
-    p.add_argument("--measure-all", action="store_const", const=True, default=None,
-                   help="measure every qualifying candidate (a full sweep, to check the choice)")
+    p.add_argument(
+        "--measure-all",
+        action="store_const",
+        const=True,
+        default=None,
+        help="measure every qualifying candidate (a full sweep, to check the choice)",
+    )
     p.add_argument("--batch", type=int, default=None, help="rows decoded together offline (default 32)")
-    p.add_argument("--candidates", default=None,
-                   help="comma list STRATEGY@PROPOSER replacing the default sweep, e.g. verify:4@heads,conf_adapt:0.95:4@mask")
+    p.add_argument(
+        "--candidates",
+        default=None,
+        help="comma list STRATEGY@PROPOSER replacing the default sweep, e.g. verify:4@heads,conf_adapt:0.95:4@mask",
+    )
     p.add_argument("--config", default=None, help="TOML or JSON file with these options")
     p.add_argument("--out", default=None, help="output folder (deploy.json, results.json, report.html)")
     p.add_argument("--toy", action="store_true", help="print the toy check (blocks forming) and exit")
@@ -97,6 +131,7 @@ def run(args) -> int:
 
     if args.toy:
         from mtp.tune import toy
+
         engine = Engine.load(engine_config(args))
         toy.run(engine, colour=sys.stdout.isatty())
         return 0
@@ -115,12 +150,15 @@ def run(args) -> int:
     check_out(out)
     if cfg.candidates:
         from mtp.tune.candidates import parse
+
         parse(cfg.candidates)
     engine = Engine.load(engine_config(args))
     result = tune(engine, cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
     write(result, out, "mtp " + " ".join(sys.argv[1:]))
     d = result["deploy"]
     m = d.extra["measured"]
-    print(f"mtp tune: {d.tuned} within {d.tolerance:g} {d.metric} loss: {m['tokens_per_s']:.1f} tokens/s, "
-          f"{m['speedup_vs_ntp']:.2f}x ntp (fallback {d.fallback}); wrote {out}/deploy.json, results.json, report.html")
+    print(
+        f"mtp tune: {d.tuned} within {d.tolerance:g} {d.metric} loss: {m['tokens_per_s']:.1f} tokens/s, "
+        f"{m['speedup_vs_ntp']:.2f}x ntp (fallback {d.fallback}); wrote {out}/deploy.json, results.json, report.html"
+    )
     return 0

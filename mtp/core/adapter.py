@@ -18,6 +18,7 @@ An adapter directory holds `adapter.safetensors` (trainable tensors by parameter
 weights' hash, training meta). A config without `layers` (adapters before it existed) has LoRA on
 every layer.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,15 +27,30 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from mtp.core.artifacts import (base_hash, cast_checked, check_finite, check_trained_on, has_format, load_safetensors,
-                                read_config, write_dir_atomic)
+from mtp.core.artifacts import (
+    base_hash,
+    cast_checked,
+    check_finite,
+    check_trained_on,
+    has_format,
+    load_safetensors,
+    read_config,
+    write_dir_atomic,
+)
 from mtp.core.model import Linear, Transformer, add_mask_token, packed_matmul, use_packed
 
 FORMAT = "mtp-adapter"
 MODES = ("gated", "plain", "full")
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-_PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-         "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+_PROJ = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
 WEIGHTS = "adapter.safetensors"
 CONFIG = "config.json"
 
@@ -52,7 +68,7 @@ class LoRALinear(nn.Module):
         w = base.weight
         self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=w.dtype, device=w.device))
         self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=w.dtype, device=w.device))
-        nn.init.kaiming_uniform_(self.lora_a, a=5 ** 0.5)
+        nn.init.kaiming_uniform_(self.lora_a, a=5**0.5)
 
     fused: torch.Tensor | None = None  # oneDNN-packed [W; A]: base output and rank-r input in one matmul
     fused_b: torch.Tensor | None = None  # (scale * B)^T: [r, out]
@@ -94,8 +110,9 @@ class LoRALinear(nn.Module):
         # 7 x layers of these calls, so fewer, fused ops save ~5% of a pass on CPU
         h = F.linear(x.to(self.lora_a.dtype), self.lora_a) * (gate.to(self.lora_a.dtype) * self.scale)  # [B, T, r]
         out = y.shape[-1]
-        return torch.addmm(y.reshape(-1, out), h.reshape(-1, h.shape[-1]).to(y.dtype),
-                           self.lora_b.t().to(y.dtype)).view(y.shape)  # y + scale * gate * B(A(x))
+        return torch.addmm(
+            y.reshape(-1, out), h.reshape(-1, h.shape[-1]).to(y.dtype), self.lora_b.t().to(y.dtype)
+        ).view(y.shape)  # y + scale * gate * B(A(x))
 
 
 class MaskEmbedding(nn.Module):
@@ -130,8 +147,15 @@ def check_layers(layers, n_layers: int | None) -> tuple[int, int] | None:
     return lo, hi
 
 
-def add_adapters(model: Transformer, rank: int = 16, alpha: float = 32, targets=TARGETS, mode: str = "gated",
-                 n_used_tokens: int | None = None, layers: tuple[int, int] | None = None) -> list[nn.Parameter]:
+def add_adapters(
+    model: Transformer,
+    rank: int = 16,
+    alpha: float = 32,
+    targets=TARGETS,
+    mode: str = "gated",
+    n_used_tokens: int | None = None,
+    layers: tuple[int, int] | None = None,
+) -> list[nn.Parameter]:
     """Add the mask token and the adapters in place; return the trainable parameters.
 
     n_used_tokens: how many vocabulary rows the tokenizer uses (an unused padded row becomes the
@@ -196,9 +220,15 @@ def adapter_files(model: Transformer, extra_meta: dict | None = None, dtype=None
     tensors = trainable_state(model)
     if dtype is not None:
         tensors = cast_checked(tensors, dtype)
-    config = {"format": FORMAT, "version": 1, **model.adapter_meta,
-              "mask_token_id": model.config.mask_token_id, "vocab_size": model.config.vocab_size,
-              "base_hash": base_hash(model), "meta": extra_meta or {}}
+    config = {
+        "format": FORMAT,
+        "version": 1,
+        **model.adapter_meta,
+        "mask_token_id": model.config.mask_token_id,
+        "vocab_size": model.config.vocab_size,
+        "base_hash": base_hash(model),
+        "meta": extra_meta or {},
+    }
     return {WEIGHTS: tensors, CONFIG: config}
 
 
@@ -210,8 +240,15 @@ def save_adapter(model: Transformer, path, extra_meta: dict | None = None, dtype
     write_dir_atomic(Path(path), adapter_files(model, extra_meta, dtype), kind=is_adapter_dir)
 
 
-_FIELDS = {"rank": int, "alpha": (int, float), "targets": list, "mode": str, "mask_token_id": int,
-           "vocab_size": int, "base_hash": str}
+_FIELDS = {
+    "rank": int,
+    "alpha": (int, float),
+    "targets": list,
+    "mode": str,
+    "mask_token_id": int,
+    "vocab_size": int,
+    "base_hash": str,
+}
 
 
 def read_adapter_config(path) -> dict:
@@ -226,8 +263,12 @@ def read_adapter_config(path) -> dict:
     if cfg["mode"] not in MODES or cfg["rank"] < 1 or not all(x in TARGETS for x in cfg["targets"]):
         raise ValueError(f"{cfg_path}: bad mode, rank or targets")
     layers = cfg.get("layers")
-    if layers is not None and not (isinstance(layers, list) and len(layers) == 2
-                                   and all(type(x) is int and x >= 0 for x in layers) and layers[0] < layers[1]):
+    if layers is not None and not (
+        isinstance(layers, list)
+        and len(layers) == 2
+        and all(type(x) is int and x >= 0 for x in layers)
+        and layers[0] < layers[1]
+    ):
         raise ValueError(f"{cfg_path}: field 'layers' must be [FROM, TO] with 0 <= FROM < TO, got {layers!r}")
     return cfg
 
@@ -245,9 +286,11 @@ def check_mask_id(cfg: dict, model: Transformer, n_tokenizer: int | None, path) 
     mid, n_used = cfg["mask_token_id"], n_tokenizer if n_tokenizer is not None else vocab
     want = vocab if n_used >= vocab else n_used
     if mid != want or cfg["vocab_size"] != max(vocab, mid + 1):
-        raise ValueError(f"adapter {path}: mask_token_id {mid} (vocab_size {cfg['vocab_size']}) is not the row an "
-                         f"adapter adds to this model (expected {want}, vocab_size {max(vocab, want + 1)}); "
-                         "refusing to load a tampered or foreign adapter")
+        raise ValueError(
+            f"adapter {path}: mask_token_id {mid} (vocab_size {cfg['vocab_size']}) is not the row an "
+            f"adapter adds to this model (expected {want}, vocab_size {max(vocab, want + 1)}); "
+            "refusing to load a tampered or foreign adapter"
+        )
 
 
 def read_adapter(model: Transformer, path, n_tokenizer: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -271,11 +314,19 @@ def load_adapter(model: Transformer, path, n_tokenizer: int | None = None) -> di
     """Add the saved adapter to a freshly loaded base model (inference mode); return its config.
     What it refuses: `read_adapter`."""
     cfg, tensors = read_adapter(model, path, n_tokenizer)
-    add_adapters(model, cfg["rank"], cfg["alpha"], tuple(cfg["targets"]), cfg["mode"],
-                 n_used_tokens=cfg["mask_token_id"], layers=cfg.get("layers"))
+    add_adapters(
+        model,
+        cfg["rank"],
+        cfg["alpha"],
+        tuple(cfg["targets"]),
+        cfg["mode"],
+        n_used_tokens=cfg["mask_token_id"],
+        layers=cfg.get("layers"),
+    )
     if model.config.mask_token_id != cfg["mask_token_id"]:
-        raise ValueError(f"adapter expects mask token id {cfg['mask_token_id']}, model gave "
-                         f"{model.config.mask_token_id}")
+        raise ValueError(
+            f"adapter expects mask token id {cfg['mask_token_id']}, model gave {model.config.mask_token_id}"
+        )
     load_trainable(model, tensors)
     model.requires_grad_(False)
     return cfg
@@ -286,13 +337,16 @@ def load_trainable(model: Transformer, tensors: dict[str, torch.Tensor]) -> None
     want = trainable_state(model)
     missing, unexpected = set(want) - set(tensors), set(tensors) - set(want)
     if missing or unexpected:
-        raise ValueError(f"adapter tensors do not match the model: missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]}")
+        raise ValueError(
+            f"adapter tensors do not match the model: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
     with torch.no_grad():
         for k, t in want.items():
             if tensors[k].shape != t.shape:
-                raise ValueError(f"adapter tensor {k} has shape {tuple(tensors[k].shape)}, "
-                                 f"model expects {tuple(t.shape)}")
+                raise ValueError(
+                    f"adapter tensor {k} has shape {tuple(tensors[k].shape)}, model expects {tuple(t.shape)}"
+                )
             t.copy_(tensors[k].to(t.dtype))
         emb = model.embed_tokens
         if isinstance(emb, MaskEmbedding):  # keep the big matrix's row in step with the trained row

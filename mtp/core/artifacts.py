@@ -16,6 +16,7 @@ Guarantees:
   other weights (`check_trained_on`).
 - `load_safetensors` / `read_json` name the file in the one-line error a corrupt file gives.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,11 @@ def leftovers(path: Path, kind: str) -> list[Path]:
     path = Path(path)
     if not path.parent.is_dir():
         return []
-    found = [p for p in path.parent.glob(f".{path.name}.{kind}-*")
-             if p.is_dir() and not p.is_symlink() and _left_by_a_killed_save(p)]
+    found = [
+        p
+        for p in path.parent.glob(f".{path.name}.{kind}-*")
+        if p.is_dir() and not p.is_symlink() and _left_by_a_killed_save(p)
+    ]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
@@ -115,8 +119,10 @@ def cast_checked(tensors: dict, dtype: torch.dtype) -> dict:
         c = t.to(dtype)
         if not bool(torch.isfinite(c).all()):
             big = float(t.detach().abs().max())
-            raise ArtifactError(f"tensor {name}: a value of magnitude {big:.3g} does not fit {dtype} "
-                                f"(largest {torch.finfo(dtype).max:.5g}); refusing a copy with inf in it")
+            raise ArtifactError(
+                f"tensor {name}: a value of magnitude {big:.3g} does not fit {dtype} "
+                f"(largest {torch.finfo(dtype).max:.5g}); refusing a copy with inf in it"
+            )
         out[name] = c
     return out
 
@@ -128,8 +134,10 @@ def check_not_shipped(path, flag: str) -> None:
     target, assets = Path(path).expanduser().resolve(), Path(ASSETS).resolve()
     if target == assets or assets in target.parents:
         shown = f"{path} ({target})" if str(target) != str(path) else str(path)
-        raise ArtifactError(f"{flag} {shown} lies inside mtp's shipped assets ({assets}); they are never "
-                            "overwritten: choose an output path outside them")
+        raise ArtifactError(
+            f"{flag} {shown} lies inside mtp's shipped assets ({assets}); they are never "
+            "overwritten: choose an output path outside them"
+        )
 
 
 def replaceable(path: Path, kind: Callable[[Path], bool] | None) -> None:
@@ -143,8 +151,10 @@ def replaceable(path: Path, kind: Callable[[Path], bool] | None) -> None:
     if not any(path.iterdir()):
         return
     if kind is None or not kind(path):
-        raise ArtifactError(f"{path} is not empty and not an mtp directory of this kind; refusing to "
-                            "overwrite it (choose another output path)")
+        raise ArtifactError(
+            f"{path} is not empty and not an mtp directory of this kind; refusing to "
+            "overwrite it (choose another output path)"
+        )
 
 
 @contextlib.contextmanager
@@ -189,8 +199,9 @@ def write_files(root: Path, files: dict) -> None:
             write_files(root / name, content)
         elif name.endswith(".safetensors"):
             check_finite(content, name, "save")
-            safetensors.torch.save_file({k: v.detach().contiguous().cpu() for k, v in content.items()},
-                                        str(root / name))
+            safetensors.torch.save_file(
+                {k: v.detach().contiguous().cpu() for k, v in content.items()}, str(root / name)
+            )
         else:
             (root / name).write_text(json.dumps(content, indent=1))
 
@@ -203,6 +214,7 @@ def write_dir_atomic(path: Path, files: dict, kind: Callable[[Path], bool] | Non
 
 def has_format(fmt: str, allowed: set[str]) -> Callable[[Path], bool]:
     """A `kind` test: config.json says `"format": fmt` and every entry's name is in `allowed`."""
+
     def test(path: Path) -> bool:
         names = {p.name for p in Path(path).iterdir()}
         if not names <= allowed:
@@ -212,6 +224,7 @@ def has_format(fmt: str, allowed: set[str]) -> Callable[[Path], bool]:
         except (OSError, ValueError):
             return False
         return isinstance(cfg, dict) and cfg.get("format") == fmt
+
     return test
 
 
@@ -283,8 +296,10 @@ def check_trained_on(model, cfg: dict, path: Path, kind: str, weights: str) -> N
     """Refuse a saved adapter/heads directory made for other base weights, or missing its weights."""
     have = base_hash(model)
     if cfg.get("base_hash") != have:
-        raise ArtifactError(f"{kind} {path} was trained on another base model (base weights hash "
-                            f"{cfg.get('base_hash')}, this model {have})")
+        raise ArtifactError(
+            f"{kind} {path} was trained on another base model (base weights hash "
+            f"{cfg.get('base_hash')}, this model {have})"
+        )
     if not (Path(path) / weights).exists():
         raise ArtifactError(f"no {weights} in {kind} directory {path}")
 

@@ -12,6 +12,7 @@ Every pass is one `decode.decode_step`; `step` makes the passes of one iteration
 per pass, observe timings and hand tokens on (the server's adaptive policy and callbacks) without
 another copy of this loop.
 """
+
 from __future__ import annotations
 
 import time
@@ -41,8 +42,7 @@ def prefill_group(waiting: list[Sequence], limit: int = PREFILL_TOKENS) -> list[
 class Batch:
     """Rows of one KV cache decoded together; see the module docstring."""
 
-    def __init__(self, model, mask_id: int | None, rows: int, capacity: int,
-                 prefill_tokens: int | None = None):
+    def __init__(self, model, mask_id: int | None, rows: int, capacity: int, prefill_tokens: int | None = None):
         self.model, self.mask_id = model, mask_id
         self.cache = KVCache.for_model(model, rows, capacity)
         self.active: list[Sequence] = []  # active[i].slot == i

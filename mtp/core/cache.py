@@ -1,20 +1,22 @@
 """Preallocated KV cache; commit and rollback are moving a per-row length pointer.
 
-Buffers are `[layers, rows, kv_heads, capacity, head_dim]`, written at explicit positions. A row's
-`lengths[row]` is how many positions hold committed (accepted) tokens. Every forward pass writes its
-block contiguously from that length, and a query in slot p attends to slots 0..p only (a branched
-`verify` block's extra mask groups see less: mtp.core.decode._branch_layout), so whatever lies beyond a
-row's length (rejected drafts, mask tokens, padding) is never read before it is overwritten. Rejecting proposals is therefore just *not advancing the length*: nothing is copied
-or freed.
+Buffers are `[layers, rows, kv_heads, capacity, head_dim]`, written at explicit positions. A row's `lengths[row]` is
+how many positions hold committed (accepted) tokens. Every forward pass writes its block contiguously from that
+length, and a query in slot p attends to slots 0..p only (a branched `verify` block's extra mask groups see less:
+mtp.core.decode._branch_layout), so whatever lies beyond a row's length (rejected drafts, mask tokens, padding) is
+never read before it is overwritten. Rejecting proposals is therefore just *not advancing the length*: nothing is
+copied or freed.
 """
+
 from __future__ import annotations
 
 import torch
 
 
 class KVCache:
-    def __init__(self, n_layers: int, rows: int, n_kv_heads: int, capacity: int, head_dim: int,
-                 dtype=torch.float32, device="cpu"):
+    def __init__(
+        self, n_layers: int, rows: int, n_kv_heads: int, capacity: int, head_dim: int, dtype=torch.float32, device="cpu"
+    ):
         shape = (n_layers, rows, n_kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

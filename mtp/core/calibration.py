@@ -18,6 +18,7 @@ monotone in c, so the ranking of guesses (and a tree's shape) is kept. Depths be
 ones use the last fitted depth's map. `expected_calibration_error` is the measure (10 equal-width
 bins, weighted by count); `CalibratedProposer` applies a fit to a proposer's guesses.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,6 +54,7 @@ class DepthMap:
 @dataclass(frozen=True)
 class Calibration:
     """Per-depth maps of one proposer's confidences (depth 1 first)."""
+
     depths: tuple[DepthMap, ...]
 
     def __post_init__(self):
@@ -178,8 +180,7 @@ def ece_floor(confidences: list[float], draws: int = 20, seed: int = 0) -> float
     import random
 
     rng = random.Random(seed)
-    return sum(expected_calibration_error([(c, rng.random() < c) for c in confidences])
-               for _ in range(draws)) / draws
+    return sum(expected_calibration_error([(c, rng.random() < c) for c in confidences]) for _ in range(draws)) / draws
 
 
 def reliability(pairs: list[tuple[float, bool]], bins: int = BINS) -> list[dict]:
@@ -189,8 +190,15 @@ def reliability(pairs: list[tuple[float, bool]], bins: int = BINS) -> list[dict]
         lo, hi = j / bins, (j + 1) / bins
         inside = [(c, r) for c, r in pairs if lo <= c < hi or (j == bins - 1 and c == 1.0)]
         if inside:
-            out.append({"lo": lo, "hi": hi, "n": len(inside), "confidence": sum(c for c, _ in inside) / len(inside),
-                        "accuracy": sum(bool(r) for _, r in inside) / len(inside)})
+            out.append(
+                {
+                    "lo": lo,
+                    "hi": hi,
+                    "n": len(inside),
+                    "confidence": sum(c for c, _ in inside) / len(inside),
+                    "accuracy": sum(bool(r) for _, r in inside) / len(inside),
+                }
+            )
     return out
 
 

@@ -1,6 +1,7 @@
 """Checks of what users give every command, made before a model loads, each a one-line ValueError:
 the device, batch sizes, thread counts, text that must be valid Unicode. The command line (`mtp.cli`)
 and the server use them; the flags themselves are defined in `mtp.cli.options`."""
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,10 @@ def check_threads(threads: int) -> int:
     if threads < 0:
         raise ValueError(f"--threads must be >= 0 (0 = torch's default), got {threads}")
     if threads > THREADS_PER_CPU * cpus:
-        raise ValueError(f"--threads is at most {THREADS_PER_CPU * cpus} ({THREADS_PER_CPU} per CPU, "
-                         f"{cpus} CPUs here), got {threads}")
+        raise ValueError(
+            f"--threads is at most {THREADS_PER_CPU * cpus} ({THREADS_PER_CPU} per CPU, "
+            f"{cpus} CPUs here), got {threads}"
+        )
     return threads
 
 

@@ -12,6 +12,7 @@ a GPU at batch 1 t(q) is nearly flat and every accepted token is almost free. `m
 at a realistic cache length; `CostModel` interpolates it piecewise-linearly (and reports a linear
 fit, t(q) ≈ a + b·q); `best_k` picks the block size with the most expected tokens per second.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,11 @@ class CostModel:
 
     def to_json(self) -> dict:
         a, b = self.linear_fit()
-        return {"points": {str(q): t for q, t in self.points.items()},
-                "linear_fit": {"intercept_s": a, "slope_s_per_token": b}, **self.meta}
+        return {
+            "points": {str(q): t for q, t in self.points.items()},
+            "linear_fit": {"intercept_s": a, "slope_s_per_token": b},
+            **self.meta,
+        }
 
     @classmethod
     def from_json(cls, data: dict | str) -> "CostModel":
@@ -93,8 +97,9 @@ class CostModel:
             return cls.from_json(json.load(f))
 
 
-def measure(model, qs: Sequence[int] = range(1, 33), cache_len: int = 300, batch: int = 1,
-            repeats: int = 5) -> CostModel:
+def measure(
+    model, qs: Sequence[int] = range(1, 33), cache_len: int = 300, batch: int = 1, repeats: int = 5
+) -> CostModel:
     """Time one forward pass of q new tokens per row over a cache of `cache_len` committed positions.
 
     Rounds over all q are interleaved (q order rotated each round) so machine drift spreads evenly;
@@ -136,14 +141,18 @@ def measure(model, qs: Sequence[int] = range(1, 33), cache_len: int = 300, batch
             for q in qs[shift:] + qs[:shift]:
                 times[q].append(one_pass(q))
     points = {q: metrics.median_spread(ts)[0] for q, ts in times.items()}
-    meta = {"cache_len": cache_len, "batch": batch, "repeats": repeats, "device": str(dev),
-            "threads": torch.get_num_threads(),
-            "spread": {str(q): [min(ts), max(ts)] for q, ts in times.items()}}
+    meta = {
+        "cache_len": cache_len,
+        "batch": batch,
+        "repeats": repeats,
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "spread": {str(q): [min(ts), max(ts)] for q, ts in times.items()},
+    }
     return CostModel(points, meta)
 
 
-def predict_speedup(cost: CostModel, tokens_per_forward: float,
-                    mean_block_tokens: float | Sequence[int]) -> float:
+def predict_speedup(cost: CostModel, tokens_per_forward: float, mean_block_tokens: float | Sequence[int]) -> float:
     """speedup ≈ E[tokens per pass] · t(1) / E[t(q used)].
 
     `mean_block_tokens` is either the mean block size or the list of every pass's block size; the
@@ -151,8 +160,7 @@ def predict_speedup(cost: CostModel, tokens_per_forward: float,
     return predict_tokens_per_s(cost, tokens_per_forward, mean_block_tokens) * cost.pass_time(1)
 
 
-def predict_tokens_per_s(cost: CostModel, tokens_per_forward: float,
-                         mean_block_tokens: float | Sequence[int]) -> float:
+def predict_tokens_per_s(cost: CostModel, tokens_per_forward: float, mean_block_tokens: float | Sequence[int]) -> float:
     """tokens/s ≈ E[tokens per pass] / E[t(q used)], forward passes only (no proposing, no overhead);
     `mean_block_tokens` as in `predict_speedup`."""
     if isinstance(mean_block_tokens, (int, float)):
@@ -170,9 +178,13 @@ def expected_tokens(acceptance_by_position: Sequence[float], k: int) -> float:
     return float(sum(acceptance_by_position[:k])) if acceptance_by_position else 1.0
 
 
-def best_k(cost: CostModel, acceptance_by_position: Sequence[float], k_max: int,
-           block_tokens: Callable[[int, float], float] | None = None,
-           guess_s: float = 0.0) -> tuple[int, float]:
+def best_k(
+    cost: CostModel,
+    acceptance_by_position: Sequence[float],
+    k_max: int,
+    block_tokens: Callable[[int, float], float] | None = None,
+    guess_s: float = 0.0,
+) -> tuple[int, float]:
     """The block size K in 1..k_max with the most expected tokens per second, and that rate.
 
     acceptance_by_position[i] = P(a pass emits more than i tokens), measured with blocks at least

@@ -24,6 +24,7 @@ One step, for a batch of sequences (ragged rows, right-padded):
   6. commit pending + accepted drafts to the cache (rejected drafts and masks are simply not
      committed: rollback is not advancing the length), stop on EOS / stop string / length.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,6 +45,7 @@ from mtp.core.strategy import Strategy
 @dataclass
 class Sequence:
     """One request being decoded: its strategy, sampling settings and decoding state."""
+
     prompt_ids: list[int]
     strategy: Strategy
     params: SamplingParams
@@ -132,14 +134,17 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
     out = _forward(model, cache, seqs, batch, mask_id)
     accepted = [_accept(s, i, batch, out) for i, s in enumerate(seqs)]
     drafted = _draft(seqs, [a.view for a in accepted])
-    return [_commit(s, cache, batch.starts[i], len(batch.blocks[i]), a, d)
-            for i, (s, a, d) in enumerate(zip(seqs, accepted, drafted))]
+    return [
+        _commit(s, cache, batch.starts[i], len(batch.blocks[i]), a, d)
+        for i, (s, a, d) in enumerate(zip(seqs, accepted, drafted))
+    ]
 
 
 @dataclass
 class _Batch:
     """A pass as `_blocks` lays it out: B rows, blocks right-padded to T tokens, logits read at N
     positions per row."""
+
     blocks: list[list[int]]  # per row: pending + drafts + masks
     starts: list[int]  # per row: its cache length before the pass
     anchors: list[list[int]]  # per row: Sequence.mask_anchors()
@@ -181,13 +186,23 @@ def _blocks(seqs: list[Sequence], cache: KVCache, mask_id: int | None) -> _Batch
     N = max(len(b) - f for b, f in zip(blocks, first))
     out_index = torch.tensor([[min(f + j, len(b) - 1) for j in range(N)] for b, f in zip(blocks, first)])
     slots = torch.tensor([s.slot for s in seqs])
-    return _Batch(blocks, starts, anchors, tokens, slots_pos, positions, attn_mask, out_index,
-                  None if slots.tolist() == list(range(B)) else slots)
+    return _Batch(
+        blocks,
+        starts,
+        anchors,
+        tokens,
+        slots_pos,
+        positions,
+        attn_mask,
+        out_index,
+        None if slots.tolist() == list(range(B)) else slots,
+    )
 
 
 @dataclass
 class _Output:
     """What `_forward` read from the pass."""
+
     logits: torch.Tensor  # [B, N, V] float32 on the CPU; row j predicts the token after block position first+j
     hidden: torch.Tensor | None  # [B, N, dim] on the CPU, the last layer's states at the same positions
     aux: torch.Tensor | None  # [B, T, A*dim] residual streams of the trunk layers the proposers read
@@ -202,11 +217,18 @@ def _forward(model, cache: KVCache, seqs: list[Sequence], batch: _Batch, mask_id
     dev = model.device
     need_hidden = any(s.proposer.needs_hidden for s in seqs)
     aux_layers = _aux_layers(seqs)
-    to_dev = (lambda t: None if t is None else t.to(dev))  # noqa: E731
-    out = model(to_dev(batch.tokens), to_dev(batch.positions), cache=cache, slots=to_dev(batch.slots),
-                out_index=to_dev(batch.out_index), return_hidden=need_hidden, attn_mask=to_dev(batch.attn_mask),
-                cache_positions=None if batch.attn_mask is None else to_dev(batch.slots_pos),
-                **({"aux_layers": aux_layers} if aux_layers else {}))
+    to_dev = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    out = model(
+        to_dev(batch.tokens),
+        to_dev(batch.positions),
+        cache=cache,
+        slots=to_dev(batch.slots),
+        out_index=to_dev(batch.out_index),
+        return_hidden=need_hidden,
+        attn_mask=to_dev(batch.attn_mask),
+        cache_positions=None if batch.attn_mask is None else to_dev(batch.slots_pos),
+        **({"aux_layers": aux_layers} if aux_layers else {}),
+    )
     aux = None
     if aux_layers:
         logits, hidden, aux = out
@@ -215,8 +237,10 @@ def _forward(model, cache: KVCache, seqs: list[Sequence], batch: _Batch, mask_id
     logits = logits.float().cpu()
     finite = torch.isfinite(logits).all(-1)  # [B, N]
     if any(not bool(finite[i, : len(s.drafts) + 1].all()) for i, s in enumerate(seqs)):
-        raise NonFiniteError("the model produced non-finite logits (NaN/inf) at ordinary positions: its "
-                             "weights or adapter are corrupt (try --adapter none)")
+        raise NonFiniteError(
+            "the model produced non-finite logits (NaN/inf) at ordinary positions: its "
+            "weights or adapter are corrupt (try --adapter none)"
+        )
     if mask_id is not None and mask_id < logits.shape[-1]:
         logits[..., mask_id] = float("-inf")
     return _Output(logits, None if hidden is None else hidden.cpu(), aux)
@@ -225,6 +249,7 @@ def _forward(model, cache: KVCache, seqs: list[Sequence], batch: _Batch, mask_id
 @dataclass
 class _Accepted:
     """What `_accept` decided for one row, and the view its proposer drafts from."""
+
     n: int  # drafts accepted
     path: list[int] | None  # a tree's accepted nodes, root first (None: a chain, its first n drafts)
     tokens: list[int]  # the accepted drafts
@@ -253,8 +278,10 @@ def _accept(s: Sequence, i: int, batch: _Batch, out: _Output) -> _Accepted:
     else:
         a, own = verify_drafts(lg[: D + 1], drafts.tokens, drafts.probs, s.params, s.gen)
         row, path, accepted = a, None, drafts.tokens[:a]
-    drafted_by = [drafts.sources[j] if drafts.sources is not None else (s.proposer.name,)
-                  for j in (path if path is not None else range(a))]
+    drafted_by = [
+        drafts.sources[j] if drafts.sources is not None else (s.proposer.name,)
+        for j in (path if path is not None else range(a))
+    ]
     g, anchors = s.group_size(), batch.anchors[i]
     stop = path[-1] if path else a - 1  # the last accepted draft; -1 = the root
     has_group = stop in anchors
@@ -264,10 +291,15 @@ def _accept(s: Sequence, i: int, batch: _Batch, out: _Output) -> _Accepted:
     # nodes, e.g. P=1, path [1, 4] -> rows 0, 2, 5), in order
     P = len(s.pending)
     committed = list(range(P)) + [P + j for j in path] if path else slice(0, P + a)
-    view = PassView(context=s.prompt_ids + s.output + accepted + [own], mask_logits=lg[first_mask: first_mask + g],
-                    hidden=out.hidden[i, row] if out.hidden is not None else None, masks_valid=has_group,
-                    aux=out.aux[i, committed] if out.aux is not None and s.proposer.aux_layers else None,
-                    start=batch.starts[i], state=s.proposer_state)
+    view = PassView(
+        context=s.prompt_ids + s.output + accepted + [own],
+        mask_logits=lg[first_mask : first_mask + g],
+        hidden=out.hidden[i, row] if out.hidden is not None else None,
+        masks_valid=has_group,
+        aux=out.aux[i, committed] if out.aux is not None and s.proposer.aux_layers else None,
+        start=batch.starts[i],
+        state=s.proposer_state,
+    )
     expected = tree_expected_tokens(drafts.confidences[:D]) if s.strategy.is_tree else None
     return _Accepted(a, path, accepted, own, float(torch.softmax(lg[row], -1).max()), drafted_by, expected, view)
 
@@ -275,6 +307,7 @@ def _accept(s: Sequence, i: int, batch: _Batch, out: _Output) -> _Accepted:
 @dataclass
 class _Drafted:
     """What `_draft` got for one row."""
+
     guesses: Guesses  # the guesses kept (`tree:auto`: the nodes worth their rows; up to a non-finite one)
     seconds: float  # its proposer's time: its own `propose` call and its share of batched drafts
     count: int  # guesses the proposer returned
@@ -345,8 +378,9 @@ def _commit(s: Sequence, cache: KVCache, start: int, block_tokens: int, a: _Acce
     s.pending = new
     s.drafts = d.guesses if s.strategy.verifies else Guesses.none()
     emitted, produced = _append_output(s, a.tokens + new)
-    s.stats.record_pass(produced, [1.0] * a.n + confs[:n], block_tokens, a.drafted_by[:produced], a.expected,
-                        d.seconds, d.count)
+    s.stats.record_pass(
+        produced, [1.0] * a.n + confs[:n], block_tokens, a.drafted_by[:produced], a.expected, d.seconds, d.count
+    )
     return emitted
 
 
@@ -358,8 +392,11 @@ def finite_prefix(g: Guesses) -> Guesses:
     """The guesses up to the first one whose confidence or distribution is not finite: a NaN guess
     is a rejected guess (it never becomes a draft, and no block is emitted from it)."""
     n = 0
-    while n < len(g.tokens) and math.isfinite(g.confidences[n]) and (
-            g.probs is None or bool(torch.isfinite(g.probs[n]).all())):
+    while (
+        n < len(g.tokens)
+        and math.isfinite(g.confidences[n])
+        and (g.probs is None or bool(torch.isfinite(g.probs[n]).all()))
+    ):
         n += 1
     if n == len(g.tokens):
         return g
@@ -436,8 +473,9 @@ def _append_output(s: Sequence, tokens: list[int]) -> tuple[list[int], int]:
 def stream(model, seq: Sequence, mask_id: int | None, cache: KVCache | None = None) -> Iterator[list[int]]:
     """Decode one sequence to the end, yielding the tokens of each forward pass as they come."""
     if cache is None:
-        cache = KVCache.for_model(model, 1, len(seq.prompt_ids) + seq.params.max_new_tokens
-                                  + block_slack(seq.strategy.k))
+        cache = KVCache.for_model(
+            model, 1, len(seq.prompt_ids) + seq.params.max_new_tokens + block_slack(seq.strategy.k)
+        )
         seq.slot = 0
     cache.reset(seq.slot)
     seq.stats = DecodeStats()
@@ -446,12 +484,26 @@ def stream(model, seq: Sequence, mask_id: int | None, cache: KVCache | None = No
             yield decode_step(model, cache, [seq], mask_id)[0]
 
 
-def generate(model, prompt_ids: list[int], strategy: Strategy | str = "ntp", params: SamplingParams | None = None,
-             proposer: Proposer | None = None, mask_id: int | None = None, eos_ids=(), decode_text=None) -> Sequence:
+def generate(
+    model,
+    prompt_ids: list[int],
+    strategy: Strategy | str = "ntp",
+    params: SamplingParams | None = None,
+    proposer: Proposer | None = None,
+    mask_id: int | None = None,
+    eos_ids=(),
+    decode_text=None,
+) -> Sequence:
     """Decode one prompt to the end and return the finished Sequence (output, stats, finish reason)."""
     strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
-    seq = Sequence(list(prompt_ids), strategy, params or SamplingParams(), proposer or MaskProposer(),
-                   eos_ids=tuple(eos_ids), decode_text=decode_text)
+    seq = Sequence(
+        list(prompt_ids),
+        strategy,
+        params or SamplingParams(),
+        proposer or MaskProposer(),
+        eos_ids=tuple(eos_ids),
+        decode_text=decode_text,
+    )
     for _ in stream(model, seq, mask_id if mask_id is not None else model.config.mask_token_id):
         pass
     return seq

@@ -16,6 +16,7 @@ unlike the measurements it carries, no hashes tying it to weights and to every a
 from); `check_engine` refuses a deploy file made for other weights (the base weights hash, and the
 content hash of every adapter/heads/drafter/datastore it names) once the model is loaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,20 +39,24 @@ MEASURE_SLACK = 1e-9  # float rounding allowed when the measured figures are com
 class Asset:
     """An asset kind a deploy file hashes: the file hashed in its directory, what users call it and the
     flag of `mtp serve` (mtp.cli.options.add_model_args) that loads it."""
+
     file: str
     noun: str
     flag: str
 
 
-ASSETS = {"adapter": Asset("adapter.safetensors", "mask adapter", "--adapter"),
-          "heads": Asset("heads.safetensors", "MTP heads checkpoint", "--heads"),
-          "eagle3": Asset("model.safetensors", "EAGLE-3 drafter", "--eagle3"),
-          "datastore": Asset("datastore.safetensors", "suffix datastore", "--datastore")}
+ASSETS = {
+    "adapter": Asset("adapter.safetensors", "mask adapter", "--adapter"),
+    "heads": Asset("heads.safetensors", "MTP heads checkpoint", "--heads"),
+    "eagle3": Asset("model.safetensors", "EAGLE-3 drafter", "--eagle3"),
+    "datastore": Asset("datastore.safetensors", "suffix datastore", "--datastore"),
+}
 
 
 @dataclass(frozen=True)
 class Arm:
     """A strategy with the proposer it drafts from."""
+
     strategy: Strategy
     proposer: str
 
@@ -97,10 +102,18 @@ class Deploy:
         return [a.proposer for a in (self.tuned, self.fallback) if not a.strategy.plain]
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, "tuned": self.tuned.to_json(),
-                "fallback": self.fallback.to_json(), "tolerance": self.tolerance, "metric": self.metric,
-                "caps": self.caps, "calibration": {k: c.to_json() for k, c in self.calibration.items()},
-                "hashes": self.hashes, **self.extra}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "tuned": self.tuned.to_json(),
+            "fallback": self.fallback.to_json(),
+            "tolerance": self.tolerance,
+            "metric": self.metric,
+            "caps": self.caps,
+            "calibration": {k: c.to_json() for k, c in self.calibration.items()},
+            "hashes": self.hashes,
+            **self.extra,
+        }
 
     def calibration_json(self) -> dict:
         return {k: c.to_json() for k, c in self.calibration.items()}
@@ -122,7 +135,7 @@ def check_caps(caps) -> dict:
     """The safety caps, checked: an object with only CAPS' keys, `max_k` an integer >= 1 and `min_tau` a
     number in [0, 1] (the caps of a file as `mtp tune` writes it); a ValueError line otherwise."""
     if not isinstance(caps, dict):
-        raise ValueError("'caps' must be an object, e.g. {\"max_k\": 4, \"min_tau\": 0.9}")
+        raise ValueError('\'caps\' must be an object, e.g. {"max_k": 4, "min_tau": 0.9}')
     for key in caps:
         if key not in CAPS:
             raise ValueError(f"unknown cap {key!r}; the caps are {', '.join(CAPS)}")
@@ -172,17 +185,24 @@ def check_measured(deploy: Deploy) -> None:
             raise ValueError(f"measured.{key} must be a number, got {v!r}")
     tuned, tpf, loss = deploy.tuned, measured.get("tokens_per_forward"), measured.get("loss")
     if "arm" in measured and measured["arm"] != str(tuned):
-        raise ValueError(f"the tuned arm is {tuned} but the measurements are of {measured['arm']!r}: "
-                         "rerun mtp tune rather than editing its choice")
+        raise ValueError(
+            f"the tuned arm is {tuned} but the measurements are of {measured['arm']!r}: "
+            "rerun mtp tune rather than editing its choice"
+        )
     if tpf is not None and tpf > tuned.strategy.k + MEASURE_SLACK:
-        raise ValueError(f"measured tokens_per_forward {tpf:g} is more than the tuned arm {tuned} emits per pass "
-                         f"(K = {tuned.strategy.k}): the measurements are of another arm")
+        raise ValueError(
+            f"measured tokens_per_forward {tpf:g} is more than the tuned arm {tuned} emits per pass "
+            f"(K = {tuned.strategy.k}): the measurements are of another arm"
+        )
     if loss is not None and tuned.strategy.lossless and loss > MEASURE_SLACK:
-        raise ValueError(f"the tuned arm {tuned} is lossless but its measured loss is {loss:g}: the measurements "
-                         "are of another arm")
+        raise ValueError(
+            f"the tuned arm {tuned} is lossless but its measured loss is {loss:g}: the measurements are of another arm"
+        )
     if loss is not None and loss > deploy.tolerance + MEASURE_SLACK:
-        raise ValueError(f"the tuned arm {tuned}'s measured loss {loss:g} exceeds the tolerance {deploy.tolerance:g}: "
-                         "mtp tune would not have chosen it")
+        raise ValueError(
+            f"the tuned arm {tuned}'s measured loss {loss:g} exceeds the tolerance {deploy.tolerance:g}: "
+            "mtp tune would not have chosen it"
+        )
 
 
 def check_hashes(hashes, proposers: list[str]) -> dict:
@@ -219,7 +239,7 @@ def read(path: str | Path) -> Deploy:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a complete JSON deploy file (truncated?): {e}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{path}: not an mtp deploy file (no \"format\": \"{FORMAT}\"); write one with mtp tune")
+        raise ValueError(f'{path}: not an mtp deploy file (no "format": "{FORMAT}"); write one with mtp tune')
     if data.get("version") != VERSION:
         raise ValueError(f"{path}: deploy file version {data.get('version')!r}, this mtp reads version {VERSION}")
     try:
@@ -227,11 +247,16 @@ def read(path: str | Path) -> Deploy:
         if not isinstance(calib, dict):
             raise ValueError("'calibration' must map proposer names to per-depth maps")
         known = ("format", "version", "tuned", "fallback", "tolerance", "metric", "caps", "calibration", "hashes")
-        deploy = Deploy(tuned=Arm.parse(data.get("tuned"), "tuned"),
-                        fallback=Arm.parse(data.get("fallback"), "fallback"),
-                        tolerance=data.get("tolerance"), metric=data.get("metric"), caps=data.get("caps", {}),
-                        calibration={str(k): Calibration.from_json(v) for k, v in calib.items()},
-                        hashes=data.get("hashes"), extra={k: v for k, v in data.items() if k not in known})
+        deploy = Deploy(
+            tuned=Arm.parse(data.get("tuned"), "tuned"),
+            fallback=Arm.parse(data.get("fallback"), "fallback"),
+            tolerance=data.get("tolerance"),
+            metric=data.get("metric"),
+            caps=data.get("caps", {}),
+            calibration={str(k): Calibration.from_json(v) for k, v in calib.items()},
+            hashes=data.get("hashes"),
+            extra={k: v for k, v in data.items() if k not in known},
+        )
         check_hashes(deploy.hashes, deploy.drafting)
         check_measured(deploy)
         return deploy
@@ -283,8 +308,12 @@ def check_engine(deploy: Deploy, engine) -> None:
     for kind, want in deploy.hashes.items():
         asset = ASSETS.get(kind)
         if kind not in have:
-            raise ValueError(f"the deploy file was tuned with the {asset.noun if asset else kind} hashed {want}, "
-                             f"which was not loaded here; pass {asset.flag if asset else '--' + kind} DIR")
+            raise ValueError(
+                f"the deploy file was tuned with the {asset.noun if asset else kind} hashed {want}, "
+                f"which was not loaded here; pass {asset.flag if asset else '--' + kind} DIR"
+            )
         if have[kind] != want:
-            raise ValueError(f"the deploy file was tuned on another {asset.noun if asset else kind} (hash {want}, "
-                             f"loaded {have[kind]}); rerun mtp tune for this one")
+            raise ValueError(
+                f"the deploy file was tuned on another {asset.noun if asset else kind} (hash {want}, "
+                f"loaded {have[kind]}); rerun mtp tune for this one"
+            )

@@ -4,6 +4,7 @@ The glue every front end shares (CLI, server, benchmarks, pipeline): prompt enco
 template, context-window checks, proposer construction, and turning a finished `decode.Sequence`
 into a result with the metrics of `mtp.core.metrics`. The decoding itself is `mtp.core.decode`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,8 +57,14 @@ class Result:
     stats: DecodeStats | None = None
 
     def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "strategy": self.strategy, **self.summary, "chunks": self.chunks}
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "strategy": self.strategy,
+            **self.summary,
+            "chunks": self.chunks,
+        }
 
 
 class Engine:
@@ -166,21 +173,33 @@ class Engine:
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def new_sequence(self, prompt_ids: list[int], strategy: str | Strategy, params: SamplingParams,
-                     proposer: str | None = None) -> Sequence:
+    def new_sequence(
+        self, prompt_ids: list[int], strategy: str | Strategy, params: SamplingParams, proposer: str | None = None
+    ) -> Sequence:
         strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
         proposer = proposer or self.config.proposer
         n = len(prompt_ids)
         if n >= self.context_window:
             raise ValueError(f"prompt of {n} tokens does not fit the context window of {self.context_window}")
         if n + params.max_new_tokens > self.context_window:
-            raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                             f"context window of {self.context_window}")
+            raise ValueError(
+                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"context window of {self.context_window}"
+            )
         if strategy.k > 1 and not self.can_propose(proposer):
-            raise ValueError(f"strategy {strategy} needs an MTP adapter (the model has no <mtp_mask> token); "
-                             "pass --adapter DIR or use ntp / --proposer lookup")
-        return Sequence(list(prompt_ids), strategy, params, self.proposer(proposer), eos_ids=self.loaded.eos_ids,
-                        decode_text=self.decode_text, pass_time=self.pass_time() if strategy.auto else None)
+            raise ValueError(
+                f"strategy {strategy} needs an MTP adapter (the model has no <mtp_mask> token); "
+                "pass --adapter DIR or use ntp / --proposer lookup"
+            )
+        return Sequence(
+            list(prompt_ids),
+            strategy,
+            params,
+            self.proposer(proposer),
+            eos_ids=self.loaded.eos_ids,
+            decode_text=self.decode_text,
+            pass_time=self.pass_time() if strategy.auto else None,
+        )
 
     def pass_time(self):
         """t(q) of this machine (`mtp.core.costmodel`): set by the owner (`mtp serve` measures it at
@@ -195,14 +214,24 @@ class Engine:
 
     def result(self, seq: Sequence) -> Result:
         text = seq.text if seq.text is not None else self.decode_text(seq.output)
-        return Result(text=text, token_ids=list(seq.output), finish_reason=seq.finish_reason or "length",
-                      strategy=str(seq.strategy), summary=seq.stats.summary(seq.strategy.k),
-                      chunks=list(seq.stats.chunks), confidences=list(seq.stats.confidences),
-                      prompt_tokens=len(seq.prompt_ids), stats=seq.stats)
+        return Result(
+            text=text,
+            token_ids=list(seq.output),
+            finish_reason=seq.finish_reason or "length",
+            strategy=str(seq.strategy),
+            summary=seq.stats.summary(seq.strategy.k),
+            chunks=list(seq.stats.chunks),
+            confidences=list(seq.stats.confidences),
+            prompt_tokens=len(seq.prompt_ids),
+            stats=seq.stats,
+        )
 
-    def generate(self, prompt, strategy: str | Strategy = "ntp", params: SamplingParams | None = None,
-                 chat: bool = True) -> Result:
-        ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.encode(prompt, chat)
+    def generate(
+        self, prompt, strategy: str | Strategy = "ntp", params: SamplingParams | None = None, chat: bool = True
+    ) -> Result:
+        ids = (
+            prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.encode(prompt, chat)
+        )
         seq = self.new_sequence(ids, strategy, params or SamplingParams())
         for _ in self.stream(seq):
             pass
@@ -218,12 +247,12 @@ class Engine:
         accepted_from = result.stats.accepted_from if result.stats is not None else []
         pieces, i = [], 0
         for j, n in enumerate(result.chunks):
-            ids = result.token_ids[i:i + n]
+            ids = result.token_ids[i : i + n]
             i += n
             if not ids:
                 continue
             # decode with the preceding text so multi-token characters come out whole
-            text = self.decode_text(result.token_ids[:i])[len(self.decode_text(result.token_ids[:i - n])):]
+            text = self.decode_text(result.token_ids[:i])[len(self.decode_text(result.token_ids[: i - n])) :]
             if as_html:
                 drafted = accepted_from[j] if j < len(accepted_from) else []
                 cls, title = f"c{j % 6}", f"pass {j}: {n} tokens"
@@ -231,9 +260,11 @@ class Engine:
                     counts = accepted_by_proposer([drafted])
                     cls += "".join(f" from-{name}" for name in drafted[-1])
                     title += f"; {len(drafted)} drafts accepted, drafted by " + ", ".join(
-                        f"{name} ({c})" for name, c in counts.items())
-                pieces.append(f'<span class="{html.escape(cls)}" title="{html.escape(title)}">'
-                              f'{html.escape(text)}</span>')
+                        f"{name} ({c})" for name, c in counts.items()
+                    )
+                pieces.append(
+                    f'<span class="{html.escape(cls)}" title="{html.escape(title)}">{html.escape(text)}</span>'
+                )
             else:
                 pieces.append(f"\x1b[{colours[j % 6]}m{text}\x1b[0m")
         return "".join(pieces)

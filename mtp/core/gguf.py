@@ -2,6 +2,7 @@
 before anything is hashed or allocated (`gguf_header`), then the tensors are dequantised to float32
 with the `gguf` package and renamed to mtp's parameter names (`read_gguf`), with a Hugging Face
 config built from the metadata and checked like any config.json (`mtp.core.hf_config`)."""
+
 from __future__ import annotations
 
 import math
@@ -23,10 +24,17 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
@@ -69,7 +77,7 @@ def _walk_gguf(buf) -> tuple[dict, dict[str, list[int]]]:
         if n > len(buf) - pos:
             raise ValueError(f"a string of {n} bytes runs past the end of the file (truncated?)")
         pos += n
-        return bytes(buf[pos - n:pos]).decode("utf-8")
+        return bytes(buf[pos - n : pos]).decode("utf-8")
 
     def value(kind: int):
         nonlocal pos, budget
@@ -129,8 +137,9 @@ def _walk_gguf(buf) -> tuple[dict, dict[str, list[int]]]:
             raise ValueError(f"tensor {name!r}: {dims[0]} columns do not fill {block}-wide blocks")
         end = start + offset + math.prod(dims) // block * size
         if end > len(buf):
-            raise ValueError(f"tensor {name!r} ends at byte {end}, past the end of the {len(buf)}-byte "
-                             "file (truncated?)")
+            raise ValueError(
+                f"tensor {name!r} ends at byte {end}, past the end of the {len(buf)}-byte file (truncated?)"
+            )
     return meta, {name: dims for name, dims, _, _ in infos}
 
 
@@ -141,8 +150,7 @@ def read_gguf(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     meta, tensors = gguf_header(gguf_path)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHS:
-        raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
-                             f"{', '.join(GGUF_ARCHS)}")
+        raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
 
     def count(key: str, default=None) -> int:
         full = f"{arch}.{key}"
@@ -168,11 +176,21 @@ def read_gguf(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     n_heads, dim = count("attention.head_count"), count("embedding_length")
     n_kv = count("attention.head_count_kv", n_heads)
     hf = {
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
-        "model_type": arch, "vocab_size": shapes["embed_tokens.weight"][0], "hidden_size": dim,
-        "num_hidden_layers": count("block_count"), "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv, "intermediate_size": count("feed_forward_length"),
+        "architectures": [
+            {
+                "llama": "LlamaForCausalLM",
+                "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM",
+            }[arch]
+        ],
+        "model_type": arch,
+        "vocab_size": shapes["embed_tokens.weight"][0],
+        "hidden_size": dim,
+        "num_hidden_layers": count("block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "intermediate_size": count("feed_forward_length"),
         "head_dim": count("attention.key_length", dim // n_heads or 1),
         "rope_theta": number(f"{arch}.rope.freq_base", 10000.0),
         "rms_norm_eps": number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
@@ -206,8 +224,11 @@ def read_gguf(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 def our_name(gguf_name: str) -> str | None:
     """Our parameter name for a GGUF tensor name (None: a tensor we do not use, e.g. rope_freqs)."""
-    top = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
-           "output.weight": "lm_head.weight"}
+    top = {
+        "token_embd.weight": "embed_tokens.weight",
+        "output_norm.weight": "norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if gguf_name in top:
         return top[gguf_name]
     parts = gguf_name.split(".", 3)

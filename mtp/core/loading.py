@@ -12,6 +12,7 @@ in the file headers before anything is allocated (`mtp.core.hf_config`), a GGUF'
 checked before it is hashed (`mtp.core.gguf`), and a chat template must render. Processes sharing a
 cache convert a GGUF once (a lock).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,8 +74,9 @@ def resolve(name: str) -> Path:
         return path
     path = Path(name).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model not found: {name!r} (a HF model directory, a .gguf file, or one of: "
-                             f"{', '.join(EMBEDDED)})")
+        raise ModelLoadError(
+            f"model not found: {name!r} (a HF model directory, a .gguf file, or one of: {', '.join(EMBEDDED)})"
+        )
     return path
 
 
@@ -87,9 +89,15 @@ def load(name: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu") -> Loaded
     converted = gguf_to_hf_dir(path)
     try:
         return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name)
-    except (ModelLoadError, ArtifactError) as e:  # the cached conversion is ours and the GGUF is its source: build it again
-        print(f"mtp: the cached conversion {converted} does not load ({str(e).splitlines()[0]}); "
-              f"converting {path.name} again", file=sys.stderr)
+    except (
+        ModelLoadError,
+        ArtifactError,
+    ) as e:  # the cached conversion is ours and the GGUF is its source: build it again
+        print(
+            f"mtp: the cached conversion {converted} does not load ({str(e).splitlines()[0]}); "
+            f"converting {path.name} again",
+            file=sys.stderr,
+        )
         converted = gguf_to_hf_dir(path, rebuild=True)
         return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name)
 
@@ -117,8 +125,7 @@ def load_tokenizer(path: Path):
         raise ModelLoadError(f"{path}: the tokenizer does not load ({first_line(e)})") from None
     if getattr(tok, "chat_template", None):
         try:
-            tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                    tokenize=False)
+            tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
         except Exception as e:  # a template is a program: syntax, sandbox and runtime errors alike
             raise ModelLoadError(f"{chat_template_file(path)}: broken chat template ({first_line(e)})") from None
     return tok
@@ -191,11 +198,16 @@ def load_hf_dir(path: Path, dtype=torch.float32, device="cpu") -> Transformer:
     want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in tied}
     have = {k: s for k, s in shapes.items() if k not in tied}
     missing, unexpected = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
-    wrong = [f"{k} {list(have[k])} (config: {list(want[k])})" for k in sorted(want.keys() & have.keys())
-             if want[k] != have[k]]
+    wrong = [
+        f"{k} {list(have[k])} (config: {list(want[k])})"
+        for k in sorted(want.keys() & have.keys())
+        if want[k] != have[k]
+    ]
     if missing or unexpected or wrong:
-        raise ModelLoadError(f"{path}: weights do not match config.json: missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]}, wrong shape {wrong[:3]}")
+        raise ModelLoadError(
+            f"{path}: weights do not match config.json: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}, wrong shape {wrong[:3]}"
+        )
     model = model.to_empty(device=device)
     state = {}
     for f in files:
@@ -211,15 +223,28 @@ def load_hf_dir(path: Path, dtype=torch.float32, device="cpu") -> Transformer:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}[cfg.arch]
+    arch = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }[cfg.arch]
     d = {
-        "architectures": [arch], "model_type": cfg.arch, "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.intermediate_size,
-        "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias,
-        "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu",
+        "architectures": [arch],
+        "model_type": cfg.arch,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "head_dim": cfg.head_dim,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.qkv_bias,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
     }
     if cfg.rope_scaling:
         d["rope_scaling"] = cfg.rope_scaling
@@ -230,8 +255,20 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return d
 
 
-HF_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json"}
+HF_FILES = {
+    "config.json",
+    "model.safetensors",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+}
+
+
 def _is_hf_dir(path: Path) -> bool:
     """A model directory mtp wrote (config, weights, tokenizer files only)."""
     names = {p.name for p in Path(path).iterdir()}
@@ -247,8 +284,9 @@ def save_hf_dir(model: Transformer, path: Path, tokenizer=None) -> None:
     """Write config.json + model.safetensors (+ tokenizer) atomically, as a standard Hugging Face
     checkpoint that transformers and vLLM load unmodified."""
     with atomic_dir(path, _is_hf_dir) as tmp:
-        state = {k: v for k, v in model.state_dict().items()
-                 if not (model.config.tie_embeddings and k == "lm_head.weight")}
+        state = {
+            k: v for k, v in model.state_dict().items() if not (model.config.tie_embeddings and k == "lm_head.weight")
+        }
         save_file(hf_names(state), str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
         if tokenizer is not None:
@@ -266,8 +304,7 @@ def gguf_to_hf_dir(gguf_path: Path, rebuild: bool = False) -> Path:
     meta, tensors = gguf_header(gguf_path)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHS:
-        raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
-                             f"{', '.join(GGUF_ARCHS)}")
+        raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
     out = cache_root() / f"{gguf_path.stem}-{file_digest(gguf_path)}-hf"
     if not rebuild and _converted(out):
         return out
@@ -314,5 +351,3 @@ def _conversion_lock(out: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-

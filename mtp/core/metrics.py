@@ -32,6 +32,7 @@ Definitions (one forward pass = one call of the model on one block, the prompt's
   rows) and the guesses it returned (before `tree:auto` keeps some); seconds per guess, what `mtp bench`
   and `mtp tune` price proposing by, is their sum over their sum, and the server prices it per pass.
 """
+
 from __future__ import annotations
 
 import time
@@ -52,9 +53,16 @@ class DecodeStats:
     t_first: float | None = None
     t_end: float | None = None
 
-    def record_pass(self, n_emitted: int, confidences: list[float], block_tokens: int | None = None,
-                    accepted_from: list[tuple[str, ...]] | None = None, expected: float | None = None,
-                    proposing_s: float = 0.0, guesses: int = 0) -> None:
+    def record_pass(
+        self,
+        n_emitted: int,
+        confidences: list[float],
+        block_tokens: int | None = None,
+        accepted_from: list[tuple[str, ...]] | None = None,
+        expected: float | None = None,
+        proposing_s: float = 0.0,
+        guesses: int = 0,
+    ) -> None:
         self.chunks.append(n_emitted)
         self.proposing_s.append(proposing_s)
         self.guesses.append(guesses)
@@ -163,6 +171,7 @@ def rouge_l(predictions: list[str], references: list[str]) -> float | None:
     if not predictions:
         return None
     from rouge_score import rouge_scorer  # optional [bench] dependency: only ROUGE needs it
+
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     return sum(scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references)) / len(predictions)
 

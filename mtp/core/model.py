@@ -8,6 +8,7 @@ Logits match `transformers` for every supported architecture (tests/test_model.p
 Supported: Llama 2/3 (incl. llama3 RoPE scaling), SmolLM/SmolLM2, Mistral, Qwen2/2.5 (q/k/v bias),
 Qwen3 (per-head q/k RMSNorm).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,15 +62,18 @@ class ModelConfig:
         """Our architecture name for a Hugging Face config dict; unsupported scope fails loudly."""
         archs = hf.get("architectures") or []
         archs = archs if isinstance(archs, list) else [archs]
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in SUPPORTED_ARCHITECTURES),
-                    None)
+        arch = next(
+            (SUPPORTED_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in SUPPORTED_ARCHITECTURES), None
+        )
         if arch is None:
             arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-                str(hf.get("model_type", "")))
+                str(hf.get("model_type", ""))
+            )
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-                + ", ".join(sorted(SUPPORTED_ARCHITECTURES)))
+                + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+            )
         return arch
 
     @classmethod
@@ -133,6 +137,7 @@ class Linear(nn.Linear):
     The packed copy is used only without autograd and only while the weight is unchanged (its
     version counter), and off the main thread only for calls of at least PACKED_MIN_ROWS_OFF_MAIN
     rows (oneDNN's per-call cost off the main thread outweighs the gain on smaller ones)."""
+
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     packed_version: int = -1
@@ -150,8 +155,13 @@ def use_packed(x: torch.Tensor) -> bool:
     Only float32 rows: the packed weights are float32, and a bf16 row (under `--amp` autocast) would
     take oneDNN's bf16 path, which exists only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on an
     AVX2-only CPU it raises. Such rows take the plain `F.linear`, which autocast serves on every CPU."""
-    return x.dtype == torch.float32 and not torch.is_grad_enabled() and (
-        x.numel() >= PACKED_MIN_ROWS_OFF_MAIN * x.shape[-1] or threading.current_thread() is threading.main_thread())
+    return (
+        x.dtype == torch.float32
+        and not torch.is_grad_enabled()
+        and (
+            x.numel() >= PACKED_MIN_ROWS_OFF_MAIN * x.shape[-1] or threading.current_thread() is threading.main_thread()
+        )
+    )
 
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -248,8 +258,7 @@ class Attention(nn.Module):
             k, v = torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0)
         if kv is not None:  # write this block into the cache, then attend over the cache prefix
             k, v = kv(k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1), gate)
 
 
@@ -362,8 +371,17 @@ class Transformer(nn.Module):
         x = self.forward_layers(x, positions, cache, slots, attn_mask, gate, cache_positions)
         return self.forward_head(x, out_index, return_hidden)
 
-    def forward_layers(self, x, positions, cache=None, slots=None, attn_mask=None, gate=None, cache_positions=None,
-                       aux_layers: tuple[int, ...] = ()):
+    def forward_layers(
+        self,
+        x,
+        positions,
+        cache=None,
+        slots=None,
+        attn_mask=None,
+        gate=None,
+        cache_positions=None,
+        aux_layers: tuple[int, ...] = (),
+    ):
         """Run every block of `self.layers` over hidden states x [B, T, dim] -> [B, T, dim].
 
         Split out of `forward` so a pipeline stage (mtp.pipeline.stages), whose `layers` is its slice of the
@@ -389,8 +407,11 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 taken[i] = x
-            kv = cache.writer(i, positions if cache_positions is None else cache_positions, slots) \
-                if cache is not None else None
+            kv = (
+                cache.writer(i, positions if cache_positions is None else cache_positions, slots)
+                if cache is not None
+                else None
+            )
             x = layer(x, cos, sin, mask, kv, gate)
         if not aux_layers:
             return x
@@ -423,6 +444,7 @@ def add_mask_token(model: Transformer, n_used_tokens: int | None = None, seed: i
     gen = torch.Generator().manual_seed(seed)
     n_used = n_used_tokens if n_used_tokens is not None else cfg.vocab_size
     with torch.no_grad():
+
         def init_row(w):
             ref = w[:n_used].float()
             return (ref.mean(0) + ref.std(0) * torch.randn(w.shape[1], generator=gen)).to(w.dtype)

@@ -10,6 +10,7 @@ for a tolerance to be stated in: `mtp tune --metric`, `mtp serve --deploy`'s rol
 The loss of a set of outputs is the mean over items, so a tolerance of 0.02 means "at most 2 % of
 answers change" (answer, exact) or "ROUGE-L at least 0.98 on average" (rougeL).
 """
+
 from __future__ import annotations
 
 import re
@@ -47,8 +48,6 @@ def extract_answer(text: str) -> str | None:
             return normalize(hits[-1])
     hits = _ANY.findall(text)
     return normalize(hits[-1]) if hits else None
-
-
 
 
 def item_loss(metric: str, ids: list[int], text: str, ref_ids: list[int], ref_text: str) -> float:

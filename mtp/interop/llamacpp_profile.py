@@ -18,6 +18,7 @@ tokens for t_draft + t(n + 2) - t(n + 1) more seconds per step, which pays only 
 rate times that cost, so that product is the advised p-min (it assumes the drafter's probabilities are
 calibrated, as `mtp tune` measures for our own proposers).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,24 @@ def measure(target, qs=QS, depth: int = 128, threads: int = 1, repeats: int = 3)
     gone = llamacpp_env.missing()
     if gone:
         raise ValueError(gone)
-    cmd = [str(llamacpp_env.prefix() / "build" / "bin" / "llama-bench"), "-m", str(target), "-p",
-           ",".join(map(str, qs)), "-n", "0", "-d", str(depth), "-t", str(threads), "-r", str(repeats), "-o", "json",
-           *llamacpp_env.run_flags()]
+    cmd = [
+        str(llamacpp_env.prefix() / "build" / "bin" / "llama-bench"),
+        "-m",
+        str(target),
+        "-p",
+        ",".join(map(str, qs)),
+        "-n",
+        "0",
+        "-d",
+        str(depth),
+        "-t",
+        str(threads),
+        "-r",
+        str(repeats),
+        "-o",
+        "json",
+        *llamacpp_env.run_flags(),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -50,7 +66,7 @@ def chain_acceptance(accepted_per_step: float, drafts: float) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(60):
         a = (lo + hi) / 2
-        if sum(a ** d for d in range(1, whole + 1)) < accepted_per_step:
+        if sum(a**d for d in range(1, whole + 1)) < accepted_per_step:
             lo = a
         else:
             hi = a
@@ -71,17 +87,28 @@ def advise(t: dict[int, float], timings: list[dict], n_max: int = 7) -> dict:
     drafts = drafted / steps
     t_draft = max(0.0, (ms / 1e3 / steps - pass_time(1 + drafts)) / drafts)
     a = chain_acceptance(acc / steps, drafts)
-    rates = {k: sum(a ** d for d in range(k + 1)) / (pass_time(k + 1) + k * t_draft) for k in range(n_max + 1)}
+    rates = {k: sum(a**d for d in range(k + 1)) / (pass_time(k + 1) + k * t_draft) for k in range(n_max + 1)}
     best = max(rates, key=lambda k: rates[k])
     extra = t_draft + pass_time(best + 2) - pass_time(best + 1)
-    return {"n_max": best, "p_min": min(1.0, rates[best] * extra), "acceptance": a, "draft_s": t_draft,
-            "drafts_per_step": drafts, "rates": rates, "speedup": rates[best] / rates[0]}
+    return {
+        "n_max": best,
+        "p_min": min(1.0, rates[best] * extra),
+        "acceptance": a,
+        "draft_s": t_draft,
+        "drafts_per_step": drafts,
+        "rates": rates,
+        "speedup": rates[best] / rates[0],
+    }
 
 
 def advice_line(row: str, adv: dict) -> str:
     if adv["n_max"] == 0:
-        return (f"{row}: on this target llama.cpp's t(q) favours no drafting (each draft costs "
-                f"{1e3 * adv['draft_s']:.1f} ms, acceptance {adv['acceptance']:.2f} per draft): serve it plain")
-    return (f"{row}: llama.cpp's t(q) favours --spec-draft-n-max {adv['n_max']} --spec-draft-p-min "
-            f"{adv['p_min']:.2f} (expected {adv['speedup']:.2f}x plain; {1e3 * adv['draft_s']:.1f} ms per draft, "
-            f"acceptance {adv['acceptance']:.2f} per draft)")
+        return (
+            f"{row}: on this target llama.cpp's t(q) favours no drafting (each draft costs "
+            f"{1e3 * adv['draft_s']:.1f} ms, acceptance {adv['acceptance']:.2f} per draft): serve it plain"
+        )
+    return (
+        f"{row}: llama.cpp's t(q) favours --spec-draft-n-max {adv['n_max']} --spec-draft-p-min "
+        f"{adv['p_min']:.2f} (expected {adv['speedup']:.2f}x plain; {1e3 * adv['draft_s']:.1f} ms per draft, "
+        f"acceptance {adv['acceptance']:.2f} per draft)"
+    )

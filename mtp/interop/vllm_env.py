@@ -1,6 +1,7 @@
 """Running vLLM from mtp: it lives in its own environment (`make vllm` -> `.venv-vllm`, its own torch and
 transformers pins), so mtp starts `mtp/interop/vllm_runner.py` with that environment's python and reads
 JSON back. Used by the vLLM tests, `benchmarks/eagle3_vllm.py` and the vLLM peers of `mtp bench`."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,16 @@ def target_dir(model: str = loading.DEFAULT_MODEL) -> Path:
     return path
 
 
-def run_vllm(model_dir, prompts: list[list[int]], max_tokens: int, runs: list[dict], timeout: float = 1800,
-             log=None, allow_errors: bool = False, **job) -> list[dict]:
+def run_vllm(
+    model_dir,
+    prompts: list[list[int]],
+    max_tokens: int,
+    runs: list[dict],
+    timeout: float = 1800,
+    log=None,
+    allow_errors: bool = False,
+    **job,
+) -> list[dict]:
     """Greedy vLLM on token-id prompts, once per entry of `runs` ({"name", "speculative_config",
     "tensor_parallel_size", "pipeline_parallel_size"}). Returns the runner's records (outputs without
     trailing EOS left as vLLM gives them); a configuration vLLM fails on raises, or with
@@ -43,10 +52,12 @@ def run_vllm(model_dir, prompts: list[list[int]], max_tokens: int, runs: list[di
         raise ValueError(f"vLLM is not installed: {HINT}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "job.json"
-        path.write_text(json.dumps({"model": str(model_dir), "prompts": prompts, "max_tokens": max_tokens,
-                                    "runs": runs, **job}))
-        proc = subprocess.run([str(python), str(RUNNER), str(path)], capture_output=True, text=True,
-                              timeout=timeout, cwd=tmp)
+        path.write_text(
+            json.dumps({"model": str(model_dir), "prompts": prompts, "max_tokens": max_tokens, "runs": runs, **job})
+        )
+        proc = subprocess.run(
+            [str(python), str(RUNNER), str(path)], capture_output=True, text=True, timeout=timeout, cwd=tmp
+        )
     if log is not None:
         log(proc.stderr)
     if proc.returncode != 0:
@@ -83,8 +94,14 @@ class VllmProcess:
         job = Path(self.tmp.name) / "job.json"
         job.write_text(json.dumps({"model": str(model_dir), "runs": [run], "max_model_len": max_model_len}))
         self.log = open(Path(self.tmp.name) / "stderr.log", "w")
-        self.proc = subprocess.Popen([str(python), str(RUNNER), "--serve", str(job)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=self.tmp.name)
+        self.proc = subprocess.Popen(
+            [str(python), str(RUNNER), "--serve", str(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=self.tmp.name,
+        )
         self._read()  # {"ready": true} once the model is loaded
 
     def _read(self) -> dict:

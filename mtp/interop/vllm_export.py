@@ -16,6 +16,7 @@ would not load unmodified; and vLLM's `eagle` (EAGLE-1) drafter is a full attent
 own KV cache on cat(embed, hidden) (embedding first), whereas a head depth attends to its own
 position only and chains D separate modules, so no weight mapping reproduces its drafts.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,30 +46,42 @@ def export_vllm_eagle3(src, out) -> dict:
     """Check drafter directory `src` and write its vLLM EAGLE-3 directory to `out`; return its config."""
     src, out = Path(src), Path(out)
     if (src / "heads.safetensors").exists():
-        raise ArtifactError(f"{src} holds DeepSeek-style heads: vLLM has no format that loads them unmodified "
-                            "on a Llama target (see README, 'EAGLE-3 drafter and vLLM'); train an EAGLE-3 "
-                            "drafter with `mtp train-eagle3`")
+        raise ArtifactError(
+            f"{src} holds DeepSeek-style heads: vLLM has no format that loads them unmodified "
+            "on a Llama target (see README, 'EAGLE-3 drafter and vLLM'); train an EAGLE-3 "
+            "drafter with `mtp train-eagle3`"
+        )
     cfg = read_drafter_config(src)
     try:
         ecfg = Eagle3Config.from_hf(cfg)
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"{src / CONFIG}: bad EAGLE-3 config ({str(e).splitlines()[0]})") from None
     if len(ecfg.aux_layers) != VLLM_FC_LAYERS:
-        raise ArtifactError(f"{src} fuses {len(ecfg.aux_layers)} trunk layers; vLLM's EAGLE-3 drafter reads "
-                            f"exactly {VLLM_FC_LAYERS}")
+        raise ArtifactError(
+            f"{src} fuses {len(ecfg.aux_layers)} trunk layers; vLLM's EAGLE-3 drafter reads exactly {VLLM_FC_LAYERS}"
+        )
     top = ecfg.target_layers or max(ecfg.aux_layers) + 1
-    if any(a >= b for a, b in zip(ecfg.aux_layers, ecfg.aux_layers[1:])) or min(ecfg.aux_layers) < 0 \
-            or max(ecfg.aux_layers) >= top:
-        raise ArtifactError(f"{src} fuses trunk layers {ecfg.aux_layers}; vLLM collects distinct layers below the "
-                            "last in ascending order (e.g. 2,15,27 of 30)")
+    if (
+        any(a >= b for a, b in zip(ecfg.aux_layers, ecfg.aux_layers[1:]))
+        or min(ecfg.aux_layers) < 0
+        or max(ecfg.aux_layers) >= top
+    ):
+        raise ArtifactError(
+            f"{src} fuses trunk layers {ecfg.aux_layers}; vLLM collects distinct layers below the "
+            "last in ascending order (e.g. 2,15,27 of 30)"
+        )
     state = load_safetensors(src / WEIGHTS)
     check_finite(state, src / WEIGHTS, "export")
     want = Eagle3Drafter(ecfg).state_dict()
     for name, t in want.items():
-        if name not in state or tuple(state[name].shape) != tuple(t.shape) or state[name].dtype.is_floating_point \
-                != t.dtype.is_floating_point:
-            raise ArtifactError(f"{src / WEIGHTS}: tensor {name} missing or of the wrong shape "
-                                f"(expected {tuple(t.shape)})")
+        if (
+            name not in state
+            or tuple(state[name].shape) != tuple(t.shape)
+            or state[name].dtype.is_floating_point != t.dtype.is_floating_point
+        ):
+            raise ArtifactError(
+                f"{src / WEIGHTS}: tensor {name} missing or of the wrong shape (expected {tuple(t.shape)})"
+            )
     extra = sorted(set(state) - set(want))
     if extra:
         raise ArtifactError(f"{src / WEIGHTS}: unexpected tensors {extra[:3]}")
@@ -76,8 +89,14 @@ def export_vllm_eagle3(src, out) -> dict:
     if int(ids.min()) < 0 or int(ids.max()) >= ecfg.vocab_size:
         raise ArtifactError(f"{src / WEIGHTS}: d2t maps outside the vocabulary of {ecfg.vocab_size}")
     tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
-    out_cfg = {**ecfg.to_hf(), "format": FORMAT, "version": cfg.get("version", 1), "base_hash": cfg["base_hash"],
-               "exported": "vllm-eagle3", "n_params": cfg.get("n_params"),
-               "metrics": (cfg.get("meta") or {}).get("metrics", {})}
+    out_cfg = {
+        **ecfg.to_hf(),
+        "format": FORMAT,
+        "version": cfg.get("version", 1),
+        "base_hash": cfg["base_hash"],
+        "exported": "vllm-eagle3",
+        "n_params": cfg.get("n_params"),
+        "metrics": (cfg.get("meta") or {}).get("metrics", {}),
+    }
     write_dir_atomic(out, {WEIGHTS: tensors, CONFIG: out_cfg}, kind=is_export_dir)
     return out_cfg

@@ -12,6 +12,7 @@ Output, one line per run (or {"name", "error"} for a configuration vLLM refuses 
 "accepted_per_pos", "mean_acceptance_length"} (mean acceptance length = 1 + accepted / drafts, the
 number vLLM's spec-decode metrics define). It imports nothing from mtp.
 """
+
 from __future__ import annotations
 
 import gc
@@ -55,9 +56,17 @@ def llm_kwargs(job: dict, spec: dict, max_num_seqs: int) -> dict:
     config, tensor/pipeline parallel sizes (the CPU runner needs graph mode with the eager backend
     for pipeline parallel)."""
     pp = spec.get("pipeline_parallel_size", 1)
-    kwargs = dict(model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 1024),
-                  max_num_seqs=max_num_seqs, enforce_eager=pp == 1, disable_log_stats=False, seed=0,
-                  tensor_parallel_size=spec.get("tensor_parallel_size", 1), pipeline_parallel_size=pp)
+    kwargs = dict(
+        model=job["model"],
+        dtype="float32",
+        max_model_len=job.get("max_model_len", 1024),
+        max_num_seqs=max_num_seqs,
+        enforce_eager=pp == 1,
+        disable_log_stats=False,
+        seed=0,
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        pipeline_parallel_size=pp,
+    )
     if pp > 1:
         kwargs["compilation_config"] = {"mode": 2, "backend": "eager"}
     if spec.get("speculative_config"):
@@ -78,14 +87,22 @@ def run(job: dict, spec: dict) -> dict:
     wall = time.perf_counter() - t0
     after = spec_metrics(llm)
     m = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-    per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
-               for i, a in enumerate(after["accepted_per_pos"])]
+    per_pos = [
+        a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
+        for i, a in enumerate(after["accepted_per_pos"])
+    ]
     del llm
     gc.collect()
     n = sum(len(o) for o in outs)
-    return {"name": spec["name"], "outputs": outs, "wall_s": round(wall, 3),
-            "tokens_per_s": round(n / wall, 3) if wall > 0 else 0.0, **m, "accepted_per_pos": per_pos,
-            "mean_acceptance_length": round(1 + m["accepted"] / m["drafts"], 4) if m["drafts"] else None}
+    return {
+        "name": spec["name"],
+        "outputs": outs,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(n / wall, 3) if wall > 0 else 0.0,
+        **m,
+        "accepted_per_pos": per_pos,
+        "mean_acceptance_length": round(1 + m["accepted"] / m["drafts"], 4) if m["drafts"] else None,
+    }
 
 
 def serve(job: dict) -> int:
@@ -101,8 +118,10 @@ def serve(job: dict) -> int:
         params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"])
         out = llm.generate([TokensPrompt(prompt_token_ids=req["prompt_ids"])], params, use_tqdm=False)
         m = spec_metrics(llm)
-        print(json.dumps({"ids": list(out[0].outputs[0].token_ids), "drafts": m["drafts"],
-                          "accepted": m["accepted"]}), flush=True)
+        print(
+            json.dumps({"ids": list(out[0].outputs[0].token_ids), "drafts": m["drafts"], "accepted": m["accepted"]}),
+            flush=True,
+        )
     return 0
 
 
@@ -116,7 +135,10 @@ def main() -> int:
         try:
             rec = run(job, spec)
         except Exception as e:  # a configuration vLLM cannot run is a result too: report it, go on
-            rec = {"name": spec["name"], "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+            rec = {
+                "name": spec["name"],
+                "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+            }
         print(json.dumps(rec), flush=True)
     return 0
 

@@ -1,6 +1,7 @@
 """Launching P pipeline stages as local processes (`mtp pipeline --stages P`): each runs `fn(rank,
 world, *args)` with torch.distributed set up on loopback; under torchrun each process is one stage
 already (`python -m mtp.pipeline`, whose options `mtp.cli.pipeline` defines)."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,15 @@ def _free_port() -> int:
 
 
 def _local_entry(rank: int, world: int, port: int, fn, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MTP_PIPELINE_STORE="external",
-                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        MTP_PIPELINE_STORE="external",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     try:
         code = fn(rank, world, *args)
     except PipelineError as e:

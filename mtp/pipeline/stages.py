@@ -29,6 +29,7 @@ Run: `mtp pipeline --stages P PROMPT ...` (P local processes), or across machine
 `torchrun --nnodes P --nproc-per-node 1 --node-rank R --master-addr HOST --master-port PORT \\
  -m mtp.pipeline.stages PROMPT --strategy conf_adapt:0.9 ...` (same options as `mtp generate`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,9 +38,25 @@ import torch.distributed as dist
 from mtp.core.artifacts import base_hash
 from mtp.core.cache import KVCache
 from mtp.core.model import Transformer
-from mtp.pipeline.transport import (F_CACHE, F_GATE, F_HIDDEN, F_LAYOUT, F_MOVES, F_OUT, F_SLOTS, HEADER,
-                                    OP_FORWARD, OP_RESULT, OP_SHUTDOWN, Link, PipelineConfig, PipelineError,
-                                    message_header, store_address, init_group)
+from mtp.pipeline.transport import (
+    F_CACHE,
+    F_GATE,
+    F_HIDDEN,
+    F_LAYOUT,
+    F_MOVES,
+    F_OUT,
+    F_SLOTS,
+    HEADER,
+    OP_FORWARD,
+    OP_RESULT,
+    OP_SHUTDOWN,
+    Link,
+    PipelineConfig,
+    PipelineError,
+    message_header,
+    store_address,
+    init_group,
+)
 from mtp.pipeline.watchdog import Watchdog
 
 
@@ -87,8 +104,8 @@ def apply_moves(cache: KVCache, moves: list[int]) -> None:
     """Replay stage 0's compactions ([row, start, n, src_0..src_n-1] each) on this stage's cache."""
     i = 0
     while i < len(moves):
-        row, start, n = moves[i: i + 3]
-        cache.compact(row, start, moves[i + 3: i + 3 + n])
+        row, start, n = moves[i : i + 3]
+        cache.compact(row, start, moves[i + 3 : i + 3 + n])
         i += 3 + n
 
 
@@ -110,11 +127,19 @@ class PipelineModel:
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         """Stage 0's cache (its own layers); the other stages allocate theirs on the first pass."""
         cfg, w = self.config, self.model.embed_tokens.weight
-        return StageZeroCache(len(self.model.layers), rows, cfg.n_kv_heads, capacity, cfg.head_dim, w.dtype,
-                              w.device)
+        return StageZeroCache(len(self.model.layers), rows, cfg.n_kv_heads, capacity, cfg.head_dim, w.dtype, w.device)
 
-    def __call__(self, tokens, positions=None, cache=None, slots=None, attn_mask=None, out_index=None,
-                 return_hidden=False, cache_positions=None):
+    def __call__(
+        self,
+        tokens,
+        positions=None,
+        cache=None,
+        slots=None,
+        attn_mask=None,
+        out_index=None,
+        return_hidden=False,
+        cache_positions=None,
+    ):
         # tokens, positions: [B, T]; slots: [B]; out_index: [B, N]; with a branched layout (mtp.core.decode)
         # cache_positions [B, T] and attn_mask [B, T, S] travel along
         if (attn_mask is None) != (cache_positions is None) or (attn_mask is not None and cache is None):
@@ -135,17 +160,26 @@ class PipelineModel:
         if self.world == 1:
             return m.forward_head(x, out_index, return_hidden)
         N = out_index.shape[1] if out_index is not None else T
-        flags = ((F_CACHE if cache is not None else 0) | (F_SLOTS if slots is not None else 0)
-                 | (F_OUT if out_index is not None else 0) | (F_GATE if gate is not None else 0)
-                 | (F_HIDDEN if return_hidden else 0) | (F_LAYOUT if attn_mask is not None else 0))
+        flags = (
+            (F_CACHE if cache is not None else 0)
+            | (F_SLOTS if slots is not None else 0)
+            | (F_OUT if out_index is not None else 0)
+            | (F_GATE if gate is not None else 0)
+            | (F_HIDDEN if return_hidden else 0)
+            | (F_LAYOUT if attn_mask is not None else 0)
+        )
         rows, cap = (cache.rows, cache.capacity) if cache is not None else (0, 0)
         S = attn_mask.shape[-1] if attn_mask is not None else 0
         moves = self._take_moves(cache)
         flags |= F_MOVES if moves else 0
-        hdr = message_header(OP_FORWARD, B, T, N, flags, self._epoch, rows, cap, round(self.link.delay_s * 1e6), S,
-                      len(moves))
-        ints = [positions.reshape(-1)] + [t.reshape(-1) for t in (slots, out_index, cache_positions)
-                                          if t is not None] + ([torch.tensor(moves)] if moves else [])
+        hdr = message_header(
+            OP_FORWARD, B, T, N, flags, self._epoch, rows, cap, round(self.link.delay_s * 1e6), S, len(moves)
+        )
+        ints = (
+            [positions.reshape(-1)]
+            + [t.reshape(-1) for t in (slots, out_index, cache_positions) if t is not None]
+            + ([torch.tensor(moves)] if moves else [])
+        )
         floats = x if gate is None else torch.cat([x, gate.to(x.dtype)], -1)  # [B, T, dim (+1)]
         extra = [] if attn_mask is None else [attn_mask.to(torch.uint8)]  # [B, T, S]
         self.link.send(1, [hdr, torch.cat([t.to(torch.long).cpu() for t in ints]), floats] + extra)
@@ -181,6 +215,7 @@ class PipelineModel:
 # ---------------------------------------------------------------------------------------------
 # stages 1..P-1
 
+
 def serve(model: Transformer, link: Link, watchdog: Watchdog | None = None) -> dict:
     """Run this stage's layers on every pass stage 0 starts, until it shuts the pipeline down.
     Returns the stage's final state (its cache), for tests."""
@@ -204,41 +239,51 @@ def serve(model: Transformer, link: Link, watchdog: Watchdog | None = None) -> d
             return {"cache": cache, "passes": passes}
         link.delay_s = delay_us / 1e6  # stage 0 sets the delay of the whole ring
         layout = bool(flags & F_LAYOUT)
-        n_ints = (B * T + (B if flags & F_SLOTS else 0) + (B * N if flags & F_OUT else 0) + (B * T if layout else 0)
-                  + (n_moves if flags & F_MOVES else 0))
+        n_ints = (
+            B * T
+            + (B if flags & F_SLOTS else 0)
+            + (B * N if flags & F_OUT else 0)
+            + (B * T if layout else 0)
+            + (n_moves if flags & F_MOVES else 0)
+        )
         ints = link.recv(prev, (n_ints,), torch.long)
         has_gate = bool(flags & F_GATE)
         floats = link.recv(prev, (B, T, cfg.dim + has_gate), dtype).to(dev)
         mask_u8 = link.recv(prev, (B, T, S), torch.uint8) if layout else None
         positions = ints[: B * T].view(B, T).to(dev)
-        rest = ints[B * T:]
+        rest = ints[B * T :]
         slots = out_index = cache_positions = attn_mask = None
         if flags & F_SLOTS:
             slots, rest = rest[:B].to(dev), rest[B:]
         if flags & F_OUT:
-            out_index, rest = rest[:B * N].view(B, N).to(dev), rest[B * N:]
+            out_index, rest = rest[: B * N].view(B, N).to(dev), rest[B * N :]
         if layout:
-            cache_positions, rest = rest[:B * T].view(B, T).to(dev), rest[B * T:]
+            cache_positions, rest = rest[: B * T].view(B, T).to(dev), rest[B * T :]
             attn_mask = mask_u8.to(dev, torch.bool)
         x = floats[..., : cfg.dim]  # [B, T, dim]
-        gate = floats[..., cfg.dim:] if has_gate else None  # [B, T, 1]
+        gate = floats[..., cfg.dim :] if has_gate else None  # [B, T, 1]
         if flags & F_CACHE and ep != epoch:
             cache = KVCache(len(model.layers), rows, cfg.n_kv_heads, cap, cfg.head_dim, dtype, dev)
             epoch = ep
         if flags & F_MOVES:  # stage 0's tree compactions since the last pass, before this pass reads them
             apply_moves(cache, rest.tolist())
         with torch.inference_mode():
-            x = model.forward_layers(x, positions, cache if flags & F_CACHE else None, slots, attn_mask, gate,
-                                     cache_positions)
+            x = model.forward_layers(
+                x, positions, cache if flags & F_CACHE else None, slots, attn_mask, gate, cache_positions
+            )
             if last:
                 out = model.forward_head(x, out_index, bool(flags & F_HIDDEN))
                 logits, hidden = out if flags & F_HIDDEN else (out, None)
                 payload = logits if hidden is None else torch.cat([logits, hidden.to(logits.dtype)], -1)
-                link.send(0, [message_header(OP_RESULT, B, logits.shape[1], logits.shape[2], hidden is not None),
-                              payload])
+                link.send(
+                    0, [message_header(OP_RESULT, B, logits.shape[1], logits.shape[2], hidden is not None), payload]
+                )
             else:
-                link.send(nxt, [hdr, ints, x if gate is None else torch.cat([x, gate], -1)]
-                          + ([] if mask_u8 is None else [mask_u8]))
+                link.send(
+                    nxt,
+                    [hdr, ints, x if gate is None else torch.cat([x, gate], -1)]
+                    + ([] if mask_u8 is None else [mask_u8]),
+                )
         passes += 1
 
 
@@ -259,8 +304,10 @@ def run_stage(rank: int, world: int, model: Transformer, config: PipelineConfig,
         init_group(rank, world, config, backend)
         watchdog = Watchdog(rank, world, config).start()
     except (RuntimeError, dist.DistError) as e:  # unreachable store, a stage that never came up
-        raise PipelineError(f"stage {rank} could not join the pipeline at {':'.join(map(str, store_address()))}: "
-                            f"{str(e).strip().splitlines()[0][:300]}") from None
+        raise PipelineError(
+            f"stage {rank} could not join the pipeline at {':'.join(map(str, store_address()))}: "
+            f"{str(e).strip().splitlines()[0][:300]}"
+        ) from None
     link = Link(rank, world, config, watchdog, dev if backend == "nccl" else torch.device("cpu"))
     clean = False
     try:

@@ -1,9 +1,10 @@
 """The links between pipeline stages: the process group, the message header, bounded sends and receives.
 
-A message is a header (`HEADER` int64s: op, B, T, N, flags, cache epoch, cache rows, cache capacity,
-delay, attention-layout width, KV moves) followed by payload tensors sent back to back; `Link` adds the dialled-in delay before
-each message and turns a failed or timed-out transfer into a `PipelineError` naming the stage at fault.
+A message is a header (`HEADER` int64s: op, B, T, N, flags, cache epoch, cache rows, cache capacity, delay,
+attention-layout width, KV moves) followed by payload tensors sent back to back; `Link` adds the dialled-in delay
+before each message and turns a failed or timed-out transfer into a `PipelineError` naming the stage at fault.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,12 +55,14 @@ def init_group(rank: int, world: int, config: PipelineConfig, backend: str) -> N
     """Join the process group through the TCP store at MASTER_ADDR:MASTER_PORT. Stage 0 hosts the
     store unless torchrun's agent or the `mtp pipeline` launcher already does."""
     addr, port = store_address()
-    external = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                or os.environ.get("MTP_PIPELINE_STORE") == "external")
+    external = (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get("MTP_PIPELINE_STORE") == "external"
+    )
     timeout = timedelta(seconds=config.timeout_s)
     store = dist.TCPStore(addr, port, world, rank == 0 and not external, timeout=timeout, wait_for_workers=False)
-    dist.init_process_group(backend, store=dist.PrefixStore(store_prefix() + "/pg", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(store_prefix() + "/pg", store), rank=rank, world_size=world, timeout=timeout
+    )
 
 
 class Link:
@@ -102,5 +105,5 @@ def message_header(op: int, *values: int) -> torch.Tensor:
     """A message's fixed-size header: the op code, then up to HEADER - 1 integers."""
     h = torch.zeros(HEADER, dtype=torch.long)
     h[0] = op
-    h[1:1 + len(values)] = torch.tensor(values, dtype=torch.long)
+    h[1 : 1 + len(values)] = torch.tensor(values, dtype=torch.long)
     return h

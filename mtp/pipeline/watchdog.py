@@ -1,5 +1,6 @@
 """Failure detection across pipeline stages: heartbeats in the rendezvous store and one shared
 place for the first failure anyone saw, so every stage exits with the same line naming the culprit."""
+
 from __future__ import annotations
 
 import os
@@ -100,8 +101,10 @@ class Watchdog:
                     r, s = max(silent, key=lambda x: x[1])
                     msg = f"stage {r} stopped responding (no heartbeat for {s:.1f} s: hung, stopped or killed)"
                 else:
-                    msg = (f"stage {self.rank} got nothing from stage {peer} within {self.config.timeout_s:g} s "
-                           f"while {what} (a stage is stuck; raise --timeout-s if passes are this slow)")
+                    msg = (
+                        f"stage {self.rank} got nothing from stage {peer} within {self.config.timeout_s:g} s "
+                        f"while {what} (a stage is stuck; raise --timeout-s if passes are this slow)"
+                    )
             else:
                 msg = f"link stage {self.rank} <-> stage {peer} failed while {what}: {text.splitlines()[0][:200]}"
         except Exception:  # the store itself is gone: its host died
@@ -110,8 +113,10 @@ class Watchdog:
 
     def _store_lost(self) -> str:
         addr, port = self.address
-        return (f"the rendezvous store at {addr}:{port} is unreachable (its host died: stage 0, torchrun's "
-                f"agent or the `mtp pipeline` launcher)")
+        return (
+            f"the rendezvous store at {addr}:{port} is unreachable (its host died: stage 0, torchrun's "
+            f"agent or the `mtp pipeline` launcher)"
+        )
 
     def _exit(self, msg: str, speak: bool) -> None:
         if speak:
@@ -130,8 +135,9 @@ class Watchdog:
                     self._exit(msg, speak=self.rank == 0)
                 for r, t in self.silent():
                     if t > timeout:
-                        msg, first = self.post(f"stage {r} stopped responding (no heartbeat for {t:.1f} s: "
-                                               "hung, stopped or killed)")
+                        msg, first = self.post(
+                            f"stage {r} stopped responding (no heartbeat for {t:.1f} s: hung, stopped or killed)"
+                        )
                         self._exit(msg, speak=first or self.rank == 0)
             except Exception:
                 if self.stopped.is_set():

@@ -5,6 +5,7 @@ passes themselves took). K = 1 means no proposals this pass; capping K keeps los
 Token trees (`tree:N`, `tree:auto`) are priced by their nodes, not as chains (`AdaptiveK.choose`): a cap
 K lets every tree row check and draft at most K - 1 nodes, its n most confident ones (`trim_tree`).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,20 +30,19 @@ def top_nodes(parents: list[int], confidences: list[float], n: int) -> list[int]
 class AdaptiveK:
     """Per-pass cap on K: expected tokens per second of the whole batch, from the cost model.
 
-    For a cap K every row r yields E_r(K) = 1 + sum_{i<K} prod_{j<=i} p_j tokens (p_j: running rate
-    at which position j is emitted once position j-1 was, per strategy and proposer). The pass
-    feeds q = rows x max_r block_r(K) tokens (right padding; blocks in steady state under K, where a
-    conf_adapt/static row feeds back what it emitted) and makes P = sum_r (K_r - 1) proposals,
-    so it takes T(K) = t'(q) + c * P. t'(q): the running observed time of decoding passes of q
-    tokens, with or without mask tokens (those also run the adapter), once seen; between observed
-    sizes, interpolated from the neighbours (t(q) is far from linear on a CPU); beyond them, a line a + b*q fitted to recent passes (once two block sizes were
-    seen); else scale * t(q) from the start-up cost model, `scale` the running ratio of observed to
-    modelled time (the machine's load now). Pass times exclude proposing; `c` is the running
-    measured time of one proposal depth per proposer (the heads proposer runs its heads and the LM
-    head per row and depth; the mask proposer almost nothing). The cap maximising sum_r E_r(K) / T(K)
-    wins if it beats K = 1 by `margin`, with an exploring pass now and then while K = 1 wins. Unseen
-    positions start from the previous position's rate (position 1 from `prior`), and `c` starts at
-    0, so a cheap enough K gets tried and then learnt.
+    For a cap K every row r yields E_r(K) = 1 + sum_{i<K} prod_{j<=i} p_j tokens (p_j: running rate at which
+    position j is emitted once position j-1 was, per strategy and proposer). The pass feeds q = rows x max_r
+    block_r(K) tokens (right padding; blocks in steady state under K, where a conf_adapt/static row feeds back what
+    it emitted) and makes P = sum_r (K_r - 1) proposals, so it takes T(K) = t'(q) + c * P. t'(q): the running
+    observed time of decoding passes of q tokens, with or without mask tokens (those also run the adapter), once
+    seen; between observed sizes, interpolated from the neighbours (t(q) is far from linear on a CPU); beyond them,
+    a line a + b*q fitted to recent passes (once two block sizes were seen); else scale * t(q) from the start-up
+    cost model, `scale` the running ratio of observed to modelled time (the machine's load now). Pass times exclude
+    proposing; `c` is the running measured time of one proposal depth per proposer (the heads proposer runs its
+    heads and the LM head per row and depth; the mask proposer almost nothing). The cap maximising sum_r E_r(K) /
+    T(K) wins if it beats K = 1 by `margin`, with an exploring pass now and then while K = 1 wins. Unseen positions
+    start from the previous position's rate (position 1 from `prior`), and `c` starts at 0, so a cheap enough K gets
+    tried and then learnt.
 
     A batch with a token-tree row is priced by `_tree_rates` instead (its docstring states that
     contract): a tree row's candidates are node budgets, not chain depths.
@@ -50,8 +50,16 @@ class AdaptiveK:
 
     EXPLORE_PASSES = 3  # an exploring verify row needs a pass to draft before passes that check drafts
 
-    def __init__(self, pass_time: Callable[[float], float], prior: float = 0.5, prior_weight: float = 2.0,
-                 window: float = 2000.0, smoothing: float = 0.1, margin: float = 0.05, explore_every: int = 128):
+    def __init__(
+        self,
+        pass_time: Callable[[float], float],
+        prior: float = 0.5,
+        prior_weight: float = 2.0,
+        window: float = 2000.0,
+        smoothing: float = 0.1,
+        margin: float = 0.05,
+        explore_every: int = 128,
+    ):
         self.pass_time, self.prior, self.w, self.window = pass_time, prior, prior_weight, window
         # while K = 1 wins, every `explore_every`-th pass proposes anyway (the best K > 1): without it one
         # slow sample of a proposing pass, or acceptance learnt long ago, would keep K = 1 for good
@@ -210,10 +218,16 @@ class AdaptiveK:
     def predicted_time(self, q: float, proposals: dict[str, int], masks: bool = False) -> float:
         return self.trunk_time(q, masks) + sum(self.proposal_s.get(n, 0.0) * d for n, d in proposals.items())
 
-    def observe_time(self, q: int, proposals: dict[str, float], seconds: float,
-                     proposing_s: dict[str, float] | None = None, masks: bool = False,
-                     tree_requests: dict[str, tuple[int, int]] | None = None,
-                     tree_proposing_s: dict[str, float] | None = None) -> None:
+    def observe_time(
+        self,
+        q: int,
+        proposals: dict[str, float],
+        seconds: float,
+        proposing_s: dict[str, float] | None = None,
+        masks: bool = False,
+        tree_requests: dict[str, tuple[int, int]] | None = None,
+        tree_proposing_s: dict[str, float] | None = None,
+    ) -> None:
         """One pass of q tokens (with mask tokens or not) took `seconds`, of which proposing_s[name]
         went into `proposals[name]` proposal depths of chain rows and tree_proposing_s[name] into
         drafting `tree_requests[name]` = (tree rows, nodes asked for) (both timed by the decoding loop):
@@ -235,8 +249,9 @@ class AdaptiveK:
             if rows > 0 and name in tree_proposing_s:
                 t = tree_proposing_s[name]
                 fit = self.node_fit.get(name, [0.0] * 5)
-                self.node_fit[name] = [x * decay + y for x, y in
-                                       zip(fit, (rows * rows, rows * nodes, nodes * nodes, rows * t, nodes * t))]
+                self.node_fit[name] = [
+                    x * decay + y for x, y in zip(fit, (rows * rows, rows * nodes, nodes * nodes, rows * t, nodes * t))
+                ]
 
     def choose(self, seqs: list[Sequence], fixed: list[Sequence] = ()) -> int | None:
         """The cap for this pass (None: no row proposes, nothing to decide). Rows in `fixed` are not
@@ -311,8 +326,9 @@ class AdaptiveK:
                     tokens += cum[self.key(s)][kk - 1]
                     longest = max(longest, self.block(s, kk, steady=True, pending=pending))
             masks = any(s.proposer.n_appended(kk) > 0 for s, kk in zip(seqs, ks))
-            seconds = (self.predicted_time(len(seqs) * longest, self.proposals(seqs, ks), masks)
-                       + self.tree_proposing_time(self.tree_requests(seqs, ks)))
+            seconds = self.predicted_time(
+                len(seqs) * longest, self.proposals(seqs, ks), masks
+            ) + self.tree_proposing_time(self.tree_requests(seqs, ks))
             rates.append(tokens / seconds)
         return rates
 

@@ -15,6 +15,7 @@ large request never stalls other streams); one engine thread (`Scheduler`) owns 
 cache. The request checks live in `mtp.serving.openai` and `mtp.serving.state`, the answering in
 `mtp.serving.completions`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -80,8 +81,9 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)).body(),
-                            status_code=exc.status_code)
+        return JSONResponse(
+            APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)).body(), status_code=exc.status_code
+        )
 
     if config.api_key:
         app.add_middleware(APIKeyAuth, key=config.api_key)
@@ -122,8 +124,10 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "mtp"}]}
+        return {
+            "object": "list",
+            "data": [{"id": config.model_name, "object": "model", "created": state.created, "owned_by": "mtp"}],
+        }
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: HTTPRequest):
@@ -146,8 +150,9 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
 
 
 # ---- running it ---------------------------------------------------------------------------------
-def serve_app(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-              shutdown_timeout: float = 30.0) -> int:
+def serve_app(
+    app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", shutdown_timeout: float = 30.0
+) -> int:
     """Run the app with uvicorn until SIGINT/SIGTERM; SIGTERM drains and returns 0.
 
     From the main thread (`mtp serve`), the engine loop runs on the main thread and uvicorn on a
@@ -160,8 +165,14 @@ def serve_app(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "
     not a finite number >= 0 is a ValueError (`check_shutdown_timeout`), before anything binds."""
     shutdown_timeout = check_shutdown_timeout(shutdown_timeout)
     state: ServerState = app.state.mtp
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S,
+    )
     server = uvicorn.Server(config)
     if threading.current_thread() is not threading.main_thread():  # no signals here; the lifespan
         server.run()  # starts an engine thread

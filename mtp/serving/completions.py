@@ -8,6 +8,7 @@ queue per request. Text is detokenised here; a streamed delta never ends inside 
 string or an incomplete UTF-8 character. A non-streaming request watches its client independently
 of token flow (every DISCONNECT_POLL_S), so an abandoned request leaves the batch at the next pass.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,7 @@ from mtp.serving.scheduler import Request
 from mtp.serving.state import ServerState
 
 
-async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int], max_tokens: int | None,
-                   chat: bool):
+async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int], max_tokens: int | None, chat: bool):
     """Answer one (chat) completion request: a JSON response, or a server-sent event stream."""
     config = state.config
     endpoint = "chat" if chat else "completions"
@@ -38,12 +38,19 @@ async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int
     queue = state.submit(req, loop)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
-    base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": config.model_name}
+    base = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": config.model_name,
+    }
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(stream(state, req, queue, base, chat, include_usage, endpoint),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            stream(state, req, queue, base, chat, include_usage, endpoint),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     tokens, gone = [], asyncio.Event()
 
     async def watch_client():  # independent of token flow: a busy batch never hides a gone client
@@ -67,8 +74,7 @@ async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int
             state.scheduler.cancel(req)
     if gone.is_set():
         state.metrics.count(endpoint, "cancelled")
-        return JSONResponse(APIError(499, "client closed the request", code="client_closed").body(),
-                            status_code=499)
+        return JSONResponse(APIError(499, "client closed the request", code="client_closed").body(), status_code=499)
     if req.seq.finish_reason == "error":
         state.metrics.count(endpoint, "error")
         raise APIError(500, f"decoding failed: {req.error}", type="server_error")
@@ -82,17 +88,21 @@ async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int
     else:
         choice["text"] = text
     n_prompt = len(req.seq.prompt_ids)
-    out = {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-           "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(tokens),
-                     "total_tokens": n_prompt + len(tokens)},
-           "mtp": state.mtp_summary(req)}
+    out = {
+        **base,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": [choice],
+        "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(tokens), "total_tokens": n_prompt + len(tokens)},
+        "mtp": state.mtp_summary(req),
+    }
     state.metrics.count(endpoint, "ok")
     state.maybe_shadow(req)
     return JSONResponse(out)
 
 
-async def stream(state: ServerState, req: Request, queue: asyncio.Queue, base: dict, chat: bool, include_usage: bool,
-                 endpoint: str):
+async def stream(
+    state: ServerState, req: Request, queue: asyncio.Queue, base: dict, chat: bool, include_usage: bool, endpoint: str
+):
     """The event stream of one request; a client that goes away frees its row at the next pass."""
     tokens, sent = [], ""
     stops = req.seq.params.stop
@@ -114,22 +124,34 @@ async def stream(state: ServerState, req: Request, queue: asyncio.Queue, base: d
             tokens += new
             if final:
                 if req.seq.finish_reason in ("error", "cancelled"):
-                    err = shutting_down() if req.seq.finish_reason == "cancelled" else \
-                        APIError(500, f"decoding failed: {req.error}", type="server_error")
+                    err = (
+                        shutting_down()
+                        if req.seq.finish_reason == "cancelled"
+                        else APIError(500, f"decoding failed: {req.error}", type="server_error")
+                    )
                     yield _sse(err.body())
                     yield b"data: [DONE]\n\n"
                     state.metrics.count(endpoint, req.seq.finish_reason)
                     finished = True
                     return
-                rest = state.text(req, tokens)[len(sent):]
+                rest = state.text(req, tokens)[len(sent) :]
                 if rest:
                     yield chunk(rest)
                 yield chunk(None, req.seq.finish_reason)
                 if include_usage:
                     n_prompt = len(req.seq.prompt_ids)
-                    yield _sse({**base, "choices": [], "usage": {
-                        "prompt_tokens": n_prompt, "completion_tokens": len(tokens),
-                        "total_tokens": n_prompt + len(tokens)}, "mtp": state.mtp_summary(req)})
+                    yield _sse(
+                        {
+                            **base,
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": n_prompt,
+                                "completion_tokens": len(tokens),
+                                "total_tokens": n_prompt + len(tokens),
+                            },
+                            "mtp": state.mtp_summary(req),
+                        }
+                    )
                 yield b"data: [DONE]\n\n"
                 finished = True
                 state.metrics.count(endpoint, "ok")
@@ -141,7 +163,7 @@ async def stream(state: ServerState, req: Request, queue: asyncio.Queue, base: d
                 continue  # an incomplete UTF-8 character: wait for the rest
             safe = full[: len(full) - _stop_holdback(full, stops)] if stops else full
             if len(safe) > len(sent) and safe.startswith(sent):
-                yield chunk(safe[len(sent):])
+                yield chunk(safe[len(sent) :])
                 sent = safe
     finally:
         if not finished:  # the client went away: free the row at the next pass
@@ -152,8 +174,7 @@ async def stream(state: ServerState, req: Request, queue: asyncio.Queue, base: d
 
 def shutting_down() -> APIError:
     """What a request cancelled by the server (SIGTERM past --shutdown-timeout) is answered."""
-    return APIError(503, "request cancelled: server shutting down", code="server_shutting_down",
-                    type="server_error")
+    return APIError(503, "request cancelled: server shutting down", code="server_shutting_down", type="server_error")
 
 
 def _sse(obj) -> bytes:

@@ -1,5 +1,6 @@
 """What `mtp serve` is configured with, checked when built (before any model loads): the request
 defaults, authentication, shadow mode and the limits on what one request may carry."""
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,7 @@ def check_shutdown_timeout(seconds) -> float:
     """--shutdown-timeout: a finite number of seconds >= 0. Below 0 uvicorn would get less than
     SHUTDOWN_GRACE_S to send the 503s / error events of the requests the scheduler cancels (and
     cancel them unanswered); nan would never cancel them, inf never end the wait."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-            or seconds < 0:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
     return float(seconds)
 
@@ -54,15 +54,21 @@ class ServeConfig:
 
     def __post_init__(self):
         Strategy.parse(self.strategy)
-        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                       max_new_tokens=max(1, self.max_tokens))
+        SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            max_new_tokens=max(1, self.max_tokens),
+        )
         if not 0 <= self.shadow_rate <= 1:
             raise ValueError(f"--shadow-rate must be in [0, 1], got {self.shadow_rate}")
         if self.max_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_tokens}")
         if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("--api-key is empty (an unset variable?); give a key, or leave the flag out "
-                             "for no authentication")
+            raise ValueError(
+                "--api-key is empty (an unset variable?); give a key, or leave the flag out for no authentication"
+            )
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_prompt_chars < 0:
@@ -76,7 +82,9 @@ class ServeConfig:
         if isinstance(self.rollout_window, bool) or not isinstance(self.rollout_window, int) or self.rollout_window < 1:
             raise ValueError(f"--rollout-window must be an integer >= 1, got {self.rollout_window!r}")
         if self.deploy is not None and self.rollout < 1 and self.shadow_rate == 0:
-            raise ValueError("--rollout below 1 needs --shadow-rate > 0: without shadow comparisons the rollout "
-                             "can neither ramp up nor fall back")
+            raise ValueError(
+                "--rollout below 1 needs --shadow-rate > 0: without shadow comparisons the rollout "
+                "can neither ramp up nor fall back"
+            )
         if self.shadow_rate > 0:
             check_log_path(self.shadow_log)

@@ -2,6 +2,7 @@
 cache larger than the memory available would fail (or be OOM-killed) while allocating. `check_kv_cache`
 refuses such a cache with a one-line ValueError before it is allocated; MAX_KV_FRACTION of the memory
 available (after the model loaded) may go to it."""
+
 from __future__ import annotations
 
 import os
@@ -53,6 +54,8 @@ def check_kv_cache(model, rows: int, capacity: int) -> None:
         return
     free = available_bytes(model.embed_tokens.weight.device)
     if free is not None and need > MAX_KV_FRACTION * free:
-        raise ValueError(f"--max-batch {rows} x {capacity} positions needs a KV cache of {_size(need)}, more than "
-                         f"{MAX_KV_FRACTION:.0%} of the {_size(free)} of memory available; lower --max-batch or "
-                         f"--max-model-len")
+        raise ValueError(
+            f"--max-batch {rows} x {capacity} positions needs a KV cache of {_size(need)}, more than "
+            f"{MAX_KV_FRACTION:.0%} of the {_size(free)} of memory available; lower --max-batch or "
+            f"--max-model-len"
+        )

@@ -9,6 +9,7 @@ than --max-messages messages is refused before any validation. Every bad input b
 HTTP 4xx with an OpenAI-style `{"error": {"message", "type", "param", "code"}}` body and a plain
 one-line message that never echoes the client's input at length.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,6 +39,7 @@ class MTPOptions(BaseModel):
 
 class CommonRequest(_Strict):
     """The fields completions and chat requests share."""
+
     model: Short | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -68,8 +70,14 @@ class ChatRequest(CommonRequest):
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
@@ -82,8 +90,11 @@ R = TypeVar("R", CompletionRequest, ChatRequest)
 
 def _int(digits: str) -> int:
     if len(digits.lstrip("-")) > MAX_INT_DIGITS:
-        raise APIError(400, f"the request body holds an integer of {len(digits.lstrip('-'))} digits; at most "
-                            f"{MAX_INT_DIGITS} are accepted")
+        raise APIError(
+            400,
+            f"the request body holds an integer of {len(digits.lstrip('-'))} digits; at most "
+            f"{MAX_INT_DIGITS} are accepted",
+        )
     return int(digits)
 
 
@@ -99,8 +110,11 @@ def parse_request(raw: bytes, schema: type[R], max_messages: int) -> R:
         raise APIError(400, "request body must be a JSON object")
     messages = data.get("messages") if schema is ChatRequest else None
     if isinstance(messages, list) and len(messages) > max_messages:
-        raise APIError(400, f"the request has {len(messages)} messages, more than this server's limit of "
-                            f"{max_messages}", "messages")
+        raise APIError(
+            400,
+            f"the request has {len(messages)} messages, more than this server's limit of {max_messages}",
+            "messages",
+        )
     try:
         return schema.model_validate(data)
     except RecursionError:
@@ -108,5 +122,4 @@ def parse_request(raw: bytes, schema: type[R], max_messages: int) -> R:
     except ValidationError as e:
         err = max(e.errors(), key=lambda x: len(x["loc"]))  # in a union: the member that got furthest
         loc = [str(x)[:40] for x in err["loc"]]
-        raise APIError(400, f"{'.'.join(loc)}: {err['msg']}" if loc else err["msg"],
-                       loc[0] if loc else None) from None
+        raise APIError(400, f"{'.'.join(loc)}: {err['msg']}" if loc else err["msg"], loc[0] if loc else None) from None

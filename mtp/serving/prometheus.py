@@ -6,6 +6,7 @@ and histograms as requests finish; the scheduler's own counters and gauges are r
 Label values are bounded: strategies are labelled by kind and K (`conf_adapt:0.900001:32` and
 `conf_adapt:0.9:32` are one series, `conf_adapt:K=32`), never by the string a client sent.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -25,21 +26,28 @@ class ServerMetrics:
 
     def __init__(self, sched: Scheduler, rollout=None):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("mtp_requests_total", "HTTP requests by endpoint and outcome",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "mtp_requests_total", "HTTP requests by endpoint and outcome", ["endpoint", "status"], registry=r
+        )
         self.prompt_tokens = Counter("mtp_prompt_tokens_total", "prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("mtp_generation_tokens_total", "tokens generated for finished requests",
-                                         registry=r)
-        self.latency = Histogram("mtp_request_latency_seconds", "arrival to last token",
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("mtp_time_to_first_token_seconds", "arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("mtp_queue_wait_seconds", "arrival to admission into the batch",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.shadow = {k: Counter(f"mtp_shadow_{k}_total", f"shadow comparisons: {k}", registry=r)
-                       for k in SHADOW_COUNTS}
-        self.shadow_ratio = Histogram("mtp_shadow_latency_ratio", "MTP decode time / ntp shadow decode time",
-                                      buckets=RATIO_BUCKETS, registry=r)
+        self.generation_tokens = Counter(
+            "mtp_generation_tokens_total", "tokens generated for finished requests", registry=r
+        )
+        self.latency = Histogram(
+            "mtp_request_latency_seconds", "arrival to last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "mtp_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "mtp_queue_wait_seconds", "arrival to admission into the batch", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.shadow = {
+            k: Counter(f"mtp_shadow_{k}_total", f"shadow comparisons: {k}", registry=r) for k in SHADOW_COUNTS
+        }
+        self.shadow_ratio = Histogram(
+            "mtp_shadow_latency_ratio", "MTP decode time / ntp shadow decode time", buckets=RATIO_BUCKETS, registry=r
+        )
         r.register(SchedulerCollector(sched))
         if rollout is not None:
             r.register(RolloutCollector(rollout))
@@ -96,11 +104,14 @@ class SchedulerCollector:
         for k, n in sorted(dict(s.k_caps).items()):  # dict(): a copy, taken at once (the engine thread writes)
             caps.add_metric([str(k)], n)
         yield caps
-        tpf = GaugeMetricFamily("mtp_tokens_per_forward", "tokens emitted per row pass, recent passes",
-                                labels=["strategy"])
-        acc = GaugeMetricFamily("mtp_acceptance_by_position",
-                                "fraction of row passes emitting more than `position` tokens",
-                                labels=["strategy", "position"])
+        tpf = GaugeMetricFamily(
+            "mtp_tokens_per_forward", "tokens emitted per row pass, recent passes", labels=["strategy"]
+        )
+        acc = GaugeMetricFamily(
+            "mtp_acceptance_by_position",
+            "fraction of row passes emitting more than `position` tokens",
+            labels=["strategy", "position"],
+        )
         for strat, dq in sorted(dict(s.chunks).items()):
             chunks = list(dq)
             tpf.add_metric([strat], M.tokens_per_forward(chunks))
@@ -123,20 +134,23 @@ class RolloutCollector:
 
     def collect(self):
         h = self.rollout.health()
-        yield GaugeMetricFamily("mtp_rollout_fraction", "fraction of requests given the tuned configuration",
-                                h["fraction"])
+        yield GaugeMetricFamily(
+            "mtp_rollout_fraction", "fraction of requests given the tuned configuration", h["fraction"]
+        )
         state = GaugeMetricFamily("mtp_rollout_state", "1 for the rollout's current state", labels=["state"])
         for name in self.STATES:
             state.add_metric([name], 1.0 if h["state"] == name else 0.0)
         yield state
-        loss = GaugeMetricFamily("mtp_rollout_window_loss", "mean loss over the sliding window of shadow "
-                                 "comparisons", labels=["metric"])
+        loss = GaugeMetricFamily(
+            "mtp_rollout_window_loss", "mean loss over the sliding window of shadow comparisons", labels=["metric"]
+        )
         for m, v in h["window_loss"].items():
             if v is not None:
                 loss.add_metric([m], v)
         yield loss
-        yield CounterMetricFamily("mtp_rollout_fallbacks", "automatic fallbacks to the lossless configuration",
-                                  h["fallbacks"])
+        yield CounterMetricFamily(
+            "mtp_rollout_fallbacks", "automatic fallbacks to the lossless configuration", h["fallbacks"]
+        )
         yield CounterMetricFamily("mtp_rollout_ramps", "steps up of the rollout fraction", h["ramps"])
         yield CounterMetricFamily("mtp_rollout_compared", "shadow comparisons of tuned requests", h["compared"])
         arms = CounterMetricFamily("mtp_rollout_requests", "requests by the configuration assigned", labels=["arm"])

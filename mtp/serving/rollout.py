@@ -14,6 +14,7 @@ A sliding window holds the last `window` losses of each metric; the deploy file'
 A switch only changes how later requests are assigned: a request in flight keeps the configuration
 it was admitted with, so nothing is dropped or answered twice.
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,7 +37,7 @@ def check_fraction(value: float, flag: str) -> float:
 def bucket(key: str, seed: int = 0) -> float:
     """A stable number in [0, 1) for a request id."""
     h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2 ** 64
+    return int.from_bytes(h[:8], "big") / 2**64
 
 
 class Rollout:
@@ -93,19 +94,40 @@ class Rollout:
                 return None
             fraction, loss = self.fraction, self.window_loss()
         if event == "fallback":
-            log.warning("mtp serve: rollout of %s FELL BACK to %s: %s loss %.3f over the last %d comparisons "
-                        "exceeds the tolerance %g", self.deploy.tuned, self.deploy.fallback, self.deploy.metric,
-                        loss, len(window), self.deploy.tolerance)
+            log.warning(
+                "mtp serve: rollout of %s FELL BACK to %s: %s loss %.3f over the last %d comparisons "
+                "exceeds the tolerance %g",
+                self.deploy.tuned,
+                self.deploy.fallback,
+                self.deploy.metric,
+                loss,
+                len(window),
+                self.deploy.tolerance,
+            )
         else:
-            log.info("mtp serve: rollout of %s ramped to %.0f%% of requests (%s loss %.3f within %g)",
-                     self.deploy.tuned, 100 * fraction, self.deploy.metric, loss, self.deploy.tolerance)
+            log.info(
+                "mtp serve: rollout of %s ramped to %.0f%% of requests (%s loss %.3f within %g)",
+                self.deploy.tuned,
+                100 * fraction,
+                self.deploy.metric,
+                loss,
+                self.deploy.tolerance,
+            )
         return event
 
     def health(self) -> dict:
         with self.lock:
-            return {"state": self.state, "fraction": 0.0 if self.fell_back else self.fraction,
-                    "tuned": str(self.deploy.tuned), "fallback": str(self.deploy.fallback),
-                    "metric": self.deploy.metric, "tolerance": self.deploy.tolerance,
-                    "window": self.window, "compared": self.compared,
-                    "window_loss": {m: (sum(d) / len(d) if d else None) for m, d in self.losses.items()},
-                    "fallbacks": self.fallbacks, "ramps": self.ramps, "assigned": dict(self.assigned)}
+            return {
+                "state": self.state,
+                "fraction": 0.0 if self.fell_back else self.fraction,
+                "tuned": str(self.deploy.tuned),
+                "fallback": str(self.deploy.fallback),
+                "metric": self.deploy.metric,
+                "tolerance": self.deploy.tolerance,
+                "window": self.window,
+                "compared": self.compared,
+                "window_loss": {m: (sum(d) / len(d) if d else None) for m, d in self.losses.items()},
+                "fallbacks": self.fallbacks,
+                "ramps": self.ramps,
+                "assigned": dict(self.assigned),
+            }

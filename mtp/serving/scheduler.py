@@ -18,6 +18,7 @@ The KV cache is allocated (zero-filled) up front: `--max-batch` is at most MAX_B
 and a cache that does not fit in the memory available is refused before it is allocated
 (`mtp.serving.memory`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -84,6 +85,7 @@ class Request:
     """One request in the scheduler. `on_event(req, tokens, final)` runs on the engine thread after
     every pass of the request with the tokens it emitted; `final` is True exactly once, at the end
     (then `seq.finish_reason` is stop | length | cancelled | error)."""
+
     seq: Sequence
     on_event: Callable[["Request", list[int], bool], None] = lambda r, t, f: None
     background: bool = False  # shadow work: admitted only when no live request waits
@@ -138,8 +140,9 @@ class Scheduler:
     # ---- HTTP side ---------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
         if req.budget > self.config.max_cache_tokens:
-            raise ValueError(f"request needs {req.budget} cache tokens, over --max-cache-tokens "
-                             f"{self.config.max_cache_tokens}")
+            raise ValueError(
+                f"request needs {req.budget} cache tokens, over --max-cache-tokens {self.config.max_cache_tokens}"
+            )
         with self.cond:
             if self.draining or self.stopped:
                 raise SchedulerClosed("server is shutting down")

@@ -14,6 +14,7 @@ to the shadow log:
 
 `mtp shadow-report LOG` summarises a log per strategy.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,13 @@ def compare(ids: list[int], text: str, shadow_ids: list[int], shadow_text: str) 
     answer, shadow_answer = extract_answer(text), extract_answer(shadow_text)
     agree = None if answer is None and shadow_answer is None else answer == shadow_answer
     div = first_divergence(ids, shadow_ids)
-    return {"exact_match": div is None, "first_divergence": div, "answer": answer,
-            "shadow_answer": shadow_answer, "answer_agree": agree}
+    return {
+        "exact_match": div is None,
+        "first_divergence": div,
+        "answer": answer,
+        "shadow_answer": shadow_answer,
+        "answer_agree": agree,
+    }
 
 
 def check_log_path(path: str | Path) -> Path:
@@ -121,13 +127,17 @@ def format_summary(summary: dict) -> str:
             return "-"
         return f"{100 * v:.1f}%" if pct else f"{v:.2f}" if isinstance(v, float) else str(v)
 
-    head = f"{'strategy':<22} {'n':>5} {'exact':>7} {'1st div':>8} {'answers agree':>14} " \
-           f"{'latency ratio p50/p95':>22} {'tok/fwd':>8}"
+    head = (
+        f"{'strategy':<22} {'n':>5} {'exact':>7} {'1st div':>8} {'answers agree':>14} "
+        f"{'latency ratio p50/p95':>22} {'tok/fwd':>8}"
+    )
     lines = [head, "-" * len(head)]
     for name, s in summary.items():
         agree = f"{f(s['answer_agreement_rate'], True)} ({s['answer_compared']})"
         lat = f"{f(s['latency_ratio_p50'])} / {f(s['latency_ratio_p95'])}"
-        lines.append(f"{name:<22} {s['requests']:>5} {f(s['exact_match_rate'], True):>7} "
-                     f"{f(s['first_divergence_median']):>8} {agree:>14} {lat:>22} "
-                     f"{f(s['tokens_per_forward_mean']):>8}")
+        lines.append(
+            f"{name:<22} {s['requests']:>5} {f(s['exact_match_rate'], True):>7} "
+            f"{f(s['first_divergence_median']):>8} {agree:>14} {lat:>22} "
+            f"{f(s['tokens_per_forward_mean']):>8}"
+        )
     return "\n".join(lines)

@@ -3,6 +3,7 @@ OpenAI request becomes a scheduled `Request` (its checks: model name, sampling l
 context length, prompt text and size). Everything that is tokenised counts against
 --max-prompt-chars before any tokenising: a completion's prompt; a chat's roles and contents
 together (the message count is bounded earlier, by `openai.parse_request`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,9 @@ class ServerState:
         self.scheduler = Scheduler(engine.model, engine.mask_id, config.scheduler, pass_time)
         self.rollout = None
         if config.deploy is not None:
-            self.rollout = Rollout(config.deploy, config.rollout, config.rollout_step, config.rollout_window,
-                                   config.shadow_seed)
+            self.rollout = Rollout(
+                config.deploy, config.rollout, config.rollout_step, config.rollout_window, config.shadow_seed
+            )
         self.request_ids = itertools.count()  # what a rollout hashes to assign a request
         self.metrics = ServerMetrics(self.scheduler, self.rollout)
         self.shadow_log = ShadowLog(config.shadow_log) if config.shadow_rate > 0 else None
@@ -61,8 +63,7 @@ class ServerState:
             return SamplingParams(temperature=t, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
         except ValueError as e:
             param = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param if param in ("temperature", "top_p", "top_k", "seed") else None) \
-                from None
+            raise APIError(400, str(e), param if param in ("temperature", "top_p", "top_k", "seed") else None) from None
 
     def strategy(self, body: CommonRequest) -> Strategy:
         text = body.mtp.strategy if body.mtp and body.mtp.strategy is not None else self.config.strategy
@@ -73,8 +74,12 @@ class ServerState:
 
     def new_request(self, body: CommonRequest, ids: list[int], max_tokens: int | None) -> Request:
         if body.model is not None and body.model != self.config.model_name:
-            raise APIError(404, f"The model {body.model!r} does not exist; this server serves "
-                                f"{self.config.model_name!r}", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"The model {body.model!r} does not exist; this server serves {self.config.model_name!r}",
+                "model",
+                "model_not_found",
+            )
         params = self.sampling(body)
         arm, proposer = None, None
         if self.rollout is not None and not (body.mtp and body.mtp.strategy is not None):
@@ -86,15 +91,24 @@ class ServerState:
         limit = self.config.scheduler.max_model_len
         n = len(ids)
         if n >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has {n}",
-                           "messages" if isinstance(body, ChatRequest) else "prompt", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the prompt has {n}",
+                "messages" if isinstance(body, ChatRequest) else "prompt",
+                "context_length_exceeded",
+            )
         if max_tokens is None:
             max_tokens = min(self.config.max_tokens, limit - n)
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
         if n + max_tokens > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt ({n}) + "
-                                f"max_tokens ({max_tokens}) exceed it", "max_tokens", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the prompt ({n}) + "
+                f"max_tokens ({max_tokens}) exceed it",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         params.max_new_tokens = max_tokens
         try:
             seq = self.engine.new_sequence(ids, strategy, params, proposer)
@@ -115,8 +129,12 @@ class ServerState:
     def check_chars(self, n: int, param: str) -> None:
         """`n` characters to tokenise: refused above --max-prompt-chars."""
         if n > self.config.max_prompt_chars:
-            raise APIError(400, f"the prompt has {n} characters, more than this server's limit of "
-                                f"{self.config.max_prompt_chars}", param, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {n} characters, more than this server's limit of {self.config.max_prompt_chars}",
+                param,
+                "context_length_exceeded",
+            )
 
     def check_text(self, text: str, param: str) -> str:
         """Text a client sent: valid Unicode (no lone surrogates) and within the character limit,
@@ -157,11 +175,13 @@ class ServerState:
                 try:
                     texts = [part["text"] for part in c if part.get("type") == "text"]
                 except (KeyError, TypeError, AttributeError):
-                    raise APIError(400, "message content parts must be {'type': 'text', 'text': ...}",
-                                   "messages") from None
+                    raise APIError(
+                        400, "message content parts must be {'type': 'text', 'text': ...}", "messages"
+                    ) from None
                 if not texts or not all(isinstance(x, str) for x in texts):
-                    raise APIError(400, "a message's content parts hold no text (only text parts are supported)",
-                                   "messages")
+                    raise APIError(
+                        400, "a message's content parts hold no text (only text parts are supported)", "messages"
+                    )
                 c = "".join(texts)
             messages.append({"role": m.role, "content": c or ""})
         self.check_chars(sum(len(m["role"]) + len(m["content"]) for m in messages), "messages")
@@ -200,12 +220,15 @@ class ServerState:
 
     def mtp_summary(self, req: Request) -> dict:
         s = req.seq.stats.summary(req.seq.strategy.k)
-        return {"strategy": str(req.seq.strategy), "forward_passes": s["forward_passes"],
-                "tokens_per_forward": round(s["tokens_per_forward"], 4),
-                "acceptance_by_position": [round(a, 4) for a in s["acceptance_by_position"]],
-                "capped_passes": req.capped_passes,
-                "queue_s": round((req.t_admitted or req.t_arrival) - req.t_arrival, 4),
-                "decode_s": round((req.t_finish or 0) - (req.t_admitted or 0), 4) if req.t_finish else None}
+        return {
+            "strategy": str(req.seq.strategy),
+            "forward_passes": s["forward_passes"],
+            "tokens_per_forward": round(s["tokens_per_forward"], 4),
+            "acceptance_by_position": [round(a, 4) for a in s["acceptance_by_position"]],
+            "capped_passes": req.capped_passes,
+            "queue_s": round((req.t_admitted or req.t_arrival) - req.t_arrival, 4),
+            "decode_s": round((req.t_finish or 0) - (req.t_admitted or 0), 4) if req.t_finish else None,
+        }
 
     def loss_metrics(self) -> tuple[str, ...]:
         """The losses a rollout tracks: exact and answer always, ROUGE-L when its package is there
@@ -214,6 +237,7 @@ class ServerState:
             return quality.METRICS
         try:
             import rouge_score  # noqa: F401  (optional: the [bench] extra)
+
             return quality.METRICS
         except ImportError:
             return ("exact", "answer")
@@ -221,33 +245,56 @@ class ServerState:
     def maybe_shadow(self, req: Request) -> None:
         """After the answer went out: decode the same prompt with ntp in the background and log it."""
         seq = req.seq
-        if (self.shadow_log is None or seq.strategy.plain or seq.finish_reason not in ("stop", "length")
-                or (req.arm is not None and req.arm != TUNED) or self.rng.random() >= self.config.shadow_rate):
+        if (
+            self.shadow_log is None
+            or seq.strategy.plain
+            or seq.finish_reason not in ("stop", "length")
+            or (req.arm is not None and req.arm != TUNED)
+            or self.rng.random() >= self.config.shadow_rate
+        ):
             return  # under a rollout only the tuned configuration's requests are compared
-        params = SamplingParams(temperature=seq.params.temperature, top_p=seq.params.top_p, top_k=seq.params.top_k,
-                                seed=seq.params.seed, max_new_tokens=seq.params.max_new_tokens,
-                                stop=list(seq.params.stop))
+        params = SamplingParams(
+            temperature=seq.params.temperature,
+            top_p=seq.params.top_p,
+            top_k=seq.params.top_k,
+            seed=seq.params.seed,
+            max_new_tokens=seq.params.max_new_tokens,
+            stop=list(seq.params.stop),
+        )
         shadow = Request(self.engine.new_sequence(seq.prompt_ids, Strategy(), params), background=True)
-        primary = {"ids": list(seq.output), "text": self.text(req, seq.output),
-                   "latency": req.t_finish - req.t_admitted, "strategy": str(seq.strategy),
-                   "tpf": seq.stats.summary()["tokens_per_forward"], "id": req.id}
+        primary = {
+            "ids": list(seq.output),
+            "text": self.text(req, seq.output),
+            "latency": req.t_finish - req.t_admitted,
+            "strategy": str(seq.strategy),
+            "tpf": seq.stats.summary()["tokens_per_forward"],
+            "id": req.id,
+        }
 
         def on_event(r, tokens, final):
             if not final or r.seq.finish_reason not in ("stop", "length"):
                 return
             latency = r.t_finish - r.t_admitted
-            rec = {"request_id": primary["id"], "strategy": primary["strategy"],
-                   "prompt_tokens": len(seq.prompt_ids), "temperature": seq.params.temperature,
-                   "tokens": len(primary["ids"]), "shadow_tokens": len(r.seq.output),
-                   **compare(primary["ids"], primary["text"], r.seq.output, self.text(r, r.seq.output)),
-                   "latency_s": round(primary["latency"], 4), "shadow_latency_s": round(latency, 4),
-                   "latency_ratio": round(primary["latency"] / latency, 4) if latency > 0 else None,
-                   "tokens_per_forward": round(primary["tpf"], 4)}
+            rec = {
+                "request_id": primary["id"],
+                "strategy": primary["strategy"],
+                "prompt_tokens": len(seq.prompt_ids),
+                "temperature": seq.params.temperature,
+                "tokens": len(primary["ids"]),
+                "shadow_tokens": len(r.seq.output),
+                **compare(primary["ids"], primary["text"], r.seq.output, self.text(r, r.seq.output)),
+                "latency_s": round(primary["latency"], 4),
+                "shadow_latency_s": round(latency, 4),
+                "latency_ratio": round(primary["latency"] / latency, 4) if latency > 0 else None,
+                "tokens_per_forward": round(primary["tpf"], 4),
+            }
             if req.arm is not None:
                 shadow_text = self.text(r, r.seq.output)
                 rec["arm"] = req.arm
-                rec["loss"] = {m: quality.item_loss(m, primary["ids"], primary["text"], r.seq.output, shadow_text)
-                               for m in self.loss_metrics()}
+                rec["loss"] = {
+                    m: quality.item_loss(m, primary["ids"], primary["text"], r.seq.output, shadow_text)
+                    for m in self.loss_metrics()
+                }
             self.shadow_log.write(rec)
             self.metrics.shadow_done(rec)
             if req.arm == TUNED:

@@ -7,6 +7,7 @@ one decoding loop (`mtp.core.decode.decode_step`, one KV-cache row per sequence,
 at once), and cached as JSONL of token ids keyed by the base weights, the prompts and the settings;
 a killed run resumes where it stopped. The test split is never used for training.
 """
+
 from __future__ import annotations
 
 import collections
@@ -46,7 +47,7 @@ def _is_test_split(path: Path) -> bool:
     held-out or evaluation, or so does a folder it lies in (a folder named exactly so: `heldout/sub/p.jsonl`)."""
     for p in {Path(path), Path(path).resolve()}:
         words = [w for w in re.split(r"[^a-z0-9]+", p.name.lower()) if w]
-        joined = {"".join(words[i:i + 2]) for i in range(len(words))}
+        joined = {"".join(words[i : i + 2]) for i in range(len(words))}
         if EVAL_WORDS & (set(words) | joined):
             return True
         if any(re.sub(r"[^a-z0-9]", "", part.lower()) in EVAL_FOLDERS for part in p.parent.parts):
@@ -63,8 +64,13 @@ def _open_jsonl(path) -> Path:
     return path
 
 
-def load_prompts(path, prompt_field: str = "question", response_field: str | None = None,
-                 limit: int | None = None, hint: str = "set --prompt-field") -> list[dict]:
+def load_prompts(
+    path,
+    prompt_field: str = "question",
+    response_field: str | None = None,
+    limit: int | None = None,
+    hint: str = "set --prompt-field",
+) -> list[dict]:
     """[{'prompt': str, 'response': str | None}] from a JSONL file, in file order; `hint` ends the
     message for a line without the prompt field (the flag that sets it, where the command has one)."""
     path = _open_jsonl(path)
@@ -121,8 +127,11 @@ def load_examples(path, log=None) -> list[Example]:
         recs, bad = shards.read_shard(path.parent, entry), 0
     else:
         recs, bad = shards.read_working(_open_jsonl(path), "prompt_ids", repair=False)
-    out = [Example(r["prompt_ids"], r["response_ids"], n) for n, r in enumerate(recs, 1)
-           if r["prompt_ids"] and r["response_ids"]]
+    out = [
+        Example(r["prompt_ids"], r["response_ids"], n)
+        for n, r in enumerate(recs, 1)
+        if r["prompt_ids"] and r["response_ids"]
+    ]
     bad += len(recs) - len(out)
     what = 'not {"prompt_ids": [...], "response_ids": [...]} with both non-empty'
     if not out:
@@ -137,8 +146,9 @@ def check_examples_not_evaluation(examples: list[Example], tokenizer, source) ->
     skipped: `check_example_ids` refuses those), holds an evaluation prompt (`eval_guard`); the
     error names the example by its line."""
     n = len(tokenizer)
-    texts = tokenizer.batch_decode([[t for t in ex.prompt_ids if 0 <= t < n] for ex in examples],
-                                   skip_special_tokens=True)
+    texts = tokenizer.batch_decode(
+        [[t for t in ex.prompt_ids if 0 <= t < n] for ex in examples], skip_special_tokens=True
+    )
     check_not_evaluation(texts, source, [f"example {ex.line or i + 1}" for i, ex in enumerate(examples)])
 
 
@@ -160,8 +170,10 @@ def check_examples_for(examples: list[Example], model, source) -> None:
     if folder is not None:
         made_by, have = shards.read_manifest(folder).get("base_hash"), base_hash(model)
         if made_by is not None and made_by != have:  # `mtp data` always records it; a hand-made folder may not
-            raise ValueError(f"{source}: these answers were made by another model (data set base_hash {made_by}, "
-                             f"this model {have}); make a data set with this model (`mtp data --model ...`)")
+            raise ValueError(
+                f"{source}: these answers were made by another model (data set base_hash {made_by}, "
+                f"this model {have}); make a data set with this model (`mtp data --model ...`)"
+            )
     check_example_ids(examples, model.config.vocab_size, source)
 
 
@@ -171,12 +183,20 @@ def check_example_ids(examples: list[Example], vocab_size: int, source) -> None:
         for t in (*ex.prompt_ids, *ex.response_ids):
             if not 0 <= t < vocab_size:
                 where = f"line {ex.line}" if ex.line else f"example {i}"
-                raise ValueError(f"{Path(source).name} {where}: token id {t} is outside the model's vocabulary "
-                                 f"(0..{vocab_size - 1})")
+                raise ValueError(
+                    f"{Path(source).name} {where}: token id {t} is outside the model's vocabulary (0..{vocab_size - 1})"
+                )
 
 
-def build_examples(engine, prompts: list[dict], self_generate: bool, max_new_tokens: int = 256,
-                   batch_size: int = 8, cache_dir=None, progress: bool = True) -> list[Example]:
+def build_examples(
+    engine,
+    prompts: list[dict],
+    self_generate: bool,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    cache_dir=None,
+    progress: bool = True,
+) -> list[Example]:
     """Tokenise prompts (chat template) and attach responses: from the data, or the model's own."""
     prompt_ids = [engine.encode(p["prompt"], chat=True) for p in prompts]
     eos = engine.tokenizer.eos_token_id
@@ -193,8 +213,11 @@ def build_examples(engine, prompts: list[dict], self_generate: bool, max_new_tok
 
 def selfgen_cache_path(engine, prompt_ids: list[list[int]], max_new_tokens: int, cache_dir=None) -> Path:
     h = hashlib.sha256()
-    h.update(json.dumps({"base": base_hash(engine.model), "max_new_tokens": max_new_tokens,
-                         "decoding": "greedy-ntp"}).encode())
+    h.update(
+        json.dumps(
+            {"base": base_hash(engine.model), "max_new_tokens": max_new_tokens, "decoding": "greedy-ntp"}
+        ).encode()
+    )
     for ids in prompt_ids:
         h.update(json.dumps(ids).encode())
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "selfgen"
@@ -217,6 +240,7 @@ def read_jsonl_log(path: Path, key: str, repair: bool = True) -> tuple[dict, int
 @dataclass
 class Job:
     """One prompt to answer: `key` names it in the output log; `meta` is written beside the ids."""
+
     key: object
     prompt_ids: list[int]
     params: SamplingParams
@@ -239,10 +263,18 @@ def generate(engine, jobs, batch_size: int, on_finish, capacity: int | None = No
             while jobs and batch.free:
                 job = jobs.popleft()
                 if len(job.prompt_ids) + job.params.max_new_tokens > capacity:
-                    raise ValueError(f"prompt {job.key} ({len(job.prompt_ids)} tokens) + "
-                                     f"{job.params.max_new_tokens} new tokens exceeds {capacity}")
-                seq = Sequence(list(job.prompt_ids), Strategy("ntp", 1), job.params, MaskProposer(),
-                               eos_ids=engine.loaded.eos_ids, decode_text=engine.decode_text)
+                    raise ValueError(
+                        f"prompt {job.key} ({len(job.prompt_ids)} tokens) + "
+                        f"{job.params.max_new_tokens} new tokens exceeds {capacity}"
+                    )
+                seq = Sequence(
+                    list(job.prompt_ids),
+                    Strategy("ntp", 1),
+                    job.params,
+                    MaskProposer(),
+                    eos_ids=engine.loaded.eos_ids,
+                    decode_text=engine.decode_text,
+                )
                 batch.add(seq)
                 running[id(seq)] = job
             emitted = batch.step()
@@ -259,8 +291,14 @@ def response_of(engine, seq: Sequence) -> list[int]:
     return seq.output + ([eos] if seq.finish_reason == "stop" and eos is not None else [])
 
 
-def self_generate_examples(engine, prompt_ids: list[list[int]], max_new_tokens: int = 256, batch_size: int = 8,
-                           cache_dir=None, progress: bool = True) -> list[Example]:
+def self_generate_examples(
+    engine,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    cache_dir=None,
+    progress: bool = True,
+) -> list[Example]:
     """Greedy answers of the base model for `prompt_ids`, cached as JSONL keyed by the base weights,
     the prompts and the length limit; a killed run resumes where it stopped."""
     path = selfgen_cache_path(engine, prompt_ids, max_new_tokens, cache_dir)
@@ -268,18 +306,27 @@ def self_generate_examples(engine, prompt_ids: list[list[int]], max_new_tokens: 
     done, bad = read_jsonl_log(path, "index")
     if bad:
         print(f"self-generate: skipped {bad} corrupt line(s) of {path}", file=sys.stderr)
-    done = {i: r for i, r in done.items() if isinstance(i, int) and 0 <= i < len(prompt_ids)
-            and r["prompt_ids"] == prompt_ids[i]}
-    todo = collections.deque(Job(i, prompt_ids[i], SamplingParams(max_new_tokens=max_new_tokens))
-                             for i in range(len(prompt_ids)) if i not in done)
+    done = {
+        i: r
+        for i, r in done.items()
+        if isinstance(i, int) and 0 <= i < len(prompt_ids) and r["prompt_ids"] == prompt_ids[i]
+    }
+    todo = collections.deque(
+        Job(i, prompt_ids[i], SamplingParams(max_new_tokens=max_new_tokens))
+        for i in range(len(prompt_ids))
+        if i not in done
+    )
     if todo:
         capacity = max(len(j.prompt_ids) for j in todo) + max_new_tokens + 1
         if capacity - 1 > engine.context_window:
             worst = max(todo, key=lambda j: len(j.prompt_ids))
-            raise ValueError(f"prompt {worst.key} ({len(worst.prompt_ids)} tokens) + {max_new_tokens} new tokens "
-                             f"exceeds the context window of {engine.context_window}")
+            raise ValueError(
+                f"prompt {worst.key} ({len(worst.prompt_ids)} tokens) + {max_new_tokens} new tokens "
+                f"exceeds the context window of {engine.context_window}"
+            )
         n_tokens = [0]
         with open(path, "a", encoding="utf-8") as f:
+
             def finish(job, seq):
                 rec = {"index": job.key, "prompt_ids": job.prompt_ids, "response_ids": response_of(engine, seq)}
                 f.write(json.dumps(rec) + "\n")
@@ -287,8 +334,9 @@ def self_generate_examples(engine, prompt_ids: list[list[int]], max_new_tokens: 
                 done[job.key] = rec
                 n_tokens[0] += len(rec["response_ids"])
                 if progress and (len(done) % max(1, batch_size) == 0 or len(done) == len(prompt_ids)):
-                    print(f"self-generate: {len(done)}/{len(prompt_ids)} answers -> {path}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"self-generate: {len(done)}/{len(prompt_ids)} answers -> {path}", file=sys.stderr, flush=True
+                    )
 
             generate(engine, todo, min(batch_size, len(todo)), finish, capacity)
     return [Example(done[i]["prompt_ids"], done[i]["response_ids"]) for i in range(len(prompt_ids))]

@@ -21,6 +21,7 @@ line skipped and counted; the work order is a pure function of the settings (`OU
 which a resume must match). `OUT/card.json` / `card.md` describe the result (answers and tokens per
 source, the length histogram, how many answers the length limit cut).
 """
+
 from __future__ import annotations
 
 import collections
@@ -96,7 +97,7 @@ class Prompt:
 def stable_fraction(key: str, seed: int) -> float:
     """A number in [0, 1) fixed by (key, seed): the split and the work order never depend on runs."""
     h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2 ** 64
+    return int.from_bytes(h[:8], "big") / 2**64
 
 
 def is_heldout(p: Prompt, cfg: DataConfig) -> bool:
@@ -124,8 +125,16 @@ def read_self_instruct(path) -> list[Prompt]:
             for i, inst in enumerate(instances):
                 given = (inst.get("input") or "").strip() if isinstance(inst, dict) else ""
                 text = instruction + (f"\n\n{given}" if given else "")
-                out.append(Prompt(content_id(f"si-{tid}", text), "self_instruct", text, category, group=tid,
-                                  meta={"instruction": instruction}))
+                out.append(
+                    Prompt(
+                        content_id(f"si-{tid}", text),
+                        "self_instruct",
+                        text,
+                        category,
+                        group=tid,
+                        meta={"instruction": instruction},
+                    )
+                )
     if not out:
         raise ValueError(f"--self-instruct {path}: no tasks")
     return out
@@ -183,7 +192,7 @@ def file_prompts(cfg: DataConfig) -> list[Prompt]:
     none that is trained on (held-out ones are not) is an evaluation prompt (`eval_guard`)."""
     out: list[Prompt] = []
     if cfg.gsm8k:
-        rows = load_prompts(cfg.gsm8k, "question", None, cfg.limit, hint="GSM8K lines need \"question\"")
+        rows = load_prompts(cfg.gsm8k, "question", None, cfg.limit, hint='GSM8K lines need "question"')
         out += [Prompt(content_id("gsm8k", r["prompt"]), "gsm8k", r["prompt"], "math word problems") for r in rows]
     if cfg.self_instruct:
         tasks = read_self_instruct(cfg.self_instruct)[: cfg.limit]
@@ -191,7 +200,7 @@ def file_prompts(cfg: DataConfig) -> list[Prompt]:
         check_not_evaluation([p.text for p in trained], cfg.self_instruct, [f"task {p.group}" for p in trained])
         out += tasks
     if cfg.prompts:
-        rows = load_prompts(cfg.prompts, "prompt", None, cfg.limit, hint="--prompts lines need \"prompt\"")
+        rows = load_prompts(cfg.prompts, "prompt", None, cfg.limit, hint='--prompts lines need "prompt"')
         out += [Prompt(content_id("p", r["prompt"]), "prompts", r["prompt"]) for r in rows]
     return _unique(out)
 
@@ -227,8 +236,10 @@ def write_heldout(out: Path, prompts: list[Prompt]) -> dict[str, int]:
     (out / HELDOUT).mkdir(parents=True, exist_ok=True)
     for source, rows in by_source.items():
         tmp = out / HELDOUT / f".{source}.jsonl.tmp"
-        tmp.write_text("".join(json.dumps({"id": p.id, "category": p.category, "prompt": p.text}) + "\n"
-                               for p in rows), encoding="utf-8")
+        tmp.write_text(
+            "".join(json.dumps({"id": p.id, "category": p.category, "prompt": p.text}) + "\n" for p in rows),
+            encoding="utf-8",
+        )
         tmp.replace(out / HELDOUT / f"{source}.jsonl")
     return {s: len(r) for s, r in by_source.items()}
 
@@ -242,7 +253,9 @@ def locked(out: Path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise ArtifactError(f"{out}: another `mtp data` run holds it (pid {other}); wait for it or stop it") from None
+            raise ArtifactError(
+                f"{out}: another `mtp data` run holds it (pid {other}); wait for it or stop it"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
@@ -271,8 +284,10 @@ def open_folder(out: Path, want: dict | None) -> dict:
         if want is not None:
             diff = [k for k in want if k != "version" and have.get(k) != want[k]]
             if diff:
-                raise ValueError(f"{out} holds a data set made with other settings ({diff[0]}: "
-                                 f"{have.get(diff[0])!r}, now {want[diff[0]]!r}); choose another --out")
+                raise ValueError(
+                    f"{out} holds a data set made with other settings ({diff[0]}: "
+                    f"{have.get(diff[0])!r}, now {want[diff[0]]!r}); choose another --out"
+                )
         return have
     if want is None:
         raise ArtifactError(f"{out} is not an mtp data set (no {MANIFEST})")
@@ -290,7 +305,8 @@ def seal(out, log=None) -> list[dict]:
         added = shards.seal(out)
     for e in added:
         (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
-            f"data: sealed {e['lines']:,} lines into {out / e['file']}")
+            f"data: sealed {e['lines']:,} lines into {out / e['file']}"
+        )
     return added
 
 
@@ -322,8 +338,10 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
     human = [p.meta["instruction"] for p in prompts if p.source == "self_instruct"]
     examples = sorted({p.meta["instruction"] for p in train if p.source == "self_instruct"})
     if cfg.self_written and len(examples) < 3:
-        raise ValueError(f"--self-written needs at least 3 self-instruct training tasks to imitate, found "
-                         f"{len(examples)} (raise --limit or lower --heldout-fraction)")
+        raise ValueError(
+            f"--self-written needs at least 3 self-instruct training tasks to imitate, found "
+            f"{len(examples)} (raise --limit or lower --heldout-fraction)"
+        )
     dedup = Deduplicator(human)
     written_kept: list[Prompt] = []
 
@@ -351,8 +369,7 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
             return None
         return Job(p.id, ids, greedy, {"source": p.source, "category": p.category})
 
-    answers = [answer_job(p) for p in train + [p for p in written_kept if not is_heldout(p, cfg)]
-               if p.id not in done]
+    answers = [answer_job(p) for p in train + [p for p in written_kept if not is_heldout(p, cfg)] if p.id not in done]
     answers = sorted((j for j in answers if j is not None), key=lambda j: stable_fraction("order:" + j.key, cfg.seed))
     writes = []
     if examples and cfg.self_written:
@@ -362,13 +379,23 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
                 continue
             rng = random.Random(cfg.seed * 1_000_003 + j)
             ids = engine.encode(FEW_SHOT.format(*rng.sample(examples, 3)), chat=False)
-            writes.append(Job(key, ids, SamplingParams(temperature=0.9, top_p=0.95, seed=cfg.seed * 7919 + j,
-                                                       max_new_tokens=64, stop=["\n"]), {"kind": "instruction"}))
+            writes.append(
+                Job(
+                    key,
+                    ids,
+                    SamplingParams(
+                        temperature=0.9, top_p=0.95, seed=cfg.seed * 7919 + j, max_new_tokens=64, stop=["\n"]
+                    ),
+                    {"kind": "instruction"},
+                )
+            )
     queue = interleave(answers, writes)
     write_heldout(out, heldout)
     total = len(done) + len(answers)
-    log(f"data: {len(done)} answers on disk, {len(answers)} to generate, {len(writes)} prompts for the model "
-        f"to write; held out: {len(heldout)} prompts -> {out / HELDOUT}")
+    log(
+        f"data: {len(done)} answers on disk, {len(answers)} to generate, {len(writes)} prompts for the model "
+        f"to write; held out: {len(heldout)} prompts -> {out / HELDOUT}"
+    )
     if not queue:
         return write_card(out, cfg, skipped)
     kept = {"requests": 0, "kept": 0}
@@ -377,19 +404,31 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
     t0 = time.perf_counter()
     bar = None
     if progress if progress is not None else sys.stderr.isatty():
-        bar = Progress(TextColumn("data"), BarColumn(), TextColumn("{task.completed}/{task.total} answers"),
-                       TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+        bar = Progress(
+            TextColumn("data"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} answers"),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+        )
         task = bar.add_task("data", total=total, completed=len(done), info="")
         bar.start()
     last_log = [time.perf_counter()]
-    with open(out / TRAIN, "a", encoding="utf-8") as f_train, \
-            open(out / INSTRUCTIONS, "a", encoding="utf-8") as f_written, \
-            open(out / HELDOUT / "self_written.jsonl", "a", encoding="utf-8") as f_held:
+    with (
+        open(out / TRAIN, "a", encoding="utf-8") as f_train,
+        open(out / INSTRUCTIONS, "a", encoding="utf-8") as f_written,
+        open(out / HELDOUT / "self_written.jsonl", "a", encoding="utf-8") as f_held,
+    ):
+
         def finish(job: Job, seq) -> None:
             if job.meta.get("kind") == "instruction":
                 text = engine.decode_text(seq.output)
-                f_written.write(json.dumps({"id": job.key, "prompt_ids": job.prompt_ids,
-                                            "response_ids": list(seq.output), "text": text}) + "\n")
+                f_written.write(
+                    json.dumps(
+                        {"id": job.key, "prompt_ids": job.prompt_ids, "response_ids": list(seq.output), "text": text}
+                    )
+                    + "\n"
+                )
                 f_written.flush()
                 p = judge(job.key, text)
                 kept["requests"] += 1
@@ -406,8 +445,13 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
                     if bar is not None:
                         bar.update(task, total=bar.tasks[0].total + 1)
                 return
-            rec = {"id": job.key, **job.meta, "prompt_ids": job.prompt_ids, "response_ids": response_of(engine, seq),
-                   "finish": seq.finish_reason}
+            rec = {
+                "id": job.key,
+                **job.meta,
+                "prompt_ids": job.prompt_ids,
+                "response_ids": response_of(engine, seq),
+                "finish": seq.finish_reason,
+            }
             f_train.write(json.dumps(rec) + "\n")
             f_train.flush()
             done[job.key] = rec
@@ -427,8 +471,10 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
             if bar is not None:
                 bar.stop()
             if kept["requests"]:
-                log(f"data: the model wrote {kept['requests']:,} requests, {kept['kept']:,} kept "
-                    f"(the rest unusable or near-duplicates)")
+                log(
+                    f"data: the model wrote {kept['requests']:,} requests, {kept['kept']:,} kept "
+                    f"(the rest unusable or near-duplicates)"
+                )
     return write_card(out, cfg, skipped)
 
 
@@ -452,7 +498,10 @@ def write_card(out: Path, cfg: DataConfig | None = None, skipped: dict | None = 
     hist = [0] * (len(edges) - 1)
     for rec in done.values():
         n = len(rec["response_ids"])
-        for table, name in ((per, rec.get("source", "?")), (per_cat, f"{rec.get('source', '?')}: {rec.get('category') or '-'}")):
+        for table, name in (
+            (per, rec.get("source", "?")),
+            (per_cat, f"{rec.get('source', '?')}: {rec.get('category') or '-'}"),
+        ):
             s = table.setdefault(name, {"answers": 0, "response_tokens": 0, "prompt_tokens": 0, "cut": 0})
             s["answers"] += 1
             s["response_tokens"] += n
@@ -463,38 +512,62 @@ def write_card(out: Path, cfg: DataConfig | None = None, skipped: dict | None = 
     for f in sorted((out / HELDOUT).glob("*.jsonl")) if (out / HELDOUT).exists() else []:
         heldout[f.stem] = sum(1 for line in f.read_text(encoding="utf-8").splitlines() if line.strip())
     written, _ = shards.read(out, "instructions", repair=False)
-    firsts = collections.Counter(first_word(r.get("text", "")) for k, r in written.items()
-                                 if done.get(k, {}).get("source") == "self_written")
+    firsts = collections.Counter(
+        first_word(r.get("text", "")) for k, r in written.items() if done.get(k, {}).get("source") == "self_written"
+    )
     total = sum(s["answers"] for s in per.values())
-    card = {"answers": total,
-            "response_tokens": sum(s["response_tokens"] for s in per.values()),
-            "cut_by_length_limit": sum(s["cut"] for s in per.values()), "max_new_tokens": max_new,
-            "shards": [e["file"] for e in stored.get("shards", [])],
-            "by_source": per, "by_category": per_cat,
-            "length_histogram": {f"{edges[i]}-{edges[i + 1] - 1 if edges[i + 1] < 1 << 30 else ''}": c
-                                 for i, c in enumerate(hist) if c or i < len(hist) - 1},
-            "heldout_prompts": heldout, "self_written_requests": len(written),
-            "self_written_first_words": {"distinct": len(firsts), "top": firsts.most_common(15)},
-            "skipped_prompts_too_long": dict(skipped or {}), "corrupt_lines_skipped": bad}
+    card = {
+        "answers": total,
+        "response_tokens": sum(s["response_tokens"] for s in per.values()),
+        "cut_by_length_limit": sum(s["cut"] for s in per.values()),
+        "max_new_tokens": max_new,
+        "shards": [e["file"] for e in stored.get("shards", [])],
+        "by_source": per,
+        "by_category": per_cat,
+        "length_histogram": {
+            f"{edges[i]}-{edges[i + 1] - 1 if edges[i + 1] < 1 << 30 else ''}": c
+            for i, c in enumerate(hist)
+            if c or i < len(hist) - 1
+        },
+        "heldout_prompts": heldout,
+        "self_written_requests": len(written),
+        "self_written_first_words": {"distinct": len(firsts), "top": firsts.most_common(15)},
+        "skipped_prompts_too_long": dict(skipped or {}),
+        "corrupt_lines_skipped": bad,
+    }
     shards.write_text_atomic(out / "card.json", json.dumps(card, indent=1))
-    lines = [f"# Data card: {out.name}", "",
-             f"{card['answers']:,} answers, {card['response_tokens']:,} response tokens; "
-             f"{card['cut_by_length_limit']:,} cut by the {max_new}-token limit; "
-             f"{len(card['shards'])} sealed shard(s).", "",
-             "| source | answers | share | response tokens | mean length | cut |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Data card: {out.name}",
+        "",
+        f"{card['answers']:,} answers, {card['response_tokens']:,} response tokens; "
+        f"{card['cut_by_length_limit']:,} cut by the {max_new}-token limit; "
+        f"{len(card['shards'])} sealed shard(s).",
+        "",
+        "| source | answers | share | response tokens | mean length | cut |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name, s in sorted(per.items()):
-        lines.append(f"| {name} | {s['answers']:,} | {s['answers'] / max(total, 1):.0%} | {s['response_tokens']:,} | "
-                     f"{s['response_tokens'] / max(s['answers'], 1):.0f} | {s['cut']:,} |")
+        lines.append(
+            f"| {name} | {s['answers']:,} | {s['answers'] / max(total, 1):.0%} | {s['response_tokens']:,} | "
+            f"{s['response_tokens'] / max(s['answers'], 1):.0f} | {s['cut']:,} |"
+        )
     lines += ["", "| source: category | answers | response tokens |", "| --- | --- | --- |"]
-    lines += [f"| {k} | {v['answers']:,} | {v['response_tokens']:,} |"
-              for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1]["answers"])]
+    lines += [
+        f"| {k} | {v['answers']:,} | {v['response_tokens']:,} |"
+        for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1]["answers"])
+    ]
     if firsts:  # self-written requests have no category: their first word shows what kinds they span
-        lines += ["", f"Self-written requests answered, by first word: {len(firsts):,} distinct; the most common: "
-                  + ", ".join(f"{w or '(empty)'} {c:,}" for w, c in firsts.most_common(15)) + "."]
+        lines += [
+            "",
+            f"Self-written requests answered, by first word: {len(firsts):,} distinct; the most common: "
+            + ", ".join(f"{w or '(empty)'} {c:,}" for w, c in firsts.most_common(15))
+            + ".",
+        ]
     lines += ["", "| response length | answers |", "| --- | --- |"]
     lines += [f"| {k} | {v:,} |" for k, v in card["length_histogram"].items()]
-    lines += ["", "Held out (prompts only, never trained on): "
-              + (", ".join(f"{k} {v}" for k, v in heldout.items()) or "none")]
+    lines += [
+        "",
+        "Held out (prompts only, never trained on): " + (", ".join(f"{k} {v}" for k, v in heldout.items()) or "none"),
+    ]
     shards.write_text_atomic(out / "card.md", "\n".join(lines) + "\n")
     return card
-

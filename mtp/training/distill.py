@@ -14,6 +14,7 @@ Student-forced online distillation with a hard teacher (Kirchenbauer et al., arX
 The optimisation loop, checkpoints and resume are `mtp.training.trainer`'s; every step's batch and
 span layout are a pure function of (seed, step), so a resumed run continues bit for bit.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,16 +27,42 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from mtp.core.adapter import (MODES, TARGETS, WEIGHTS, adapter_files, adapter_layers, add_adapters, check_layers,
-                              is_adapter_dir, load_trainable, read_adapter)
+from mtp.core.adapter import (
+    MODES,
+    TARGETS,
+    WEIGHTS,
+    adapter_files,
+    adapter_layers,
+    add_adapters,
+    check_layers,
+    is_adapter_dir,
+    load_trainable,
+    read_adapter,
+)
 from mtp.core.artifacts import file_digest, load_safetensors, replaceable, write_dir_atomic
 from mtp.training.data import Example
 from mtp.training.trainer import Trainer, TrainerConfig, batch_indices, check_lr, distributed
 
 TEACHERS = ("hard", "soft", "ground-truth")
 # settings that must match when resuming (they shape the model, the data or the optimisation)
-RESUME_KEYS = ("mode", "rank", "alpha", "targets", "seed", "teacher", "k_max", "spans", "seq_len", "batch_size",
-               "lr", "warmup", "n_examples", "world", "lora_layers", "init_adapter")
+RESUME_KEYS = (
+    "mode",
+    "rank",
+    "alpha",
+    "targets",
+    "seed",
+    "teacher",
+    "k_max",
+    "spans",
+    "seq_len",
+    "batch_size",
+    "lr",
+    "warmup",
+    "n_examples",
+    "world",
+    "lora_layers",
+    "init_adapter",
+)
 # the adapter's shape: a run started from an adapter (--init-adapter) takes these from it
 SHAPE_KEYS = ("mode", "rank", "alpha", "targets", "lora_layers")
 
@@ -62,7 +89,9 @@ class TrainConfig:
     log_every: int = 10
     full_layout: bool = False  # gated: one pass over the whole layout instead of the split forward
     export: str | None = None  # also write a float16 adapter-only copy here at the end
-    lora_layers: tuple | None = None  # (FROM, TO): LoRA on layers FROM..TO-1 only (None: all); FROM > 0 freezes the mask row
+    lora_layers: tuple | None = (
+        None  # (FROM, TO): LoRA on layers FROM..TO-1 only (None: all); FROM > 0 freezes the mask row
+    )
     init_adapter: str | None = None  # start from this adapter's weights (fresh optimizer); its shape must match
     amp: bool = False  # forward under bf16 autocast (`trainer.use_bf16`; `mtp train --amp`); weights stay fp32
     meta: dict = field(default_factory=dict)  # data provenance, written into the adapter config
@@ -98,7 +127,7 @@ def build_layout(n_tokens: int, spans: list[Span]):
         first = row
         for j in range(1, s.k):
             attn[row, : s.p + 1] = True
-            attn[row, first: row + 1] = True
+            attn[row, first : row + 1] = True
             positions[row] = s.p + j
             row += 1
         rows = [s.p] + list(range(first, first + s.k - 1))
@@ -106,8 +135,7 @@ def build_layout(n_tokens: int, spans: list[Span]):
         depth += list(range(1, s.k + 1))
         span_of += [si] * s.k
         feeds += list(range(first, first + s.k - 1)) + [-1]
-    return (positions, attn, torch.tensor(pred_rows), torch.tensor(depth), torch.tensor(span_of),
-            torch.tensor(feeds))
+    return (positions, attn, torch.tensor(pred_rows), torch.tensor(depth), torch.tensor(span_of), torch.tensor(feeds))
 
 
 def sample_spans(prompt_len: int, n_tokens: int, n_spans: int, k_max: int, gen: torch.Generator) -> list[Span]:
@@ -126,6 +154,7 @@ class Batch:
     """A padded batch of laid-out sequences. Columns 0..n_gt-1 hold the ground truth (padded to the
     longest), columns n_gt.. the mask spans (padded likewise), so the ground truth can also run as a
     pass of its own (`split` forward)."""
+
     tokens: torch.Tensor  # [B, T] ground truth + masks (pad 0), T = n_gt + max masks
     positions: torch.Tensor  # [B, T]
     attn: torch.Tensor  # [B, T, T] bool
@@ -139,15 +168,21 @@ class Batch:
     n_tokens: int  # real (non-pad) rows
 
 
-def make_batch(examples: list[Example], mask_id: int, n_spans: int, k_max: int, seq_len: int,
-               gen: torch.Generator | None, spans_of: list[list[Span]] | None = None) -> Batch:
+def make_batch(
+    examples: list[Example],
+    mask_id: int,
+    n_spans: int,
+    k_max: int,
+    seq_len: int,
+    gen: torch.Generator | None,
+    spans_of: list[list[Span]] | None = None,
+) -> Batch:
     """The padded layout of `examples`, each with `n_spans` random spans (`sample_spans`), or with
     the given spans_of[i] for example i (evaluation: fixed spans, no generator needed)."""
     parts = []
     for i, ex in enumerate(examples):
         ids = (ex.prompt_ids + ex.response_ids)[:seq_len]
-        spans = spans_of[i] if spans_of is not None else sample_spans(len(ex.prompt_ids), len(ids), n_spans,
-                                                                      k_max, gen)
+        spans = spans_of[i] if spans_of is not None else sample_spans(len(ex.prompt_ids), len(ids), n_spans, k_max, gen)
         pos, attn, rows, depth, span_of, feeds = build_layout(len(ids), spans)
         starts = torch.tensor([span_of.tolist().index(s) for s in span_of.tolist()])
         gt_pos = torch.tensor([spans[s].p + d for s, d in zip(span_of.tolist(), depth.tolist())])
@@ -170,14 +205,15 @@ def make_batch(examples: list[Example], mask_id: int, n_spans: int, k_max: int, 
         # layout row i -> batch column: ground truth stays, masks move to G..G+m-1
         col = torch.cat([torch.arange(n), G + torch.arange(m)])
         tokens[b, :n] = torch.tensor(ids)
-        tokens[b, G:G + m] = mask_id
+        tokens[b, G : G + m] = mask_id
         positions[b, col] = p
         attn[b, col.view(-1, 1), col.view(1, -1)] = a
         out_index[b, :nl], valid[b, :nl], depth[b, :nl] = col[r], True, d
         span_start[b, :nl], gt_target[b, :nl] = st, gt
         feeds[b, :nl] = torch.where(fd >= 0, col[fd.clamp_min(0)], fd)
-    return Batch(tokens, positions, attn, out_index, valid, depth, span_start, feeds, gt_target, G,
-                 sum(len(p[1]) for p in parts))
+    return Batch(
+        tokens, positions, attn, out_index, valid, depth, span_start, feeds, gt_target, G, sum(len(p[1]) for p in parts)
+    )
 
 
 class PrefixKV:
@@ -196,6 +232,7 @@ class PrefixKV:
                 self.v.append(v)
                 return k, v
             return torch.cat([self.k[layer], k], 2), torch.cat([self.v[layer], v], 2)
+
         return write
 
 
@@ -228,12 +265,14 @@ def forward_pair(student, model, teacher_model, batch: Batch, teacher: str, spli
         rows_b, take_b = _compact(torch.where(d1 | ~valid, -1, out_index - G))  # [B, Sb] mask rows
         kv = PrefixKV()
         with torch.no_grad(), model.base_only(), ac:
-            logits_a = model(tokens[:, :G], positions[:, :G], cache=kv, attn_mask=attn[:, :G, :G],
-                             out_index=rows_a).float()  # [B, Sa, V]
+            logits_a = model(
+                tokens[:, :G], positions[:, :G], cache=kv, attn_mask=attn[:, :G, :G], out_index=rows_a
+            ).float()  # [B, Sa, V]
         kv.extend = True
         with ac:
-            logits_b = student(tokens[:, G:], positions[:, G:], cache=kv, attn_mask=attn[:, G:],
-                               out_index=rows_b).float()  # [B, Sb, V]
+            logits_b = student(
+                tokens[:, G:], positions[:, G:], cache=kv, attn_mask=attn[:, G:], out_index=rows_b
+            ).float()  # [B, Sb, V]
         s_logits = _scatter_rows(logits_a, take_a, logits_b, take_b, d1, valid)
     else:
         with ac:
@@ -250,8 +289,9 @@ def forward_pair(student, model, teacher_model, batch: Batch, teacher: str, spli
     with torch.no_grad(), ac:
         if split:
             with model.base_only():
-                logits_c = model(t_tok[:, G:], positions[:, G:], cache=kv, attn_mask=attn[:, G:],
-                                 out_index=rows_b).float()
+                logits_c = model(
+                    t_tok[:, G:], positions[:, G:], cache=kv, attn_mask=attn[:, G:], out_index=rows_b
+                ).float()
             t_logits = _scatter_rows(logits_a, take_a, logits_c, take_b, d1, valid)
         elif teacher_model is not None:
             t_logits = teacher_model(t_tok, positions, attn_mask=attn, out_index=out_index).float()
@@ -286,8 +326,13 @@ def _scatter_rows(logits_a, take_a, logits_b, take_b, d1: torch.Tensor, valid: t
     return out
 
 
-def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, batch: Batch, teacher: str,
-                 proposals: torch.Tensor):
+def distill_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    batch: Batch,
+    teacher: str,
+    proposals: torch.Tensor,
+):
     """Loss and per-entry agreement [B, L] with the target.
 
     student/teacher logits: [B, L, V], or [n, V] for the n valid entries in row-major order (what
@@ -361,8 +406,13 @@ def check_config(cfg: TrainConfig, model) -> None:
 
 def shape_of(adapter_cfg: dict, n_layers: int) -> dict:
     """The SHAPE_KEYS settings an adapter config implies (lora_layers as a concrete (FROM, TO))."""
-    return {"mode": adapter_cfg["mode"], "rank": adapter_cfg["rank"], "alpha": adapter_cfg["alpha"],
-            "targets": tuple(adapter_cfg["targets"]), "lora_layers": adapter_layers(adapter_cfg, n_layers)}
+    return {
+        "mode": adapter_cfg["mode"],
+        "rank": adapter_cfg["rank"],
+        "alpha": adapter_cfg["alpha"],
+        "targets": tuple(adapter_cfg["targets"]),
+        "lora_layers": adapter_layers(adapter_cfg, n_layers),
+    }
 
 
 def shape_conflict(given: dict, adapter_cfg: dict, path, n_layers: int) -> str | None:
@@ -376,8 +426,10 @@ def shape_conflict(given: dict, adapter_cfg: dict, path, n_layers: int) -> str |
         want = tuple(want) if isinstance(want, (list, tuple)) else want
         if want != have[k]:
             show = {"targets": ",".join, "lora_layers": lambda v: f"{v[0]}:{v[1]}"}.get(k, str)
-            return (f"--{k.replace('_', '-')} {show(want)} conflicts with --init-adapter {path} ({k} {show(have[k])}); "
-                    f"drop it: a run started from an adapter keeps its {', '.join(SHAPE_KEYS)}")
+            return (
+                f"--{k.replace('_', '-')} {show(want)} conflicts with --init-adapter {path} ({k} {show(have[k])}); "
+                f"drop it: a run started from an adapter keeps its {', '.join(SHAPE_KEYS)}"
+            )
     return None
 
 
@@ -392,8 +444,11 @@ def init_from(model, cfg: TrainConfig, n_used_tokens: int | None) -> tuple[dict,
     bad = shape_conflict(given, acfg, path, n)
     if bad:
         raise ValueError(bad)
-    source = {"path": str(path), "weights_digest": file_digest(path / WEIGHTS),
-              "step": acfg.get("meta", {}).get("step") if isinstance(acfg.get("meta"), dict) else None}
+    source = {
+        "path": str(path),
+        "weights_digest": file_digest(path / WEIGHTS),
+        "step": acfg.get("meta", {}).get("step") if isinstance(acfg.get("meta"), dict) else None,
+    }
     return tensors, source
 
 
@@ -405,12 +460,20 @@ def check_export(out, export) -> None:
         return
     o, e = Path(out).resolve(), Path(export).resolve()
     if e == o or o in e.parents or e in o.parents:
-        raise ValueError(f"--export {export} must be a folder apart from --out {out} (not the same, inside or "
-                         "around it): the float16 copy replaces its folder whole")
+        raise ValueError(
+            f"--export {export} must be a folder apart from --out {out} (not the same, inside or "
+            "around it): the float16 copy replaces its folder whole"
+        )
 
 
-def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int | None = None,
-          progress: bool | None = None, on_step=None) -> dict:
+def train(
+    cfg: TrainConfig,
+    model,
+    examples: list[Example],
+    n_used_tokens: int | None = None,
+    progress: bool | None = None,
+    on_step=None,
+) -> dict:
     """Train (or resume) in place on `model` (a base Transformer); return the final trainer state.
 
     --out is both the adapter and the checkpoint (`mtp.training.trainer`); with --export a
@@ -431,8 +494,9 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
         init, settings["init_from"] = init_from(model, cfg, n_used_tokens)
 
     torch.manual_seed(cfg.seed)
-    params = add_adapters(model, cfg.rank, cfg.alpha, tuple(cfg.targets), cfg.mode, n_used_tokens,
-                          layers=cfg.lora_layers)
+    params = add_adapters(
+        model, cfg.rank, cfg.alpha, tuple(cfg.targets), cfg.mode, n_used_tokens, layers=cfg.lora_layers
+    )
     mask_id = model.config.mask_token_id
     teacher_model = copy.deepcopy(model).requires_grad_(False) if cfg.mode == "full" else None  # the base
     if init is not None:
@@ -449,12 +513,14 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + rank)
         idx = batch_indices(step, len(examples), cfg.batch_size, cfg.seed, rank, world)
         batch = make_batch([examples[i] for i in idx], mask_id, cfg.spans, cfg.k_max, cfg.seq_len, gen)
-        s_logits, proposals, t_logits = forward_pair(student, model, teacher_model, batch, cfg.teacher,
-                                                     split, use_amp)
+        s_logits, proposals, t_logits = forward_pair(student, model, teacher_model, batch, cfg.teacher, split, use_amp)
         loss, agree = distill_loss(s_logits, t_logits, _to(batch, dev), cfg.teacher, proposals)
         agree_d = agreement_by_depth(agree.cpu(), batch, cfg.k_max)
-        return loss, {"agree": [None if a is None else round(a, 4) for a in agree_d[:6]],
-                      "tokens": batch.n_tokens * world, "predictions": int(batch.valid.sum()) * world}
+        return loss, {
+            "agree": [None if a is None else round(a, 4) for a in agree_d[:6]],
+            "tokens": batch.n_tokens * world,
+            "predictions": int(batch.valid.sum()) * world,
+        }
 
     def files_fn():
         meta = {"step": trainer.state["step"], "training": settings, "wall_s": round(trainer.state["wall_s"], 1)}
@@ -465,9 +531,20 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
 
     if progress is None:
         progress = sys.stderr.isatty() and rank == 0
-    trainer = Trainer(TrainerConfig(cfg.steps, cfg.lr, cfg.warmup, cfg.save_every, cfg.log_every, clip_norm=1.0),
-                      params, opt, out, step_fn, files_fn, load_fn, settings, RESUME_KEYS, is_adapter_dir,
-                      describe=describe, progress=progress)
+    trainer = Trainer(
+        TrainerConfig(cfg.steps, cfg.lr, cfg.warmup, cfg.save_every, cfg.log_every, clip_norm=1.0),
+        params,
+        opt,
+        out,
+        step_fn,
+        files_fn,
+        load_fn,
+        settings,
+        RESUME_KEYS,
+        is_adapter_dir,
+        describe=describe,
+        progress=progress,
+    )
     model.train()
     try:
         state = trainer.run(cfg.resume, on_step)
@@ -481,9 +558,15 @@ def train(cfg: TrainConfig, model, examples: list[Example], n_used_tokens: int |
         state["ranks_in_sync"] = bool(torch.equal(lo, hi))
         state["world"] = world
     if cfg.export and rank == 0:
-        write_dir_atomic(Path(cfg.export), adapter_files(
-            model, {"step": state["step"], "training": settings, "wall_s": round(state["wall_s"], 1)},
-            dtype=torch.float16), kind=is_adapter_dir)
+        write_dir_atomic(
+            Path(cfg.export),
+            adapter_files(
+                model,
+                {"step": state["step"], "training": settings, "wall_s": round(state["wall_s"], 1)},
+                dtype=torch.float16,
+            ),
+            kind=is_adapter_dir,
+        )
     return state
 
 
@@ -495,5 +578,7 @@ def describe(rec: dict) -> str:
     """A log line: loss, agreement with the teacher's argmax per depth (own = the model's next
     token, m1 = the first mask, ...), tokens/s."""
     ag = " ".join(f"{'own' if d == 0 else f'm{d}'}={a:.2f}" for d, a in enumerate(rec["agree"]) if a is not None)
-    return (f"loss {rec['loss']:.4f} agree {ag} {rec['tokens'] / rec['step_s']:.0f} tok/s "
-            f"{rec['predictions'] / rec['step_s']:.0f} predictions/s")
+    return (
+        f"loss {rec['loss']:.4f} agree {ag} {rec['tokens'] / rec['step_s']:.0f} tok/s "
+        f"{rec['predictions'] / rec['step_s']:.0f} predictions/s"
+    )

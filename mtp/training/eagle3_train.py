@@ -13,6 +13,7 @@ reads its own step j-1 hidden state and the token p+j+1 at position p+j and pred
 query sees the step-0 keys of positions 0..p (what the trunk committed, as in the drafter's cache)
 and its own chain's keys of steps 1..j: exactly what it sees while drafting token j+1.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -23,21 +24,53 @@ import torch.nn.functional as F
 
 from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
 from mtp.core.model import Transformer
-from mtp.core.proposers.eagle3 import (CONFIG, FORMAT, WEIGHTS, Eagle3Config, Eagle3Drafter, drafter_files,
-                                       exportable_layers)
+from mtp.core.proposers.eagle3 import (
+    CONFIG,
+    FORMAT,
+    WEIGHTS,
+    Eagle3Config,
+    Eagle3Drafter,
+    drafter_files,
+    exportable_layers,
+)
 from mtp.training import feature_cache
 from mtp.training.heads_train import split_rows
-from mtp.training.trainer import (CHECKPOINT, Trainer, TrainerConfig, accuracy_line, check_lr, recover_run_out,
-                                  run_dir_kinds)
+from mtp.training.trainer import (
+    CHECKPOINT,
+    Trainer,
+    TrainerConfig,
+    accuracy_line,
+    check_lr,
+    recover_run_out,
+    run_dir_kinds,
+)
 
-RESUME_KEYS = ("aux_layers", "draft_vocab", "ttt_steps", "batch_size", "max_len", "seed", "lr", "warmup",
-               "val_fraction", "group_by_length")
+RESUME_KEYS = (
+    "aux_layers",
+    "draft_vocab",
+    "ttt_steps",
+    "batch_size",
+    "max_len",
+    "seed",
+    "lr",
+    "warmup",
+    "val_fraction",
+    "group_by_length",
+)
 
 
 # ---- the feature cache -------------------------------------------------------------------------
 
-def extract_features(model: Transformer, examples, aux_layers, max_len: int = 512, dtype=torch.bfloat16,
-                     batch_size: int = 4, progress=None) -> dict:
+
+def extract_features(
+    model: Transformer,
+    examples,
+    aux_layers,
+    max_len: int = 512,
+    dtype=torch.bfloat16,
+    batch_size: int = 4,
+    progress=None,
+) -> dict:
     """Run the frozen trunk once over prompt + response of every example (cut to `max_len` tokens).
 
     Returns {"aux": [N, A*dim] (`dtype`), "tokens": [N] int64, "offsets": [E+1], "prompt_len": [E]}:
@@ -48,27 +81,33 @@ def extract_features(model: Transformer, examples, aux_layers, max_len: int = 51
     got: dict[int, torch.Tensor] = {}
     with torch.inference_mode():
         for b in range(0, len(order), batch_size):
-            idx = order[b:b + batch_size]
+            idx = order[b : b + batch_size]
             T = max(len(seqs[i]) for i in idx)
             tokens = torch.zeros(len(idx), T, dtype=torch.long)
             for j, i in enumerate(idx):
-                tokens[j, :len(seqs[i])] = torch.tensor(seqs[i])
-            _, _, aux = model(tokens.to(model.device), out_index=torch.zeros(len(idx), 1, dtype=torch.long,
-                                                                              device=model.device),
-                              aux_layers=tuple(aux_layers))
+                tokens[j, : len(seqs[i])] = torch.tensor(seqs[i])
+            _, _, aux = model(
+                tokens.to(model.device),
+                out_index=torch.zeros(len(idx), 1, dtype=torch.long, device=model.device),
+                aux_layers=tuple(aux_layers),
+            )
             for j, i in enumerate(idx):
-                got[i] = aux[j, :len(seqs[i])].to("cpu", dtype)
+                got[i] = aux[j, : len(seqs[i])].to("cpu", dtype)
             if progress:
                 progress(min(b + batch_size, len(order)), len(order))
     lens = [len(s) for s in seqs]
     offsets = torch.tensor([0] + lens).cumsum(0)
-    return {"aux": torch.cat([got[i] for i in range(len(seqs))]),
-            "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.long), "offsets": offsets,
-            "prompt_len": torch.tensor([min(len(ex.prompt_ids), max_len) for ex in examples], dtype=torch.long)}
+    return {
+        "aux": torch.cat([got[i] for i in range(len(seqs))]),
+        "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.long),
+        "offsets": offsets,
+        "prompt_len": torch.tensor([min(len(ex.prompt_ids), max_len) for ex in examples], dtype=torch.long),
+    }
 
 
-def cached_features(model: Transformer, examples, aux_layers, cache_dir, max_len: int = 512,
-                    dtype: str = "bfloat16", progress=None) -> tuple[dict, Path]:
+def cached_features(
+    model: Transformer, examples, aux_layers, cache_dir, max_len: int = 512, dtype: str = "bfloat16", progress=None
+) -> tuple[dict, Path]:
     """extract_features, computed once per (base model, layers, block of examples) and kept as
     safetensors (`mtp.training.feature_cache`: resumable, and a grown data set recomputes only its new
     examples). Returns the features and the cache's index file; a whole-set file of the earlier layout
@@ -82,12 +121,19 @@ def cached_features(model: Transformer, examples, aux_layers, cache_dir, max_len
     def extract(part, progress):
         return extract_features(model, part, aux_layers, max_len, getattr(torch, dtype), progress=progress)
 
-    index = feature_cache.cached_blocks(Path(cache_dir) / "eagle3-features" / "blocks", depends_on, examples,
-                                        extract, progress=progress, metadata={"base_hash": base_hash(model)})
+    index = feature_cache.cached_blocks(
+        Path(cache_dir) / "eagle3-features" / "blocks",
+        depends_on,
+        examples,
+        extract,
+        progress=progress,
+        metadata={"base_hash": base_hash(model)},
+    )
     return feature_cache.join_blocks(index, offset_fields=("offsets",), on_disk=("aux",)), index
 
 
 # ---- configuration -----------------------------------------------------------------------------
+
 
 @dataclass
 class TrainEagle3Config:
@@ -109,8 +155,10 @@ class TrainEagle3Config:
     def __post_init__(self):
         self.aux_layers = tuple(self.aux_layers)
         if len(set(self.aux_layers)) != len(self.aux_layers):
-            raise ValueError(f"--aux-layers {','.join(map(str, self.aux_layers))} names a layer twice; give "
-                             "distinct layer ids (e.g. 2,15,27 of 30 layers)")
+            raise ValueError(
+                f"--aux-layers {','.join(map(str, self.aux_layers))} names a layer twice; give "
+                "distinct layer ids (e.g. 2,15,27 of 30 layers)"
+            )
         if not 1 <= self.ttt_steps <= 8:
             raise ValueError(f"--ttt-steps must be in 1..8, got {self.ttt_steps}")
         for name in ("steps", "batch_size", "save_every", "draft_vocab"):
@@ -125,6 +173,7 @@ class TrainEagle3Config:
 
 # ---- data --------------------------------------------------------------------------------------
 
+
 def split_examples(feats: dict, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Example indices (train, val), the same split rule as the heads trainer's."""
     n = len(feats["prompt_len"])
@@ -134,8 +183,9 @@ def split_examples(feats: dict, val_fraction: float, seed: int) -> tuple[torch.T
 LENGTH_WINDOW = 32  # batches whose examples are sorted by length together (group_by_length)
 
 
-def batch_examples(train: torch.Tensor, step: int, batch_size: int, seed: int,
-                   lengths: torch.Tensor | None = None) -> torch.Tensor:
+def batch_examples(
+    train: torch.Tensor, step: int, batch_size: int, seed: int, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
     """The examples of optimizer step `step`: epochs of seeded permutations (resume sees the same).
 
     With `lengths` (tokens per example, indexed like the features), each window of LENGTH_WINDOW
@@ -150,13 +200,13 @@ def batch_examples(train: torch.Tensor, step: int, batch_size: int, seed: int,
         order = train[torch.randperm(n, generator=g)]
         span = LENGTH_WINDOW * batch_size
         order = torch.cat([w[torch.argsort(lengths[w], descending=True, stable=True)] for w in order.split(span)])
-        batches = order[:per_epoch * batch_size].view(per_epoch, batch_size)
+        batches = order[: per_epoch * batch_size].view(per_epoch, batch_size)
         return batches[torch.randperm(per_epoch, generator=g)[i]]
     out, start = [], step * batch_size
     while len(out) < batch_size:
         epoch, offset = divmod(start, n)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-        take = perm[offset:offset + batch_size - len(out)]
+        take = perm[offset : offset + batch_size - len(out)]
         out.extend(take.tolist())
         start += len(take)
     return train[torch.tensor(out, dtype=torch.long)]
@@ -164,8 +214,10 @@ def batch_examples(train: torch.Tensor, step: int, batch_size: int, seed: int,
 
 def draft_vocab_from(feats: dict, examples: torch.Tensor, size: int) -> torch.Tensor:
     """The `size` most frequent answer tokens of these examples (ties: lower id first), sorted by id."""
-    toks = [feats["tokens"][int(feats["offsets"][e]) + int(feats["prompt_len"][e]): int(feats["offsets"][e + 1])]
-            for e in examples.tolist()]
+    toks = [
+        feats["tokens"][int(feats["offsets"][e]) + int(feats["prompt_len"][e]) : int(feats["offsets"][e + 1])]
+        for e in examples.tolist()
+    ]
     toks = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long)
     if not len(toks):
         raise ValueError("no answer tokens to build a draft vocabulary from")
@@ -191,14 +243,18 @@ def make_batch(feats: dict, examples: torch.Tensor, device, bucket: int = SHAPE_
     tokens = torch.zeros(len(spans), T, dtype=torch.long)
     aux = torch.zeros(len(spans), T, A, dtype=torch.float32)
     for i, (a, b) in enumerate(spans):
-        tokens[i, :b - a] = feats["tokens"][a:b]
-        aux[i, :b - a] = feats["aux"][a:b].float()
-    return {"tokens": tokens.to(device), "aux": aux.to(device),
-            "length": torch.tensor([b - a for a, b in spans], device=device),
-            "prompt_len": feats["prompt_len"][examples].to(device)}
+        tokens[i, : b - a] = feats["tokens"][a:b]
+        aux[i, : b - a] = feats["aux"][a:b].float()
+    return {
+        "tokens": tokens.to(device),
+        "aux": aux.to(device),
+        "length": torch.tensor([b - a for a, b in spans], device=device),
+        "prompt_len": feats["prompt_len"][examples].to(device),
+    }
 
 
 # ---- the training-time test --------------------------------------------------------------------
+
 
 def ttt_logits(drafter: Eagle3Drafter, embed, batch: dict, steps: int) -> list[torch.Tensor]:
     """Unroll the drafter `steps` steps over every anchor p = 0..T-2 of the batch.
@@ -208,7 +264,7 @@ def ttt_logits(drafter: Eagle3Drafter, embed, batch: dict, steps: int) -> list[t
     n = T - 1
     cfg = drafter.config
     rep = cfg.n_heads // cfg.n_kv_heads
-    scale = cfg.head_dim ** -0.5
+    scale = cfg.head_dim**-0.5
     anchor = torch.arange(n, device=tokens.device)
     causal = anchor.view(n, 1) >= anchor.view(1, n)  # [n, n]: anchor p sees step-0 keys 0..p
 
@@ -229,7 +285,7 @@ def ttt_logits(drafter: Eagle3Drafter, embed, batch: dict, steps: int) -> list[t
         s0 = s0.masked_fill(~causal, float("-inf"))
         sd = torch.stack([(q * ck).sum(-1) for ck in chain_k], -1) * scale  # [B, H, n, j]: own chain
         p = torch.softmax(torch.cat([s0, sd], -1), -1)
-        y = p[..., :n] @ v0r + sum(p[..., n + i:n + i + 1] * cv for i, cv in enumerate(chain_v))
+        y = p[..., :n] @ v0r + sum(p[..., n + i : n + i + 1] * cv for i, cv in enumerate(chain_v))
         h = drafter.finish(h, y)
         out.append(drafter.logits(h))
     return out
@@ -263,7 +319,7 @@ def ttt_loss(drafter, embed, batch, steps: int, decay: float = 0.8) -> tuple[tor
         valid = t >= 0
         if bool(valid.any()):
             losses.append(F.cross_entropy(lg[valid].float(), t[valid]))
-            weights.append(decay ** j)
+            weights.append(decay**j)
             accs.append(float((lg[valid].argmax(-1) == t[valid]).float().mean()))
         else:
             accs.append(float("nan"))
@@ -280,7 +336,7 @@ def evaluate(drafter, embed, feats: dict, examples: torch.Tensor, steps: int, ba
     lead_sum, lead_n = 0.0, 0
     with torch.no_grad():
         for b in range(0, len(examples), batch_size):
-            batch = make_batch(feats, examples[b:b + batch_size], drafter.d2t.device)
+            batch = make_batch(feats, examples[b : b + batch_size], drafter.d2t.device)
             logits = ttt_logits(drafter, embed, batch, steps)
             targets = ttt_targets(drafter, batch, steps)
             ok = torch.stack([lg.argmax(-1) == t for lg, t in zip(logits, targets)], -1)  # [B, n, steps]
@@ -298,11 +354,15 @@ def evaluate(drafter, embed, feats: dict, examples: torch.Tensor, steps: int, ba
             lead_sum += float(lead[full].sum())
             lead_n += int(full.sum())
     acc = (correct / counted.clamp(min=1)).tolist()
-    return {"val_acc_by_step": [round(a, 4) for a in acc],
-            "val_tokens_per_pass": round(1 + lead_sum / max(lead_n, 1), 4), "val_examples": len(examples)}
+    return {
+        "val_acc_by_step": [round(a, 4) for a in acc],
+        "val_tokens_per_pass": round(1 + lead_sum / max(lead_n, 1), 4),
+        "val_examples": len(examples),
+    }
 
 
 # ---- training ----------------------------------------------------------------------------------
+
 
 def init_drafter(model: Transformer, cfg: Eagle3Config, vocab: torch.Tensor, seed: int) -> Eagle3Drafter:
     """A new drafter: projections ~ N(0, 0.02), its head and final norm copied from the trunk's rows of
@@ -314,15 +374,24 @@ def init_drafter(model: Transformer, cfg: Eagle3Config, vocab: torch.Tensor, see
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.02)
         dim = cfg.target_dim
-        d.fc.weight[:, (len(cfg.aux_layers) - 1) * dim:].add_(torch.eye(dim)[:cfg.dim])
+        d.fc.weight[:, (len(cfg.aux_layers) - 1) * dim :].add_(torch.eye(dim)[: cfg.dim])
         d.lm_head.weight.copy_(model.lm_head.weight[vocab.to(model.device)].float().cpu())
         d.norm.weight.copy_(model.norm.weight.float().cpu())
     d.set_vocab(vocab)
     return d
 
 
-def train_eagle3(model: Transformer, feats: dict, cfg: TrainEagle3Config, out, resume: bool = False,
-                 meta: dict | None = None, log=print, on_step=None, progress: bool = False) -> dict:
+def train_eagle3(
+    model: Transformer,
+    feats: dict,
+    cfg: TrainEagle3Config,
+    out,
+    resume: bool = False,
+    meta: dict | None = None,
+    log=print,
+    on_step=None,
+    progress: bool = False,
+) -> dict:
     """Train a drafter on cached features; write `out` (config.json + model.safetensors) at the end
     and a resumable `out/checkpoint` every `save_every` steps and on Ctrl-C. Returns held-out metrics."""
     out = Path(out)
@@ -357,22 +426,41 @@ def train_eagle3(model: Transformer, feats: dict, cfg: TrainEagle3Config, out, r
     def load_fn(path: Path):
         drafter.load_state_dict(load_safetensors(path / WEIGHTS))
 
-    trainer = Trainer(TrainerConfig(cfg.steps, cfg.lr, cfg.warmup, cfg.save_every, log_every=10, clip_norm=1.0,
-                                    what="training run"),
-                      params, opt, out / CHECKPOINT, step_fn, lambda: {WEIGHTS: dict(drafter.state_dict())},
-                      load_fn, settings, RESUME_KEYS, is_drafter_checkpoint, describe=accuracy_line("tokens"), log=log,
-                      progress=progress)
+    trainer = Trainer(
+        TrainerConfig(cfg.steps, cfg.lr, cfg.warmup, cfg.save_every, log_every=10, clip_norm=1.0, what="training run"),
+        params,
+        opt,
+        out / CHECKPOINT,
+        step_fn,
+        lambda: {WEIGHTS: dict(drafter.state_dict())},
+        load_fn,
+        settings,
+        RESUME_KEYS,
+        is_drafter_checkpoint,
+        describe=accuracy_line("tokens"),
+        log=log,
+        progress=progress,
+    )
     n_params = sum(p.numel() for p in params)
     if not exportable_layers(ecfg.aux_layers, model.config.n_layers):
-        log(f"note: layers {list(ecfg.aux_layers)} serve --proposer eagle3, but `mtp export --format vllm-eagle3` "
-            f"needs three ascending layers below {model.config.n_layers}")
-    log(f"eagle3: layers {list(ecfg.aux_layers)}, draft vocabulary {len(vocab)}, {n_params:,} parameters; "
-        f"{len(train)} train / {len(val)} val examples; {cfg.steps} steps of {cfg.batch_size}, TTT {cfg.ttt_steps}")
-    metrics = trainer.train_module(drafter, resume, on_step,
-                                   lambda: evaluate(drafter, embed, feats, val, cfg.ttt_steps) if len(val) else {},
-                                   {"steps": cfg.steps, "train_examples": len(train), "n_params": n_params})
-    write_dir_atomic(out, drafter_files(drafter, model, {**(meta or {}), "train": settings, "metrics": metrics}),
-                     kind=is_drafter_dir)
+        log(
+            f"note: layers {list(ecfg.aux_layers)} serve --proposer eagle3, but `mtp export --format vllm-eagle3` "
+            f"needs three ascending layers below {model.config.n_layers}"
+        )
+    log(
+        f"eagle3: layers {list(ecfg.aux_layers)}, draft vocabulary {len(vocab)}, {n_params:,} parameters; "
+        f"{len(train)} train / {len(val)} val examples; {cfg.steps} steps of {cfg.batch_size}, TTT {cfg.ttt_steps}"
+    )
+    metrics = trainer.train_module(
+        drafter,
+        resume,
+        on_step,
+        lambda: evaluate(drafter, embed, feats, val, cfg.ttt_steps) if len(val) else {},
+        {"steps": cfg.steps, "train_examples": len(train), "n_params": n_params},
+    )
+    write_dir_atomic(
+        out, drafter_files(drafter, model, {**(meta or {}), "train": settings, "metrics": metrics}), kind=is_drafter_dir
+    )
     return metrics
 
 

@@ -20,6 +20,7 @@ BIG-Bench Hard or the diverse held-out benchmark set (`mtp/assets/eval_prompts.j
   sentence does not match by chance.
 Only hashes are stored, never the prompts.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,11 +33,37 @@ from pathlib import Path
 HASHES = Path(__file__).resolve().parent.parent / "assets" / "eval_prompts.json"
 CONTAINED = 8  # an evaluation prompt of this many words or more is also found inside a longer prompt
 # leading labels a copied prompt may carry, as normalised words (the longest is tried first)
-PREFIXES = sorted((tuple(p.split()) for p in (
-    "q", "question", "questions", "problem", "math problem", "word problem", "input", "prompt", "query", "task",
-    "instruction", "user", "human", "answer the question", "answer the following question",
-    "answer this question", "solve", "solve the problem", "solve this problem", "solve the following problem",
-    "solve the following math problem", "solve the following question")), key=len, reverse=True)
+PREFIXES = sorted(
+    (
+        tuple(p.split())
+        for p in (
+            "q",
+            "question",
+            "questions",
+            "problem",
+            "math problem",
+            "word problem",
+            "input",
+            "prompt",
+            "query",
+            "task",
+            "instruction",
+            "user",
+            "human",
+            "answer the question",
+            "answer the following question",
+            "answer this question",
+            "solve",
+            "solve the problem",
+            "solve this problem",
+            "solve the following problem",
+            "solve the following math problem",
+            "solve the following question",
+        )
+    ),
+    key=len,
+    reverse=True,
+)
 
 
 def words(text: str) -> list[str]:
@@ -51,10 +78,10 @@ def words(text: str) -> list[str]:
 def strip_prefix(ws: list[str]) -> list[str]:
     """`ws` without leading labels (`PREFIXES`, repeatedly: "Question: Problem: ..."); never all of it."""
     while True:
-        p = next((p for p in PREFIXES if len(ws) > len(p) and tuple(ws[:len(p)]) == p), None)
+        p = next((p for p in PREFIXES if len(ws) > len(p) and tuple(ws[: len(p)]) == p), None)
         if p is None:
             return ws
-        ws = ws[len(p):]
+        ws = ws[len(p) :]
 
 
 def normalise(text: str) -> str:
@@ -84,10 +111,17 @@ def hash_sets(sets: dict[str, list[str]]) -> dict[str, list[list]]:
 def write_hashes(path, sets: dict[str, list[str]]) -> dict[str, int]:
     """Write the hashes file of `sets` ({set name: prompts}) to `path`; returns entries per set."""
     hashed = hash_sets(sets)
-    Path(path).write_text(json.dumps({
-        "hash": "sha256 (first 16 hex digits) of a prompt's normalised words (mtp.training.eval_guard.normalise)",
-        "entry": f"[hash, number of words, hash of the first {CONTAINED} words]", "contained": CONTAINED,
-        "sets": {name: [list(e) for e in es] for name, es in hashed.items()}}) + "\n")
+    Path(path).write_text(
+        json.dumps(
+            {
+                "hash": "sha256 (first 16 hex digits) of a prompt's normalised words (mtp.training.eval_guard.normalise)",  # noqa: E501
+                "entry": f"[hash, number of words, hash of the first {CONTAINED} words]",
+                "contained": CONTAINED,
+                "sets": {name: [list(e) for e in es] for name, es in hashed.items()},
+            }
+        )
+        + "\n"
+    )
     return {name: len(es) for name, es in hashed.items()}
 
 
@@ -100,8 +134,10 @@ def index(path: Path) -> tuple[dict, dict]:
         return whole, heads
     data = json.loads(Path(path).read_text())
     if data.get("contained") != CONTAINED:
-        raise ValueError(f"{path} was made by another version of mtp's evaluation guard; "
-                         "regenerate it with scripts/eval_prompt_hashes.py")
+        raise ValueError(
+            f"{path} was made by another version of mtp's evaluation guard; "
+            "regenerate it with scripts/eval_prompt_hashes.py"
+        )
     for name, entries in data["sets"].items():
         for h, n, head in entries:
             whole[h] = name
@@ -123,8 +159,8 @@ def evaluation_set(text: str) -> str | None:
         if line and _hash(line) in whole:
             return whole[_hash(line)]
     for i in range(len(ws) - CONTAINED + 1):
-        for n, h, name in heads.get(_hash(ws[i:i + CONTAINED]), ()):
-            if _hash(ws[i:i + n]) == h:
+        for n, h, name in heads.get(_hash(ws[i : i + CONTAINED]), ()):
+            if _hash(ws[i : i + n]) == h:
                 return name
     return None
 
@@ -136,5 +172,7 @@ def check_not_evaluation(texts, source, names=None) -> None:
         found = evaluation_set(text)
         if found is not None:
             what = names[n] if names is not None else f"prompt {n + 1}"
-            raise ValueError(f"{Path(str(source)).name}: {what} is a prompt of the {found} evaluation set; "
-                             "evaluation prompts are never trained on or built into a datastore")
+            raise ValueError(
+                f"{Path(str(source)).name}: {what} is a prompt of the {found} evaluation set; "
+                "evaluation prompts are never trained on or built into a datastore"
+            )

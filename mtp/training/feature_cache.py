@@ -22,6 +22,7 @@ A large per-row field can stay on disk (`join_blocks(on_disk=...)`, a `BlockRows
 from the memory-mapped block files when sliced, so a trainer's resident memory does not grow with the
 data set (EAGLE-3's streams: ~0.75 GB per 1,000 answers in bf16).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -63,8 +64,15 @@ def remove_stale_temps(folder: Path) -> list[Path]:
     return gone
 
 
-def cached_blocks(folder: Path, depends_on: str, examples, extract: Callable, block: int = BLOCK,
-                  progress=None, metadata: dict | None = None) -> Path:
+def cached_blocks(
+    folder: Path,
+    depends_on: str,
+    examples,
+    extract: Callable,
+    block: int = BLOCK,
+    progress=None,
+    metadata: dict | None = None,
+) -> Path:
     """Compute (or reuse) every block's features under `folder`; returns the index file naming them.
 
     `progress(done, total)` counts examples over the whole list, cached blocks included."""
@@ -75,22 +83,26 @@ def cached_blocks(folder: Path, depends_on: str, examples, extract: Callable, bl
     remove_stale_temps(folder)
     files = []
     for start in range(0, len(examples), block):
-        part = examples[start:start + block]
+        part = examples[start : start + block]
         path = folder / f"{block_key(depends_on, part)}.safetensors"
         if not path.exists():
             inner = (lambda i, n, _s=start: progress(_s + i, len(examples))) if progress else None
             feats = extract(part, progress=inner)
             tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            save_file({k: v.contiguous() for k, v in feats.items()}, str(tmp),
-                      metadata={**(metadata or {}), "examples": str(len(part))})
+            save_file(
+                {k: v.contiguous() for k, v in feats.items()},
+                str(tmp),
+                metadata={**(metadata or {}), "examples": str(len(part))},
+            )
             tmp.replace(path)
         elif progress:
             progress(start + len(part), len(examples))
         files.append(path.name)
     index = folder / f"{block_key(depends_on + ':index', examples)}.json"
     if not index.exists():
-        write_text_atomic(index, json.dumps({"depends_on": depends_on, "examples": len(examples),
-                                             "blocks": files}, indent=1) + "\n")
+        write_text_atomic(
+            index, json.dumps({"depends_on": depends_on, "examples": len(examples), "blocks": files}, indent=1) + "\n"
+        )
     return index
 
 
@@ -121,15 +133,14 @@ class BlockRows:
         i = max(bisect.bisect_right(self._starts, a) - 1, 0)
         while a < b:
             end = min(b, self._starts[i + 1])
-            parts.append(self._files[i].get_slice(self.key)[a - self._starts[i]:end - self._starts[i]])
+            parts.append(self._files[i].get_slice(self.key)[a - self._starts[i] : end - self._starts[i]])
             a, i = end, i + 1
         if not parts:
             return torch.empty((0, *self.shape[1:]), dtype=self.dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def join_blocks(index: Path, example_fields=(), offset_fields=(), dtypes: dict | None = None,
-                on_disk=()) -> dict:
+def join_blocks(index: Path, example_fields=(), offset_fields=(), dtypes: dict | None = None, on_disk=()) -> dict:
     """The blocks named by `index` as one dict (one allocation per tensor, filled block by block).
 
     `dtypes` converts a field while joining (e.g. {"agree": torch.bool}); the per-row fields named in
@@ -169,7 +180,7 @@ def join_blocks(index: Path, example_fields=(), offset_fields=(), dtypes: dict |
                 if k not in out:
                     rows = sum(s[0] for s in shapes[k]) - (len(paths) - 1 if k in offset_fields else 0)
                     out[k] = torch.empty((rows, *t.shape[1:]), dtype=(dtypes or {}).get(k, t.dtype))
-                out[k][fill[k]:fill[k] + len(t)] = t
+                out[k][fill[k] : fill[k] + len(t)] = t
                 fill[k] += len(t)
         examples_before += n_examples
         rows_before += block_rows

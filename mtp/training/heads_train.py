@@ -6,6 +6,7 @@ with cross-entropy against the model's own greedy continuation (the "hard teache
 one optimisation loop of `mtp.training.trainer`. No trunk pass per step: far cheaper per example
 than mask-token training. The network and its proposer are `mtp.core.proposers.heads`.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -16,17 +17,34 @@ import torch.nn.functional as F
 
 from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
 from mtp.core.model import Transformer
-from mtp.core.proposers.heads import (CONFIG, FORMAT, MAX_AHEAD, WEIGHTS, HeadsConfig, MTPHeads, bf16_readout,
-                                      heads_files)
+from mtp.core.proposers.heads import (
+    CONFIG,
+    FORMAT,
+    MAX_AHEAD,
+    WEIGHTS,
+    HeadsConfig,
+    MTPHeads,
+    bf16_readout,
+    heads_files,
+)
 from mtp.training import feature_cache
-from mtp.training.trainer import (CHECKPOINT, Trainer, TrainerConfig, accuracy_line, batch_indices, check_lr,
-                                  recover_run_out, run_dir_kinds)
+from mtp.training.trainer import (
+    CHECKPOINT,
+    Trainer,
+    TrainerConfig,
+    accuracy_line,
+    batch_indices,
+    check_lr,
+    recover_run_out,
+    run_dir_kinds,
+)
 
 # settings that must match when resuming (they shape the heads, the data or the optimisation)
 RESUME_KEYS = ("depths", "blocks", "width", "batch_size", "seed", "lr", "warmup", "val_fraction", "draft_vocab")
 
 
 # ---- the hidden-state cache --------------------------------------------------------------------
+
 
 def extract_features(model: Transformer, examples, batch_size: int = 8, progress=None, amp: bool = False) -> dict:
     """Run the frozen trunk once over prompt + response of every example (amp: under bf16 autocast,
@@ -43,7 +61,7 @@ def extract_features(model: Transformer, examples, batch_size: int = 8, progress
     dev = model.device
     with torch.inference_mode():
         for b in range(0, len(order), batch_size):
-            idx = order[b:b + batch_size]
+            idx = order[b : b + batch_size]
             seqs = [list(examples[i].prompt_ids) + list(examples[i].response_ids) for i in idx]
             firsts = [len(examples[i].prompt_ids) - 1 for i in idx]
             T = max(len(s) for s in seqs)
@@ -52,7 +70,7 @@ def extract_features(model: Transformer, examples, batch_size: int = 8, progress
                 continue
             tokens = torch.zeros(len(seqs), T, dtype=torch.long)
             for j, s in enumerate(seqs):
-                tokens[j, :len(s)] = torch.tensor(s)
+                tokens[j, : len(s)] = torch.tensor(s)
             # rows f .. len-2 of each sequence (right padding never affects earlier positions)
             out_index = torch.tensor([[min(f + r, max(len(s) - 2, f)) for r in range(N)] for s, f in zip(seqs, firsts)])
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
@@ -65,8 +83,8 @@ def extract_features(model: Transformer, examples, batch_size: int = 8, progress
                     continue
                 a = torch.full((n, MAX_AHEAD + 1), -1, dtype=torch.long)
                 for r in range(n):
-                    nxt = s[f + 1 + r: f + 2 + r + MAX_AHEAD]
-                    a[r, :len(nxt)] = torch.tensor(nxt)
+                    nxt = s[f + 1 + r : f + 2 + r + MAX_AHEAD]
+                    a[r, : len(nxt)] = torch.tensor(nxt)
                 rows_of[i] = (h[j, :n].clone(), a, pred[j, :n] == a[:, 0])
             if progress:
                 progress(min(b + batch_size, len(order)), len(order))
@@ -79,12 +97,12 @@ def extract_features(model: Transformer, examples, batch_size: int = 8, progress
             owner.append(torch.full((len(a),), i, dtype=torch.long))
     if not hid:
         raise ValueError("no training rows: every example has an empty response")
-    return {"hidden": torch.cat(hid), "ahead": torch.cat(ahead), "example": torch.cat(owner),
-            "agree": torch.cat(agree)}
+    return {"hidden": torch.cat(hid), "ahead": torch.cat(ahead), "example": torch.cat(owner), "agree": torch.cat(agree)}
 
 
-def cached_features(model: Transformer, examples, cache_dir, batch_size: int = 8, progress=None,
-                    amp: bool = False) -> tuple[dict, Path]:
+def cached_features(
+    model: Transformer, examples, cache_dir, batch_size: int = 8, progress=None, amp: bool = False
+) -> tuple[dict, Path]:
     """extract_features, computed once per (base model, amp, block of examples) and kept as safetensors
     (`mtp.training.feature_cache`: resumable, and a grown data set recomputes only its new examples).
     Returns the features and the cache's index file; a whole-set file of the earlier layout is still read."""
@@ -95,13 +113,18 @@ def cached_features(model: Transformer, examples, cache_dir, batch_size: int = 8
         feats["agree"] = feats["agree"].bool()
         return feats, whole
     index = feature_cache.cached_blocks(
-        Path(cache_dir) / "heads-features" / "blocks", depends_on, examples,
-        lambda part, progress: extract_features(model, part, batch_size, progress, amp), progress=progress,
-        metadata={"base_hash": base_hash(model)})
+        Path(cache_dir) / "heads-features" / "blocks",
+        depends_on,
+        examples,
+        lambda part, progress: extract_features(model, part, batch_size, progress, amp),
+        progress=progress,
+        metadata={"base_hash": base_hash(model)},
+    )
     return feature_cache.join_blocks(index, example_fields=("example",), dtypes={"agree": torch.bool}), index
 
 
 # ---- training ----------------------------------------------------------------------------------
+
 
 @dataclass
 class TrainHeadsConfig:
@@ -163,8 +186,9 @@ def draft_vocab_from(feats: dict, rows: torch.Tensor, size: int) -> torch.Tensor
     return torch.tensor(sorted(order[:size]), dtype=torch.long)
 
 
-def heads_loss(heads: MTPHeads, model, feats: dict, rows: torch.Tensor, readout,
-               vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+def heads_loss(
+    heads: MTPHeads, model, feats: dict, rows: torch.Tensor, readout, vocab: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list]:
     """Mean cross-entropy over depths against the trunk's own continuation; per-depth accuracy.
 
     vocab: the draft vocabulary [Vd] (sorted ids) when `readout` scores only those rows: the loss is
@@ -227,17 +251,18 @@ def evaluate(heads: MTPHeads, model, feats: dict, rows: torch.Tensor, readout, b
 
             def readout(h):
                 return F.linear(model.norm(h), w)
+
     correct = torch.zeros(D)
     counted = torch.zeros(D)
     lead_sum, lead_n = 0.0, 0
     with torch.no_grad():
         for b in range(0, len(rows), batch_size):
-            r = rows[b:b + batch_size]
+            r = rows[b : b + batch_size]
             ahead = feats["ahead"][r].to(model.device)
             logits = heads(model, feats["hidden"][r].to(model.device), ahead[:, :D], readout)
             guess = [lg.argmax(-1) if to_id is None else to_id[lg.argmax(-1)] for lg in logits]
             ok = torch.stack([g == ahead[:, d + 1] for d, g in enumerate(guess)], 1)  # [B, D]
-            valid = ahead[:, 1:D + 1] >= 0
+            valid = ahead[:, 1 : D + 1] >= 0
             correct += (ok & valid).sum(0).cpu().float()
             counted += valid.sum(0).cpu().float()
             full = valid.all(1)  # rows where every depth has a target
@@ -245,13 +270,25 @@ def evaluate(heads: MTPHeads, model, feats: dict, rows: torch.Tensor, readout, b
             lead_sum += float(lead[full].sum())
             lead_n += int(full.sum())
     acc = (correct / counted.clamp(min=1)).tolist()
-    return {"val_acc_by_depth": [round(a, 4) for a in acc],
-            "val_tokens_per_pass": round(1 + lead_sum / max(lead_n, 1), 4), "val_rows": len(rows)}
+    return {
+        "val_acc_by_depth": [round(a, 4) for a in acc],
+        "val_tokens_per_pass": round(1 + lead_sum / max(lead_n, 1), 4),
+        "val_rows": len(rows),
+    }
 
 
-def train_heads(model: Transformer, feats: dict, cfg: TrainHeadsConfig, out, resume: bool = False,
-                meta: dict | None = None, log=print, on_step=None, progress: bool = False,
-                rows: torch.Tensor | None = None) -> dict:
+def train_heads(
+    model: Transformer,
+    feats: dict,
+    cfg: TrainHeadsConfig,
+    out,
+    resume: bool = False,
+    meta: dict | None = None,
+    log=print,
+    on_step=None,
+    progress: bool = False,
+    rows: torch.Tensor | None = None,
+) -> dict:
     """Train heads on cached trunk features; write `out` (config.json + heads.safetensors) at the end
     and a resumable `out/checkpoint` (`mtp.training.trainer`) every `save_every` steps and on Ctrl-C.
     Returns the final held-out metrics. on_step(step): see `Trainer.run`.
@@ -282,8 +319,9 @@ def train_heads(model: Transformer, feats: dict, cfg: TrainHeadsConfig, out, res
     vocab = draft_vocab_from(feats, train_rows, cfg.draft_vocab) if cfg.draft_vocab else None
     if vocab is not None:
         w = model.lm_head.weight.detach()[vocab.to(model.device)]
-        train_readout = bf16_readout(model, vocab) if model.device.type == "cpu" else \
-            (lambda x: F.linear(model.norm(x), w).float())
+        train_readout = (
+            bf16_readout(model, vocab) if model.device.type == "cpu" else (lambda x: F.linear(model.norm(x), w).float())
+        )
     else:
         train_readout = readout
     settings = {**asdict(cfg), **{f"heads_{k}": v for k, v in asdict(hcfg).items()}}
@@ -296,11 +334,25 @@ def train_heads(model: Transformer, feats: dict, cfg: TrainHeadsConfig, out, res
     def load_fn(path: Path):
         heads.load_state_dict(load_safetensors(path / WEIGHTS))
 
-    trainer = Trainer(TrainerConfig(cfg.steps, cfg.lr, cfg.warmup, cfg.save_every, log_every=10, what="training run"),
-                      params, opt, ckpt, step_fn, lambda: {WEIGHTS: dict(heads.state_dict())}, load_fn, settings,
-                      RESUME_KEYS, is_heads_checkpoint, describe=accuracy_line("predictions"), log=log, progress=progress)
-    log(f"heads: {hcfg.label()}, {heads.n_params():,} parameters; {len(train_rows):,} train rows, "
-        f"{len(val_rows):,} val rows; {cfg.steps} steps of {cfg.batch_size}")
+    trainer = Trainer(
+        TrainerConfig(cfg.steps, cfg.lr, cfg.warmup, cfg.save_every, log_every=10, what="training run"),
+        params,
+        opt,
+        ckpt,
+        step_fn,
+        lambda: {WEIGHTS: dict(heads.state_dict())},
+        load_fn,
+        settings,
+        RESUME_KEYS,
+        is_heads_checkpoint,
+        describe=accuracy_line("predictions"),
+        log=log,
+        progress=progress,
+    )
+    log(
+        f"heads: {hcfg.label()}, {heads.n_params():,} parameters; {len(train_rows):,} train rows, "
+        f"{len(val_rows):,} val rows; {cfg.steps} steps of {cfg.batch_size}"
+    )
 
     def held_out() -> dict:
         if vocab is not None:
@@ -308,11 +360,17 @@ def train_heads(model: Transformer, feats: dict, cfg: TrainHeadsConfig, out, res
             log(f"draft vocabulary: {len(heads.draft_vocab)} tokens")
         return evaluate(heads, model, feats, val_rows, readout) if len(val_rows) else {}
 
-    metrics = trainer.train_module(heads, resume, on_step, held_out,
-                                   {"steps": cfg.steps, "train_rows": len(train_rows), "n_params": heads.n_params()})
+    metrics = trainer.train_module(
+        heads,
+        resume,
+        on_step,
+        held_out,
+        {"steps": cfg.steps, "train_rows": len(train_rows), "n_params": heads.n_params()},
+    )
     # the finished directory replaces `out` whole: the resumable checkpoint goes with it
-    write_dir_atomic(out, heads_files(heads, model, {**(meta or {}), "train": asdict(cfg), "metrics": metrics}),
-                     kind=is_heads_dir)
+    write_dir_atomic(
+        out, heads_files(heads, model, {**(meta or {}), "train": asdict(cfg), "metrics": metrics}), kind=is_heads_dir
+    )
     return metrics
 
 

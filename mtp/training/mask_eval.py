@@ -8,6 +8,7 @@ ground truth as the target), reads the adapter's proposals in one split forward 
 returns 1 + the mean leading run per answer: the same quantity `verify:K` measures by decoding,
 estimated over positions instead of along one decode path. The MTP heads' `evaluate` is its twin.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,9 @@ def spans_for(ex: Example, k: int, stride: int, seq_len: int) -> list[Span]:
 
 
 @torch.no_grad()
-def tokens_per_pass(model, examples: list[Example], k: int = 4, stride: int = 4, seq_len: int = 512,
-                    batch_size: int = 4) -> list[float | None]:
+def tokens_per_pass(
+    model, examples: list[Example], k: int = 4, stride: int = 4, seq_len: int = 512, batch_size: int = 4
+) -> list[float | None]:
     """Per example: 1 + mean leading run of correct mask proposals (None if no span fits).
     `model` is a base Transformer with a gated adapter attached (see `mtp.core.adapter`)."""
     if k < 2 or stride < 1:
@@ -35,9 +37,10 @@ def tokens_per_pass(model, examples: list[Example], k: int = 4, stride: int = 4,
     todo = [(i, spans_for(ex, k, stride, seq_len)) for i, ex in enumerate(examples)]
     todo = [(i, s) for i, s in todo if s]
     for c in range(0, len(todo), batch_size):
-        chunk = todo[c:c + batch_size]
-        batch = make_batch([examples[i] for i, _ in chunk], mask_id, 0, k, seq_len, None,
-                           spans_of=[s for _, s in chunk])
+        chunk = todo[c : c + batch_size]
+        batch = make_batch(
+            [examples[i] for i, _ in chunk], mask_id, 0, k, seq_len, None, spans_of=[s for _, s in chunk]
+        )
         _, proposals, _ = forward_pair(model, model, None, batch, "ground-truth", True, False)
         correct = (proposals.cpu() == batch.gt_target) & batch.valid  # [B, L], L = spans * k per row
         B, L = correct.shape

@@ -17,6 +17,7 @@ seal); a crash after leaves them in both, and ids already sealed are skipped. `r
 returns every record of the sealed shards (each verified against its checksum: a truncated or changed
 shard is refused in one line) and of the working file, by id.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -52,9 +53,9 @@ def read_manifest(folder: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         raise ShardError(f"{path}: not a readable data manifest") from None
     if not isinstance(m, dict) or m.get("format") != "mtp-data":
-        raise ShardError(f"{path}: not an mtp data set (no \"format\": \"mtp-data\")")
+        raise ShardError(f'{path}: not an mtp data set (no "format": "mtp-data")')
     if not isinstance(m.get("shards", []), list):
-        raise ShardError(f"{path}: \"shards\" is not a list")
+        raise ShardError(f'{path}: "shards" is not a list')
     return m
 
 
@@ -76,8 +77,11 @@ def parse_line(line: bytes | str, key: str = "id") -> dict | None:
         rec = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
-    ok = isinstance(rec, dict) and key in rec and all(
-        isinstance(rec.get(f), list) and all(type(t) is int for t in rec[f]) for f in ID_LISTS)
+    ok = (
+        isinstance(rec, dict)
+        and key in rec
+        and all(isinstance(rec.get(f), list) and all(type(t) is int for t in rec[f]) for f in ID_LISTS)
+    )
     if ok and key not in ID_LISTS:
         ok = type(rec[key]) in (str, int)  # e.g. {"id": [1]} is unhashable: a corrupt line, not a crash
     return rec if ok else None
@@ -89,16 +93,20 @@ def read_shard(folder: Path, entry: dict, key: str = "id") -> list[dict]:
     if not path.is_file():
         raise ShardError(f"{path}: shard named in the manifest is missing (restore it: git checkout -- {path.name})")
     if sha256_file(path) != entry.get("sha256"):
-        raise ShardError(f"{path}: checksum does not match the manifest (truncated or changed); "
-                         f"restore it from git, shards are never rewritten")
+        raise ShardError(
+            f"{path}: checksum does not match the manifest (truncated or changed); "
+            f"restore it from git, shards are never rewritten"
+        )
     try:
         raw = gzip.decompress(path.read_bytes())
     except (OSError, EOFError, gzip.BadGzipFile):
         raise ShardError(f"{path}: not a readable gzip file") from None
     recs = [parse_line(x, key) for x in raw.splitlines() if x.strip()]
     if any(r is None for r in recs) or len(recs) != entry.get("lines"):
-        raise ShardError(f"{path}: {sum(r is None for r in recs)} unreadable line(s), {len(recs)} lines "
-                         f"against {entry.get('lines')} in the manifest")
+        raise ShardError(
+            f"{path}: {sum(r is None for r in recs)} unreadable line(s), {len(recs)} lines "
+            f"against {entry.get('lines')} in the manifest"
+        )
     return recs
 
 
@@ -174,8 +182,13 @@ def seal(folder, key: str = "id") -> list[dict]:
                 f.flush()
                 os.fsync(f.fileno())
             tmp.replace(folder / name)
-            entry = {"log": log, "file": name, "sha256": hashlib.sha256(data).hexdigest(), "lines": len(new),
-                     "response_tokens": sum(len(r["response_ids"]) for r in new)}
+            entry = {
+                "log": log,
+                "file": name,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "lines": len(new),
+                "response_tokens": sum(len(r["response_ids"]) for r in new),
+            }
             manifest = {**manifest, "shards": [*manifest.get("shards", []), entry]}
             write_manifest(folder, manifest)
             added.append(entry)

@@ -16,6 +16,7 @@ that must match to resume. The trainer owns everything else, written once:
 - progress: a rich bar on a terminal, else one line every `log_every` steps;
 - several processes (DDP): rank 0 writes, the others wait at a barrier.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,15 @@ import torch
 import torch.distributed as torch_dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mtp.core.artifacts import (first_nonfinite, has_format, load_safetensors, read_json, recover_interrupted,
-                                replaceable, write_dir_atomic)
+from mtp.core.artifacts import (
+    first_nonfinite,
+    has_format,
+    load_safetensors,
+    read_json,
+    recover_interrupted,
+    replaceable,
+    write_dir_atomic,
+)
 
 OPTIMIZER = "optimizer.safetensors"
 STATE = "trainer_state.json"
@@ -52,6 +60,7 @@ def check_lr(lr) -> None:
 def run_dir_kinds(fmt: str, weights: str) -> tuple[Callable[[Path], bool], Callable[[Path], bool]]:
     """The `kind` tests (`artifacts.replaceable`) of a trainer whose --out ends as `config.json` (format
     `fmt`) + `weights` and holds `CHECKPOINT/` while it runs: (is_out_dir, is_checkpoint_dir)."""
+
     def is_checkpoint(path: Path) -> bool:
         return {p.name for p in Path(path).iterdir()} <= {weights, OPTIMIZER, STATE}
 
@@ -110,8 +119,10 @@ def use_bf16(choice: str, device) -> bool:
 def accuracy_line(counted: str) -> Callable[[dict], str]:
     """A `Trainer.describe` for records {loss, acc: per depth, `counted`, step_s}: loss, the
     accuracies and `counted` per second, e.g. "loss 2.310 acc 0.61 0.40 5200 tokens/s"."""
-    return lambda rec: (f"loss {rec['loss']:.3f} acc {' '.join(f'{a:.2f}' for a in rec['acc'])} "
-                        f"{rec[counted] / rec['step_s']:.0f} {counted}/s")
+    return lambda rec: (
+        f"loss {rec['loss']:.3f} acc {' '.join(f'{a:.2f}' for a in rec['acc'])} "
+        f"{rec[counted] / rec['step_s']:.0f} {counted}/s"
+    )
 
 
 def lr_at(step: int, lr: float, warmup: int, steps: int) -> float:
@@ -157,8 +168,11 @@ def optimizer_tensors(opt: torch.optim.Optimizer, params: list) -> dict[str, tor
 
 def load_optimizer_tensors(opt: torch.optim.Optimizer, params: list, tensors: dict[str, torch.Tensor]) -> None:
     for i, p in enumerate(params):
-        state = {k.split(".", 1)[1]: v.to(p.device) if k.split(".", 1)[1] != "step" else v
-                 for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
+        state = {
+            k.split(".", 1)[1]: v.to(p.device) if k.split(".", 1)[1] != "step" else v
+            for k, v in tensors.items()
+            if k.split(".", 1)[0] == str(i)
+        }
         if state:
             opt.state[p] = state
     if "rng.cpu" in tensors:
@@ -190,6 +204,7 @@ class Trainer:
     kind(path): recognises a checkpoint directory this trainer may replace (`artifacts.replaceable`).
     describe(record) -> str: one log line's text after "step N/M".
     on_step(step): called after every completed step (tests interrupt runs with it)."""
+
     config: TrainerConfig
     params: list
     opt: torch.optim.Optimizer
@@ -217,14 +232,18 @@ class Trainer:
             for k in self.resume_keys:
                 was, now = state.get("settings", {}).get(k), self.settings.get(k)
                 if was != now:
-                    raise ValueError(f"--resume: {k} was {was!r} in {ckpt}, now {now!r} (the checkpoint was made "
-                                     f"with other --{k.replace('_', '-')})")
+                    raise ValueError(
+                        f"--resume: {k} was {was!r} in {ckpt}, now {now!r} (the checkpoint was made "
+                        f"with other --{k.replace('_', '-')})"
+                    )
             self.state = state
             self.load_fn(ckpt)
             load_optimizer_tensors(self.opt, self.params, load_safetensors(ckpt / OPTIMIZER))
         elif (ckpt / STATE).exists():
-            raise ValueError(f"{ckpt.parent if ckpt.name == 'checkpoint' else ckpt} already holds a "
-                             f"{self.config.what}: pass --resume or another --out")
+            raise ValueError(
+                f"{ckpt.parent if ckpt.name == 'checkpoint' else ckpt} already holds a "
+                f"{self.config.what}: pass --resume or another --out"
+            )
         return self.state["step"]
 
     def diverged(self, step: int, name: str) -> DivergedError:
@@ -236,8 +255,13 @@ class Trainer:
         """Stop at the first step whose weights hold a NaN or inf, naming the tensor."""
         if bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all()):
             return
-        names = {t.data_ptr(): n for content in self.files_fn().values() if isinstance(content, dict)
-                 for n, t in content.items() if torch.is_tensor(t)}  # the saved names share the storage
+        names = {
+            t.data_ptr(): n
+            for content in self.files_fn().values()
+            if isinstance(content, dict)
+            for n, t in content.items()
+            if torch.is_tensor(t)
+        }  # the saved names share the storage
         bad = next(i for i, p in enumerate(self.params) if not bool(torch.isfinite(p).all()))
         raise self.diverged(step, f"tensor {names.get(self.params[bad].data_ptr(), f'parameter {bad}')}")
 
@@ -257,8 +281,14 @@ class Trainer:
             dist.barrier()
 
     # ---- the loop ------------------------------------------------------------------------------
-    def train_module(self, module: torch.nn.Module, resume: bool, on_step: Callable[[int], None] | None,
-                     held_out: Callable[[], dict], counts: dict) -> dict:
+    def train_module(
+        self,
+        module: torch.nn.Module,
+        resume: bool,
+        on_step: Callable[[int], None] | None,
+        held_out: Callable[[], dict],
+        counts: dict,
+    ) -> dict:
         """`run` with `module` in training mode; then, in eval mode, its held-out metrics (`held_out()`)
         with `counts` and the seconds all of it took (`train_s`), logged and returned."""
         t0 = time.perf_counter()
@@ -295,8 +325,7 @@ class Trainer:
                 self.check_finite(step)
                 dt = time.perf_counter() - t0
                 self.state["wall_s"] += dt
-                rec = {"step": step, "loss": round(float(loss.detach()), 5), "lr": lr, **rec,
-                       "step_s": round(dt, 4)}
+                rec = {"step": step, "loss": round(float(loss.detach()), 5), "lr": lr, **rec, "step_s": round(dt, 4)}
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     self.state["history"].append(rec)
                     if bar is None and rank == 0:
@@ -323,8 +352,14 @@ class _Bar:
     """A rich progress bar with the latest record's line."""
 
     def __init__(self, total: int, start: int):
-        self.p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                          TextColumn("{task.fields[info]}"), transient=False)
+        self.p = Progress(
+            TextColumn("train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            transient=False,
+        )
         self.task = self.p.add_task("train", total=total, completed=start, info="")
         self.p.start()
 
@@ -333,4 +368,3 @@ class _Bar:
 
     def close(self) -> None:
         self.p.stop()
-

@@ -11,6 +11,7 @@ token), while a real decode leaves the reference trajectory after its first wron
 candidate whose bound is clearly below the best lossless candidate's price cannot win and is not
 decoded (`--measure-all` decodes it anyway).
 """
+
 from __future__ import annotations
 
 from mtp.core.strategy import Strategy
@@ -33,8 +34,9 @@ def lossy_bound(strategy: Strategy, appended: int, cost, records, calibration=No
         if strategy.kind == "static":
             n = strategy.k
         else:
-            mapped = [calibration.map(d, c) if calibration is not None else c
-                      for d, c in enumerate(confs[: strategy.k - 1])]
+            mapped = [
+                calibration.map(d, c) if calibration is not None else c for d, c in enumerate(confs[: strategy.k - 1])
+            ]
             n = strategy.emit_count([1.0] + mapped)
         seconds += cost.pass_time(fed + appended) + per_call
         tokens += n

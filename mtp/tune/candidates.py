@@ -7,6 +7,7 @@ drafter and suffix datastore for the default model); `--candidates` replaces it 
 families ordered from the least to the most lossy (a higher τ first, a smaller static K first): once
 one member exceeds the tolerance, the lossier members are not run.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,12 +15,30 @@ from dataclasses import dataclass
 from mtp.core.deploy import Arm
 from mtp.core.strategy import Strategy, split_list
 
-LOSSLESS = ("verify:3@heads", "verify:4@heads", "tree:8@heads", "tree:16@heads", "tree:auto@heads",
-            "tree:8@heads+suffix+lookup", "tree:16@heads+suffix+lookup", "tree:auto@heads+suffix+lookup",
-            "tree:8@suffix", "verify:3@lookup", "verify:4@eagle3", "verify:4@mask")
-LOSSY = ("conf_adapt:0.95:4@heads", "conf_adapt:0.9:4@heads", "conf_adapt:0.8:4@heads",
-         "conf_adapt:0.95:4@mask", "conf_adapt:0.9:4@mask", "conf_adapt:0.8:4@mask",
-         "static:2@heads", "static:2@mask")
+LOSSLESS = (
+    "verify:3@heads",
+    "verify:4@heads",
+    "tree:8@heads",
+    "tree:16@heads",
+    "tree:auto@heads",
+    "tree:8@heads+suffix+lookup",
+    "tree:16@heads+suffix+lookup",
+    "tree:auto@heads+suffix+lookup",
+    "tree:8@suffix",
+    "verify:3@lookup",
+    "verify:4@eagle3",
+    "verify:4@mask",
+)
+LOSSY = (
+    "conf_adapt:0.95:4@heads",
+    "conf_adapt:0.9:4@heads",
+    "conf_adapt:0.8:4@heads",
+    "conf_adapt:0.95:4@mask",
+    "conf_adapt:0.9:4@mask",
+    "conf_adapt:0.8:4@mask",
+    "static:2@heads",
+    "static:2@mask",
+)
 
 
 @dataclass(frozen=True)
@@ -59,8 +78,7 @@ def parse(text: str, default_proposer: str = "mask") -> list[Candidate]:
     out, seen = [], set()
     for piece in split_list(text):
         strategy, _, proposer = piece.partition("@")
-        arm = Arm.parse({"strategy": strategy.strip(), "proposer": proposer.strip() or default_proposer},
-                        "candidate")
+        arm = Arm.parse({"strategy": strategy.strip(), "proposer": proposer.strip() or default_proposer}, "candidate")
         if arm.strategy.plain or str(arm) in seen:
             continue
         seen.add(str(arm))
@@ -92,4 +110,3 @@ def loadable(engine, candidates: list[Candidate]) -> tuple[list[Candidate], dict
             continue
         ok.append(c)
     return ok, why
-

@@ -2,12 +2,13 @@
 batching loop (`mtp.core.batching.Batch`), greedy: what `mtp tune` runs to learn each candidate's
 outputs, acceptance and block sizes without paying one single-stream decode per prompt.
 
-Per prompt it keeps the output ids and text, the tokens emitted and fed per pass (`chunks`,
-`blocks`), and with `record=True` the confidences of every proposal the row's proposer made, one
-list per pass (`proposals`); the proposer's time per guess is clocked over the whole run
-(`DecodeStats.proposing_s`, timed by the decoding loop). Rows of one batch share each pass, so wall times here are not single-stream
-speeds: `mtp tune` prices candidates with the cost model and measures the best ones alone.
+Per prompt it keeps the output ids and text, the tokens emitted and fed per pass (`chunks`, `blocks`), and with
+`record=True` the confidences of every proposal the row's proposer made, one list per pass (`proposals`); the
+proposer's time per guess is clocked over the whole run (`DecodeStats.proposing_s`, timed by the decoding loop).
+Rows of one batch share each pass, so wall times here are not single-stream speeds: `mtp tune` prices candidates
+with the cost model and measures the best ones alone.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -61,15 +62,27 @@ class RecordingProposer(WrappedProposer):
         return g
 
 
-def decode_all(engine, prompts: list[list[int]], strategy: Strategy, proposer: str | None, max_new_tokens: int,
-               batch: int = 16, record: bool = False, stop_after=None) -> RunStats:
+def decode_all(
+    engine,
+    prompts: list[list[int]],
+    strategy: Strategy,
+    proposer: str | None,
+    max_new_tokens: int,
+    batch: int = 16,
+    record: bool = False,
+    stop_after=None,
+) -> RunStats:
     """Greedy outputs of every prompt under `strategy` drafting from `proposer` (None: the engine's).
     `stop_after(index, output) -> bool` may end the run early (the outputs so far are returned, in
     prompt order, up to the first prompt not yet finished)."""
     params = SamplingParams(max_new_tokens=max_new_tokens)
     longest = max(len(p) for p in prompts)
-    rows = Batch(engine.model, engine.mask_id, max(1, min(batch, len(prompts))),
-                 min(engine.context_window, longest + max_new_tokens + block_slack(strategy.k)))
+    rows = Batch(
+        engine.model,
+        engine.mask_id,
+        max(1, min(batch, len(prompts))),
+        min(engine.context_window, longest + max_new_tokens + block_slack(strategy.k)),
+    )
     proposing_s, guesses = 0.0, 0
     done: dict[int, Output] = {}
     logs: dict[int, list[list[float]]] = {}
@@ -93,9 +106,15 @@ def decode_all(engine, prompts: list[list[int]], strategy: Strategy, proposer: s
                 proposing_s += sum(seq.stats.proposing_s)
                 guesses += sum(seq.stats.guesses)
                 j = index.pop(id(seq))
-                done[j] = Output(list(seq.output), engine.decode_text(seq.output), list(seq.stats.chunks),
-                                 list(seq.stats.blocks), seq.finish_reason or "length", logs.get(j, []),
-                                 trees.get(j, []))
+                done[j] = Output(
+                    list(seq.output),
+                    engine.decode_text(seq.output),
+                    list(seq.stats.chunks),
+                    list(seq.stats.blocks),
+                    seq.finish_reason or "length",
+                    logs.get(j, []),
+                    trees.get(j, []),
+                )
                 if stop_after is not None and stop_after(j, done[j]):
                     stopped = True
     ordered = []
@@ -139,5 +158,5 @@ def tree_pairs(out: Output) -> list[list[tuple[float, bool]]]:
             d = len(path) - 1
             while len(pairs) <= d:
                 pairs.append([])
-            pairs[d].append((float(c), out.ids[pos:pos + len(path)] == path))
+            pairs[d].append((float(c), out.ids[pos : pos + len(path)] == path))
     return pairs

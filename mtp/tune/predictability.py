@@ -6,6 +6,7 @@ Measured teacher-forced: one forward pass over prompt + answer per item, reading
 that predicted each answer token. Categories come from the prompts file's `category` field (GSM8K
 items are one category, `gsm8k`).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,12 @@ def forward_over(model, ids: list[int], **outputs):
     model for more (return_hidden=True, aux_layers=...). Returns the model's outputs, batch of one."""
     n = len(ids)
     with torch.inference_mode():
-        return model(torch.tensor([ids], device=model.device), torch.arange(n, device=model.device).view(1, n),
-                     cache=KVCache.for_model(model, 1, n), **outputs)
+        return model(
+            torch.tensor([ids], device=model.device),
+            torch.arange(n, device=model.device).view(1, n),
+            cache=KVCache.for_model(model, 1, n),
+            **outputs,
+        )
 
 
 def teacher_forced(model, prompt_ids: list[int], answer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +37,7 @@ def teacher_forced(model, prompt_ids: list[int], answer_ids: list[int]) -> tuple
     ids = list(prompt_ids) + list(answer_ids)
     logits, hidden = forward_over(model, ids, return_hidden=True)
     with torch.inference_mode():
-        logits = logits.float()[0, len(prompt_ids) - 1: len(ids) - 1]
+        logits = logits.float()[0, len(prompt_ids) - 1 : len(ids) - 1]
         mask_id = model.config.mask_token_id
         if mask_id is not None and mask_id < logits.shape[-1]:
             logits[:, mask_id] = float("-inf")  # never a prediction, as in decoding
@@ -47,8 +52,9 @@ def token_stats(logits: torch.Tensor) -> tuple[list[float], list[float]]:
         return entropy.tolist(), logp.max(-1).values.exp().tolist()
 
 
-def report(model, items: list[dict], prompts: list[list[int]], answers: list[list[int]],
-           hidden: dict | None = None) -> dict:
+def report(
+    model, items: list[dict], prompts: list[list[int]], answers: list[list[int]], hidden: dict | None = None
+) -> dict:
     """Per category (and `all`): items, answer tokens, mean entropy, mean top-1 probability and the
     share of tokens with top-1 probability >= each τ of TAUS. `hidden`, if given, keeps each prompt's
     hidden states by index (what `mtp.tune.simulate.replay` reads: one teacher-forced pass serves both)."""
@@ -68,9 +74,11 @@ def report(model, items: list[dict], prompts: list[list[int]], answers: list[lis
     for cat, rows in groups.items():
         ent = [e for r in rows for e in r[0] if math.isfinite(e)]
         top = [t for r in rows for t in r[1]]
-        out[cat] = {"items": len(rows), "tokens": len(top),
-                    "entropy_mean": sum(ent) / len(ent) if ent else None,
-                    "top1_mean": sum(top) / len(top) if top else None,
-                    "share_at_least": {f"{tau:g}": (sum(t >= tau for t in top) / len(top) if top else None)
-                                       for tau in TAUS}}
+        out[cat] = {
+            "items": len(rows),
+            "tokens": len(top),
+            "entropy_mean": sum(ent) / len(ent) if ent else None,
+            "top1_mean": sum(top) / len(top) if top else None,
+            "share_at_least": {f"{tau:g}": (sum(t >= tau for t in top) / len(top) if top else None) for tau in TAUS},
+        }
     return out

@@ -32,6 +32,7 @@ The adoption checklist, in order:
    is lossless itself);
 8. `deploy.json` (`mtp.core.deploy`), `results.json` (every candidate) and `report.html`.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,7 +82,16 @@ class TuneConfig:
         D.check_tolerance(self.tolerance)
         if self.metric is not None:
             D.check_metric(self.metric)
-        for name in ("limit", "max_new_tokens", "probe", "calibrate", "measure", "measure_rows", "batch", "profile_repeats"):
+        for name in (
+            "limit",
+            "max_new_tokens",
+            "probe",
+            "calibrate",
+            "measure",
+            "measure_rows",
+            "batch",
+            "profile_repeats",
+        ):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
@@ -114,16 +124,19 @@ def tune_data(spec, limit: int | None) -> str:
         items = gsm8k.load(file, limit)
         if items and not any(evaluation_set(it["question"]) == GSM8K_TEST for it in items):
             shown = name if name == target else f"{name} -> {target}"
-            raise ValueError(f"--data gsm8k:{file} is a training split (named {shown}, no GSM8K test question in "
-                             "it): mtp's proposers learn from GSM8K train, so tuning on it overstates their "
-                             f"acceptance and speed; tune on the evaluation split (gsm8k:DIR/{gsm8k.EVAL_SPLIT}) "
-                             "or held-out prompts:FILE of your own")
+            raise ValueError(
+                f"--data gsm8k:{file} is a training split (named {shown}, no GSM8K test question in "
+                "it): mtp's proposers learn from GSM8K train, so tuning on it overstates their "
+                f"acceptance and speed; tune on the evaluation split (gsm8k:DIR/{gsm8k.EVAL_SPLIT}) "
+                "or held-out prompts:FILE of your own"
+            )
     return f"gsm8k:{file}" if file != Path(path) else spec
 
 
 @dataclass
 class Row:
     """One candidate's figures (what results.json lists)."""
+
     name: str
     lossless: bool
     tokens_per_forward: float | None = None
@@ -165,6 +178,7 @@ def run(engine, cfg: TuneConfig, log=print) -> dict:
 @dataclass
 class Tuning:
     """One `mtp tune` run: its inputs, and what each section of the checklist found for the next."""
+
     engine: object
     cfg: TuneConfig
     log: Callable[[str], None]  # every line says how long the run has taken so far
@@ -212,10 +226,13 @@ class Tuning:
         prompts = [engine.encode(it["prompt"], chat=True) for it in items]
         for j, ids in enumerate(prompts):
             if len(ids) + cfg.max_new_tokens > engine.context_window:
-                raise ValueError(f"prompt {j} ({len(ids)} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the "
-                                 f"context window of {engine.context_window}")
-        timed_log(f"tune: {len(items)} prompts ({cfg.data}), tolerance {cfg.tolerance:g} on {metric}, "
-                  f"{len(cands)} candidates")
+                raise ValueError(
+                    f"prompt {j} ({len(ids)} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the "
+                    f"context window of {engine.context_window}"
+                )
+        timed_log(
+            f"tune: {len(items)} prompts ({cfg.data}), tolerance {cfg.tolerance:g} on {metric}, {len(cands)} candidates"
+        )
         return cls(engine, cfg, timed_log, t_start, kind, items, metric, cands, unavailable, prompts)
 
     @property
@@ -243,11 +260,14 @@ class Tuning:
         cache_len = max(0, min(300, engine.context_window - Q_POINTS[-1]))
         self.cost = measure(engine.model, Q_POINTS, cache_len, 1, cfg.profile_repeats)  # interpolated between
         engine.cost_model = self.cost  # what tree:auto candidates size their trees by
-        self.log(f"tune: t(1) {1e3 * self.cost.pass_time(1):.1f} ms, t(8) {1e3 * self.cost.pass_time(8):.1f} ms, "
-                 f"t(32) {1e3 * self.cost.pass_time(32):.1f} ms")
-        self.predict = predictability.report(engine.model, self.items, self.prompts, [o.ids for o in self.ref],
-                                             self.hidden)
-        self.ntp_tpf, self.ntp_price = steady_price(self.cost, self.ref[:self.n_probe], 0.0)
+        self.log(
+            f"tune: t(1) {1e3 * self.cost.pass_time(1):.1f} ms, t(8) {1e3 * self.cost.pass_time(8):.1f} ms, "
+            f"t(32) {1e3 * self.cost.pass_time(32):.1f} ms"
+        )
+        self.predict = predictability.report(
+            engine.model, self.items, self.prompts, [o.ids for o in self.ref], self.hidden
+        )
+        self.ntp_tpf, self.ntp_price = steady_price(self.cost, self.ref[: self.n_probe], 0.0)
 
     def lossless(self, strategy: Strategy, proposer: str, record: bool = False):
         """A lossless candidate's passes: replayed on every reference answer where its proposer allows
@@ -255,26 +275,30 @@ class Tuning:
         if can_replay(proposer):
             return replay(self.engine, self.prompts, self.ref, strategy, proposer, record, self.hidden, self.kept)
         m = max(self.n_probe, min(self.cfg.calibrate, self.n)) if record else self.n_probe
-        return decode_all(self.engine, self.prompts[:m], strategy, proposer, self.cfg.max_new_tokens, self.cfg.batch,
-                          record=record)
+        return decode_all(
+            self.engine, self.prompts[:m], strategy, proposer, self.cfg.max_new_tokens, self.cfg.batch, record=record
+        )
 
     def calibrate(self) -> None:
         """4: chains of each confidence proposer (conf_adapt reads them), trees of each part of a merged
         candidate (the merge then compares calibrated node probabilities); the engine reads the maps."""
         chain_parts = sorted({c.proposer for c in self.cands if c.strategy.thresholded})
-        tree_parts = sorted({p for c in self.cands if c.strategy.is_tree and "+" in c.proposer
-                             for p in c.proposer.split("+")})
-        for key, arm, pairs_of in ([(p, D.Arm(Strategy.parse("verify:4"), p), chain_pairs) for p in chain_parts]
-                                   + [(p + TREE_SUFFIX, D.Arm(Strategy.parse("tree:16"), p), tree_pairs)
-                                      for p in tree_parts]):
+        tree_parts = sorted(
+            {p for c in self.cands if c.strategy.is_tree and "+" in c.proposer for p in c.proposer.split("+")}
+        )
+        for key, arm, pairs_of in [(p, D.Arm(Strategy.parse("verify:4"), p), chain_pairs) for p in chain_parts] + [
+            (p + TREE_SUFFIX, D.Arm(Strategy.parse("tree:16"), p), tree_pairs) for p in tree_parts
+        ]:
             stats = self.lossless(arm.strategy, arm.proposer, record=True)
             self.probe_runs[str(arm)] = stats
             fitted, rep = fit_held_out([pairs_of(o) for o in stats.outputs])
             self.calibrations[key], self.cal_report[key] = fitted, rep
             self.engine.config.calibration[key] = fitted
-            self.log(f"tune: calibration of {key}: ECE {_f(rep['ece_before'], 3)} -> {_f(rep['ece_after'], 3)} on "
-                     f"{rep['test_pairs']} held-out guesses (noise floor {_f(rep['ece_floor'], 3)})"
-                     + ("" if rep["used"] else " (worse: not used, raw confidences kept)"))
+            self.log(
+                f"tune: calibration of {key}: ECE {_f(rep['ece_before'], 3)} -> {_f(rep['ece_after'], 3)} on "
+                f"{rep['test_pairs']} held-out guesses (noise floor {_f(rep['ece_floor'], 3)})"
+                + ("" if rep["used"] else " (worse: not used, raw confidences kept)")
+            )
 
     def bound(self, c: C.Candidate):
         """A lossy candidate's optimistic (tokens per pass, price) from its proposer's recorded
@@ -282,21 +306,30 @@ class Tuning:
         records = self.probe_runs.get(str(D.Arm(Strategy.parse("verify:4"), c.proposer)))
         if records is None:
             return None
-        return lossy_bound(c.strategy, self.engine.proposer(c.proposer).n_appended(c.strategy.k, 0), self.cost,
-                           records, self.calibrations.get(c.proposer))
+        return lossy_bound(
+            c.strategy,
+            self.engine.proposer(c.proposer).n_appended(c.strategy.k, 0),
+            self.cost,
+            records,
+            self.calibrations.get(c.proposer),
+        )
 
     def probe(self) -> None:
         """5: every candidate priced in steady state on its replayed or decoded probe passes; a lossy one
         not decoded when even its optimistic price loses, and set aside when its probe alone exceeds the
         tolerance (and with it its family's lossier members)."""
         self.rows = {"ntp": Row("ntp", True, self.ntp_tpf, self.ntp_price, 1.0, 0.0, 0.0, self.n, True)}
-        order = [c for c in self.cands if c.lossless] + sorted((c for c in self.cands if not c.lossless),
-                                                               key=lambda c: (c.family, c.risk))
+        order = [c for c in self.cands if c.lossless] + sorted(
+            (c for c in self.cands if not c.lossless), key=lambda c: (c.family, c.risk)
+        )
         for c in order:
             if not c.lossless and c.family in self.failed_families and c.risk > self.failed_families[c.family]:
-                self.rows[str(c)] = Row(str(c), False, qualifies=False,
-                                        note="not probed: a less lossy member of its family already exceeded the "
-                                             "tolerance")
+                self.rows[str(c)] = Row(
+                    str(c),
+                    False,
+                    qualifies=False,
+                    note="not probed: a less lossy member of its family already exceeded the tolerance",
+                )
                 continue
             bound = None if c.lossless else self.bound(c)
             if bound is not None and self._bound_loses(c, bound):
@@ -309,13 +342,21 @@ class Tuning:
         best = max(r.predicted_tps for r in self.rows.values() if r.lossless)
         if self.cfg.measure_all or bound[1] >= (1 - BOUND_MARGIN) * best:
             return False
-        self.rows[str(c)] = Row(str(c), False, bound[0], bound[1], bound[1] / self.ntp_price,
-                                bound_speedup=bound[1] / self.ntp_price,
-                                note="not decoded: even its optimistic price from the recorded passes is below "
-                                     "the best lossless candidate's")
+        self.rows[str(c)] = Row(
+            str(c),
+            False,
+            bound[0],
+            bound[1],
+            bound[1] / self.ntp_price,
+            bound_speedup=bound[1] / self.ntp_price,
+            note="not decoded: even its optimistic price from the recorded passes is below "
+            "the best lossless candidate's",
+        )
         self.unprobed.add(str(c))
-        self.log(f"tune: skip {c}: at most {bound[0]:.2f} tokens/pass, {bound[1] / self.ntp_price:.2f}x ntp "
-                 f"(the best lossless: {best / self.ntp_price:.2f}x)")
+        self.log(
+            f"tune: skip {c}: at most {bound[0]:.2f} tokens/pass, {bound[1] / self.ntp_price:.2f}x ntp "
+            f"(the best lossless: {best / self.ntp_price:.2f}x)"
+        )
         return True
 
     def _probe_row(self, c: C.Candidate, bound) -> Row:
@@ -323,22 +364,34 @@ class Tuning:
         cfg, probe, kind = self.cfg, self.n_probe, self.kind
         stats = self.probe_runs.get(str(c))
         if stats is None:
-            stats = self.lossless(c.strategy, c.proposer) if c.lossless else \
-                decode_all(self.engine, self.prompts[:probe], c.strategy, c.proposer, cfg.max_new_tokens, cfg.batch)
+            stats = (
+                self.lossless(c.strategy, c.proposer)
+                if c.lossless
+                else decode_all(
+                    self.engine, self.prompts[:probe], c.strategy, c.proposer, cfg.max_new_tokens, cfg.batch
+                )
+            )
         tpf, price = steady_price(self.cost, stats.outputs, stats.proposing_s)
         row = Row(str(c), c.lossless, tpf, price, price / self.ntp_price if self.ntp_price else None)
         chunks = [x for o in stats.outputs for x in o.chunks[1:]]
         k = c.strategy.k
         row.acceptance_by_position = metrics.acceptance_by_position(chunks, k)
-        for cat in sorted({it.get("category", kind) for it in self.items[:len(stats.outputs)]}):  # by category
-            cc = [x for it, o in zip(self.items, stats.outputs) if it.get("category", kind) == cat
-                  for x in o.chunks[1:]]
-            row.by_category[cat] = {"tokens_per_forward": metrics.tokens_per_forward(cc),
-                                    "acceptance_by_position": metrics.acceptance_by_position(cc, k)}
-        row.probe_loss = quality.mean_loss(self.metric, [(o.ids, o.text) for o in stats.outputs],
-                                           self.refs[:len(stats.outputs)])
-        row.note = f"replayed on {len(stats.outputs)} answers" if c.lossless and can_replay(c.proposer) else \
-            f"decoded on {len(stats.outputs)} prompts"
+        for cat in sorted({it.get("category", kind) for it in self.items[: len(stats.outputs)]}):  # by category
+            cc = [
+                x for it, o in zip(self.items, stats.outputs) if it.get("category", kind) == cat for x in o.chunks[1:]
+            ]
+            row.by_category[cat] = {
+                "tokens_per_forward": metrics.tokens_per_forward(cc),
+                "acceptance_by_position": metrics.acceptance_by_position(cc, k),
+            }
+        row.probe_loss = quality.mean_loss(
+            self.metric, [(o.ids, o.text) for o in stats.outputs], self.refs[: len(stats.outputs)]
+        )
+        row.note = (
+            f"replayed on {len(stats.outputs)} answers"
+            if c.lossless and can_replay(c.proposer)
+            else f"decoded on {len(stats.outputs)} prompts"
+        )
         if c.lossless:
             row.loss, row.loss_items, row.qualifies = 0.0, self.n, True
         elif row.probe_loss * probe > self.budget:
@@ -347,9 +400,15 @@ class Tuning:
             self.failed_families[c.family] = min(self.failed_families.get(c.family, 9.0), c.risk)
         if not c.lossless and bound is not None:
             row.bound_speedup = bound[1] / self.ntp_price
-        self.log(f"tune: probe {c}: {tpf:.2f} tokens/pass, priced {row.predicted_speedup:.2f}x ntp"
-                 + ("" if c.lossless else f", loss {row.probe_loss:.3f} on {probe} prompts"
-                    + ("" if bound is None else f" (optimistic price {row.bound_speedup:.2f}x)")))
+        self.log(
+            f"tune: probe {c}: {tpf:.2f} tokens/pass, priced {row.predicted_speedup:.2f}x ntp"
+            + (
+                ""
+                if c.lossless
+                else f", loss {row.probe_loss:.3f} on {probe} prompts"
+                + ("" if bound is None else f" (optimistic price {row.bound_speedup:.2f}x)")
+            )
+        )
         return row
 
     def check_quality(self, c: C.Candidate, row: Row) -> None:
@@ -362,16 +421,19 @@ class Tuning:
             spent["items"] += 1
             return spent["loss"] > self.budget
 
-        outs = decode_all(self.engine, self.prompts, c.strategy, c.proposer, self.cfg.max_new_tokens, self.cfg.batch,
-                          stop_after=over).outputs
+        outs = decode_all(
+            self.engine, self.prompts, c.strategy, c.proposer, self.cfg.max_new_tokens, self.cfg.batch, stop_after=over
+        ).outputs
         row.loss_items = len(outs)
         row.loss = quality.mean_loss(self.metric, [(o.ids, o.text) for o in outs], refs[: len(outs)])
         row.qualifies = spent["loss"] <= self.budget and len(outs) == self.n
         if not row.qualifies:
             row.note = f"exceeds the tolerance (stopped after {spent['items']} prompts)"
             self.failed_families[c.family] = min(self.failed_families.get(c.family, 9.0), c.risk)
-        self.log(f"tune: quality {c}: loss {row.loss:.3f} over {row.loss_items} prompts -> "
-                 f"{'within' if row.qualifies else 'outside'} the tolerance")
+        self.log(
+            f"tune: quality {c}: loss {row.loss:.3f} over {row.loss_items} prompts -> "
+            f"{'within' if row.qualifies else 'outside'} the tolerance"
+        )
 
     def qualify(self) -> dict[str, C.Candidate]:
         """6: the quality of the lossy candidates that could win (priced at least as fast as the best
@@ -400,14 +462,19 @@ class Tuning:
         mask-token ones near the top), or with `measure_all` every qualifying and deferred one."""
         rows = self.rows
         best_lossless = max(r.predicted_tps for r in rows.values() if r.lossless)
-        qualifying = sorted((r for r in rows.values() if r.qualifies and r.name != "ntp"),
-                            key=lambda r: -r.predicted_tps)
-        could_win = sorted(qualifying + [rows[k] for k in deferred if rows[k].predicted_tps >= best_lossless],
-                           key=lambda r: -r.predicted_tps)  # what a default run would have checked and ranked
+        qualifying = sorted(
+            (r for r in rows.values() if r.qualifies and r.name != "ntp"), key=lambda r: -r.predicted_tps
+        )
+        could_win = sorted(
+            qualifying + [rows[k] for k in deferred if rows[k].predicted_tps >= best_lossless],
+            key=lambda r: -r.predicted_tps,
+        )  # what a default run would have checked and ranked
         top = could_win[0].predicted_tps if could_win else 0.0
-        self.by_price = [r for i, r in enumerate(could_win)  # the finalists by price (what a default run measures)
-                         if i < self.cfg.measure_rows
-                         or ("@mask" in r.name and r.predicted_tps >= (1 - UNCERTAIN_BAND) * top)]
+        self.by_price = [
+            r
+            for i, r in enumerate(could_win)  # the finalists by price (what a default run measures)
+            if i < self.cfg.measure_rows or ("@mask" in r.name and r.predicted_tps >= (1 - UNCERTAIN_BAND) * top)
+        ]
         return qualifying + [rows[k] for k in deferred] if self.cfg.measure_all else self.by_price
 
     def measure(self, deferred: dict[str, C.Candidate]) -> tuple[Row, str, Row]:
@@ -417,17 +484,23 @@ class Tuning:
         lossless one, ntp for a lossless choice; what the default rule would have picked)."""
         rows, cfg = self.rows, self.cfg
         finalists = self.finalists(deferred)
-        specs = [Spec(Strategy())] + [Spec(Strategy.parse(r.name.split("@")[0]), r.name.split("@")[1])
-                                      for r in finalists]
+        specs = [Spec(Strategy())] + [
+            Spec(Strategy.parse(r.name.split("@")[0]), r.name.split("@")[1]) for r in finalists
+        ]
         m = self.measured_prompts = min(cfg.measure, self.n)
-        self.log(f"tune: measuring ntp and {len(finalists)} finalists on {m} prompts, one at a time: "
-                 + ", ".join(r.name for r in finalists))
+        self.log(
+            f"tune: measuring ntp and {len(finalists)} finalists on {m} prompts, one at a time: "
+            + ", ".join(r.name for r in finalists)
+        )
         bench = run_bench(self.engine, self.kind, self.items[:m], BenchConfig(specs, max_new_tokens=cfg.max_new_tokens))
         for rec in bench.records:
             r = rows.get(rec["strategy"])
             if r is not None:
-                r.measured_tps, r.measured_speedup, r.measured_exact = rec["tokens_per_s"], rec["speedup_vs_ntp"], \
-                    rec["exact_match"]
+                r.measured_tps, r.measured_speedup, r.measured_exact = (
+                    rec["tokens_per_s"],
+                    rec["speedup_vs_ntp"],
+                    rec["exact_match"],
+                )
         fastest_lossless = max(r.measured_tps for r in rows.values() if r.lossless and r.measured_tps is not None)
         for name, c in deferred.items():
             row = rows[name]
@@ -446,16 +519,24 @@ class Tuning:
 
     def _log_measured(self, measured: list[Row], chosen: Row, price_pick: Row) -> None:
         for r in sorted(measured, key=lambda r: -r.measured_tps):
-            self.log(f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
-                     f"(priced {_f(r.predicted_speedup)}x)")
-        for r in sorted((r for r in self.rows.values() if r.measured_tps is not None and not r.qualifies),
-                        key=lambda r: -r.measured_tps):
-            self.log(f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
-                     f"(priced {_f(r.predicted_speedup)}x; not qualifying: {r.note})")
+            self.log(
+                f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
+                f"(priced {_f(r.predicted_speedup)}x)"
+            )
+        for r in sorted(
+            (r for r in self.rows.values() if r.measured_tps is not None and not r.qualifies),
+            key=lambda r: -r.measured_tps,
+        ):
+            self.log(
+                f"tune: measured {r.name}: {r.measured_tps:.2f} tokens/s, {_f(r.measured_speedup)}x ntp "
+                f"(priced {_f(r.predicted_speedup)}x; not qualifying: {r.note})"
+            )
         if self.cfg.measure_all:
-            self.log(f"tune: full sweep's best {chosen.name} {chosen.measured_tps:.2f} tokens/s; the default rule "
-                     f"(finalists by price) would pick {price_pick.name} {price_pick.measured_tps:.2f} tokens/s "
-                     f"({price_pick.measured_tps / chosen.measured_tps:.3f} of the best)")
+            self.log(
+                f"tune: full sweep's best {chosen.name} {chosen.measured_tps:.2f} tokens/s; the default rule "
+                f"(finalists by price) would pick {price_pick.name} {price_pick.measured_tps:.2f} tokens/s "
+                f"({price_pick.measured_tps / chosen.measured_tps:.3f} of the best)"
+            )
 
     def result(self, chosen: Row, fallback: str, price_pick: Row) -> dict:
         """8: the deploy file (`mtp.core.deploy`: the tuned arm and its fallback, their caps,
@@ -468,31 +549,60 @@ class Tuning:
             caps["min_tau"] = tuned_arm.strategy.tau
         env = environment(engine)
         latency = None if chosen.measured_tps is None else 1e3 / chosen.measured_tps
-        deploy = D.Deploy(tuned=tuned_arm, fallback=fallback_arm, tolerance=cfg.tolerance, metric=self.metric,
-                          caps=caps, calibration={k: v for k, v in self.calibrations.items() if k.split("/")[0] in used
-                                                  or any(k.split("/")[0] in u.split("+") for u in used)},
-                          hashes=D.engine_hashes(engine, [a.proposer for a in (tuned_arm, fallback_arm)
-                                                          if not a.strategy.plain]),
-                          extra={"measured": {"arm": str(tuned_arm), "tokens_per_s": chosen.measured_tps,
-                                              "speedup_vs_ntp": chosen.measured_speedup, "ms_per_token": latency,
-                                              "loss": chosen.loss, "loss_items": chosen.loss_items,
-                                              "tokens_per_forward": chosen.tokens_per_forward,
-                                              "measure_prompts": m, "data": cfg.data, "prompts": self.n},
-                                 "latency_target_ms": cfg.latency_ms,
-                                 "latency_target_met": None if cfg.latency_ms is None or latency is None
-                                 else latency <= cfg.latency_ms,
-                                 "hardware": {**env, "t_q_ms": {str(q): round(1e3 * t, 3)
-                                                                for q, t in self.cost.points.items()}}})
-        result = {"chosen": chosen.name, "fallback": fallback, "measure_all": cfg.measure_all,
-                  "price_pick": price_pick.name,
-                  "price_pick_vs_best": price_pick.measured_tps / chosen.measured_tps if chosen.measured_tps else None,
-                  "metric": self.metric, "tolerance": cfg.tolerance, "kind": self.kind, "prompts": self.n,
-                  "probe": self.n_probe, "measure": m, "rows": [r.__dict__ for r in self.rows.values()],
-                  "calibration": self.cal_report, "predictability": self.predict, "unavailable": self.unavailable,
-                  "seconds": time.perf_counter() - self.t_start, "deploy": deploy}
+        deploy = D.Deploy(
+            tuned=tuned_arm,
+            fallback=fallback_arm,
+            tolerance=cfg.tolerance,
+            metric=self.metric,
+            caps=caps,
+            calibration={
+                k: v
+                for k, v in self.calibrations.items()
+                if k.split("/")[0] in used or any(k.split("/")[0] in u.split("+") for u in used)
+            },
+            hashes=D.engine_hashes(engine, [a.proposer for a in (tuned_arm, fallback_arm) if not a.strategy.plain]),
+            extra={
+                "measured": {
+                    "arm": str(tuned_arm),
+                    "tokens_per_s": chosen.measured_tps,
+                    "speedup_vs_ntp": chosen.measured_speedup,
+                    "ms_per_token": latency,
+                    "loss": chosen.loss,
+                    "loss_items": chosen.loss_items,
+                    "tokens_per_forward": chosen.tokens_per_forward,
+                    "measure_prompts": m,
+                    "data": cfg.data,
+                    "prompts": self.n,
+                },
+                "latency_target_ms": cfg.latency_ms,
+                "latency_target_met": None if cfg.latency_ms is None or latency is None else latency <= cfg.latency_ms,
+                "hardware": {**env, "t_q_ms": {str(q): round(1e3 * t, 3) for q, t in self.cost.points.items()}},
+            },
+        )
+        result = {
+            "chosen": chosen.name,
+            "fallback": fallback,
+            "measure_all": cfg.measure_all,
+            "price_pick": price_pick.name,
+            "price_pick_vs_best": price_pick.measured_tps / chosen.measured_tps if chosen.measured_tps else None,
+            "metric": self.metric,
+            "tolerance": cfg.tolerance,
+            "kind": self.kind,
+            "prompts": self.n,
+            "probe": self.n_probe,
+            "measure": m,
+            "rows": [r.__dict__ for r in self.rows.values()],
+            "calibration": self.cal_report,
+            "predictability": self.predict,
+            "unavailable": self.unavailable,
+            "seconds": time.perf_counter() - self.t_start,
+            "deploy": deploy,
+        }
         if cfg.latency_ms is not None and latency is not None and latency > cfg.latency_ms:
-            self.log(f"tune: no configuration meets {cfg.latency_ms:g} ms per token on this machine; the fastest "
-                     f"within the tolerance, {chosen.name}, takes {latency:.1f} ms")
+            self.log(
+                f"tune: no configuration meets {cfg.latency_ms:g} ms per token on this machine; the fastest "
+                f"within the tolerance, {chosen.name}, takes {latency:.1f} ms"
+            )
         return result
 
 
@@ -519,18 +629,31 @@ def fit_held_out(per_prompt: list[list[list[tuple[float, bool]]]]) -> tuple[cali
         before = [p for d in folds[score_on] for p in d]
         after = [(fold_map.map(d, c), r) for d, pairs in enumerate(folds[score_on]) for c, r in pairs]
         if before:
-            scores.append((calib.expected_calibration_error(before), calib.expected_calibration_error(after),
-                           calib.ece_floor([c for c, _ in after])))  # what sampling noise alone leaves on this many guesses
+            scores.append(
+                (
+                    calib.expected_calibration_error(before),
+                    calib.expected_calibration_error(after),
+                    calib.ece_floor([c for c, _ in after]),
+                )
+            )  # what sampling noise alone leaves on this many guesses
         before_all += before  # the reliability diagrams show both folds' held-out guesses together
         after_all += after
     mean = (lambda i: sum(s[i] for s in scores) / len(scores)) if scores else (lambda i: None)
     ece_before, ece_after, floor = mean(0), mean(1), mean(2)
     fitted = calib.fit(everything)
     kept = ece_before is None or ece_after is None or ece_after <= ece_before
-    report = {"fit_pairs": sum(map(len, everything)), "test_pairs": len(before_all), "folds": len(scores),
-              "ece_before": ece_before, "ece_after": ece_after, "ece_floor": floor, "used": kept,
-              "reliability_before": calib.reliability(before_all), "reliability_after": calib.reliability(after_all),
-              "maps": fitted.to_json()}
+    report = {
+        "fit_pairs": sum(map(len, everything)),
+        "test_pairs": len(before_all),
+        "folds": len(scores),
+        "ece_before": ece_before,
+        "ece_after": ece_after,
+        "ece_floor": floor,
+        "used": kept,
+        "reliability_before": calib.reliability(before_all),
+        "reliability_after": calib.reliability(after_all),
+        "maps": fitted.to_json(),
+    }
     if not kept:  # a map that makes the held-out answers worse is not used: the raw confidences stay
         fitted = calib.Calibration((calib.DepthMap(),))
     return fitted, report

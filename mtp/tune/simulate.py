@@ -21,6 +21,7 @@ A proposer that reads the hidden state (the heads) answers the same question at 
 of the same answer whichever candidate asks, so its answers are kept across replays (`memo`,
 `MemoProposer`), and a kept answer is charged the seconds it took when it was computed.
 """
+
 from __future__ import annotations
 
 import time
@@ -56,8 +57,9 @@ class MemoProposer(WrappedProposer):
     def propose(self, request: DraftRequest) -> Guesses:
         if not request.tree and request.params is not GREEDY:
             return self.inner.propose(request)
-        return self._kept((self.key, len(request.view.context), request.tree, request.n),
-                          lambda: self.inner.propose(request))
+        return self._kept(
+            (self.key, len(request.view.context), request.tree, request.n), lambda: self.inner.propose(request)
+        )
 
 
 def can_replay(proposer: str) -> bool:
@@ -76,16 +78,25 @@ def accepted(guesses: Guesses, truth: list[int], is_tree: bool) -> int:
         return a
     node, a = -1, 0
     while a < len(truth):
-        nxt = next((j for j, (t, p) in enumerate(zip(guesses.tokens, guesses.parents)) if p == node and t == truth[a]),
-                   None)
+        nxt = next(
+            (j for j, (t, p) in enumerate(zip(guesses.tokens, guesses.parents)) if p == node and t == truth[a]), None
+        )
         if nxt is None:
             break
         node, a = nxt, a + 1
     return a
 
 
-def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: Strategy, proposer: str,
-           record: bool = False, hidden_cache: dict | None = None, memo: dict | None = None) -> RunStats:
+def replay(
+    engine,
+    prompts: list[list[int]],
+    answers: list[Output],
+    strategy: Strategy,
+    proposer: str,
+    record: bool = False,
+    hidden_cache: dict | None = None,
+    memo: dict | None = None,
+) -> RunStats:
     """The passes of `strategy` drafting from `proposer` on each prompt, replayed on its reference
     answer (an `Output` of the `ntp` run: ids, and finish 'stop' when it ended in EOS). Returns
     outputs with the reference ids and the replayed chunks, blocks (and with `record`, the drafts'
@@ -126,9 +137,15 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
         with torch.inference_mode():
             while e < len(seq):
                 # that pass committed positions start .. P + e - 2 (the prompt's pass: the whole prompt)
-                view = PassView(context=list(prompt) + seq[:e], mask_logits=torch.empty(0), hidden=None if hidden is None else hidden[P + e - 2],
-                                masks_valid=False, aux=None if aux is None else aux[start: P + e - 1],
-                                start=start, state=state)
+                view = PassView(
+                    context=list(prompt) + seq[:e],
+                    mask_logits=torch.empty(0),
+                    hidden=None if hidden is None else hidden[P + e - 2],
+                    masks_valid=False,
+                    aux=None if aux is None else aux[start : P + e - 1],
+                    start=start,
+                    state=state,
+                )
                 t0 = time.perf_counter()
                 g = prop.propose(DraftRequest(view, strategy.k - 1, strategy.is_tree))
                 proposing_s += time.perf_counter() - t0
@@ -149,8 +166,9 @@ def replay(engine, prompts: list[list[int]], answers: list[Output], strategy: St
     return RunStats(outs, proposing_s + saved, guesses)
 
 
-def trunk_streams(model, prompt: list[int], answer: list[int], aux_layers: tuple[int, ...],
-                  cache: dict | None, j: int) -> torch.Tensor | None:
+def trunk_streams(
+    model, prompt: list[int], answer: list[int], aux_layers: tuple[int, ...], cache: dict | None, j: int
+) -> torch.Tensor | None:
     """The residual streams of `aux_layers` at every position of prompt + answer ([P + A, len * dim]), from
     one teacher-forced pass (kept in `cache` under (j, aux_layers)); None for a proposer without them."""
     if not aux_layers:

@@ -3,14 +3,17 @@ predict (counting, a repeated phrase, a list), decoded with `ntp` and with each 
 strategy this engine can run, printed as the chunk view (each forward pass's tokens on one
 background colour) with tokens per pass, so a user sees blocks form before spending time on
 their own data."""
+
 from __future__ import annotations
 
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
 
-PROMPTS = ("Count from 1 to 30, separated by commas.",
-           "Repeat the sentence 'the cat sat on the mat' five times.",
-           "List the days of the week, one per line.")
+PROMPTS = (
+    "Count from 1 to 30, separated by commas.",
+    "Repeat the sentence 'the cat sat on the mat' five times.",
+    "List the days of the week, one per line.",
+)
 
 
 def arms(engine) -> list[tuple[Strategy, str | None]]:
@@ -35,9 +38,14 @@ def run(engine, max_new_tokens: int = 64, write=print, colour: bool = True) -> l
             res = engine.result(seq)
             tpf = res.summary["tokens_per_forward"]
             label = str(strategy) + (f"@{proposer}" if proposer else "")
-            view = engine.render_chunks(res) if colour else "|".join(
-                engine.decode_text(res.token_ids[sum(res.chunks[:i]):sum(res.chunks[:i + 1])])
-                for i in range(len(res.chunks)))
+            view = (
+                engine.render_chunks(res)
+                if colour
+                else "|".join(
+                    engine.decode_text(res.token_ids[sum(res.chunks[:i]) : sum(res.chunks[: i + 1])])
+                    for i in range(len(res.chunks))
+                )
+            )
             write(f"  {label:<24} {tpf:.2f} tokens/pass  {view.strip()}")
             rows.append({"prompt": prompt, "strategy": label, "tokens_per_forward": tpf, "tokens": len(res.token_ids)})
     return rows

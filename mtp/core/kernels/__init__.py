@@ -37,6 +37,7 @@ by construction too, with the same bits on every path; its results differ from f
 activation rounding (benchmarks/kernel_text_drift.py measures how far the text moves). Order and
 layout: matmul_i8.h.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,17 @@ import torch
 
 SOURCE = Path(__file__).with_name("matmul.cpp")
 HEADERS = [Path(__file__).with_name("matmul_i8.h")]  # included by SOURCE (hashed with it)
-CFLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
-          "-Wno-unused-function", "-Wno-ignored-attributes"]
+CFLAGS = [
+    "-O3",
+    "-std=c++20",
+    "-fPIC",
+    "-shared",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fopenmp",
+    "-Wno-unused-function",
+    "-Wno-ignored-attributes",
+]
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 ENV_ISA = "MTP_KERNEL_ISA"
@@ -82,7 +92,9 @@ def _torch_paths() -> tuple[list[str], str]:
 
 def _compiler_id(cxx: str) -> str:
     try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout.split("\n")[0]
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout.split(
+            "\n"
+        )[0]
     except (OSError, subprocess.SubprocessError):
         return cxx
 
@@ -90,9 +102,16 @@ def _compiler_id(cxx: str) -> str:
 def build_dir(cxx: str) -> Path:
     """Where the build for this source, these flags, this compiler and this torch lives."""
     from mtp.core.loading import cache_root
+
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), *(p.read_bytes() for p in HEADERS), " ".join(CFLAGS).encode(), _compiler_id(cxx).encode(),
-                 torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        *(p.read_bytes() for p in HEADERS),
+        " ".join(CFLAGS).encode(),
+        _compiler_id(cxx).encode(),
+        torch.__version__.encode(),
+        str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+    ):
         h.update(part)
         h.update(b"\0")
     return cache_root() / "kernels" / f"matmul-{h.hexdigest()[:16]}"
@@ -104,9 +123,19 @@ def _build(cxx: str, out: Path) -> None:
     includes, libdir = _torch_paths()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    cmd = [cxx, *CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *(f"-I{p}" for p in includes), str(SOURCE), "-o", str(tmp),
-           f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
+    cmd = [
+        cxx,
+        *CFLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{p}" for p in includes),
+        str(SOURCE),
+        "-o",
+        str(tmp),
+        f"-L{libdir}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{libdir}",
+    ]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     except (OSError, subprocess.SubprocessError) as e:
@@ -186,8 +215,10 @@ def resolve_isa(isa: str | int | None = None, int8: bool = False) -> int:
     if n not in ISA_NAMES:
         raise ValueError(f"unknown kernel ISA {isa!r}: expected one of {', '.join(ISAS)}")
     if n > best:
-        raise ValueError(f"kernel ISA {ISA_NAMES[n]} is not supported by this CPU{' for int8 activations' if int8 else ''} "
-                         f"(best: {ISA_NAMES[best]})")
+        raise ValueError(
+            f"kernel ISA {ISA_NAMES[n]} is not supported by this CPU{' for int8 activations' if int8 else ''} "
+            f"(best: {ISA_NAMES[best]})"
+        )
     return n
 
 

@@ -11,6 +11,7 @@ whose scale is NaN or infinite (naming the tensor, row and block). A GGUF type t
 (Q5_K, IQ4_NL, ...) is dequantised to float32 by the `gguf` package and served by the float32 kernel,
 with one line on stderr naming the tensor, its type and that fallback.
 """
+
 from __future__ import annotations
 
 import sys
@@ -40,6 +41,7 @@ def _op(name: str):
 class KernelWeight:
     """A weight [N, K] for the kernels: `fmt` 'f32' (data: float32 [N, K]) or 'q8_0' / 'q4_0' / 'q4_1'
     (data: uint8 [N, K/32 * block bytes], GGUF blocks as stored: ggml's layout, row n = output n)."""
+
     __slots__ = ("_float", "_packed", "data", "fmt", "name", "shape")
 
     def __init__(self, fmt: str, data: torch.Tensor, name: str = ""):
@@ -47,8 +49,10 @@ class KernelWeight:
             raise ValueError(f"unknown kernel weight format {fmt!r}: expected one of {', '.join(FORMATS)}")
         label = f"{name}: " if name else ""
         if not isinstance(data, torch.Tensor) or data.dim() != 2 or data.device.type != "cpu":
-            raise ValueError(f"{label}a {fmt} weight must be a 2-D CPU tensor, got "
-                             f"{type(data).__name__ if not isinstance(data, torch.Tensor) else list(data.shape)}")
+            raise ValueError(
+                f"{label}a {fmt} weight must be a 2-D CPU tensor, got "
+                f"{type(data).__name__ if not isinstance(data, torch.Tensor) else list(data.shape)}"
+            )
         if fmt == "f32":
             if data.dtype != torch.float32:
                 raise ValueError(f"{label}a f32 weight must be float32, got {data.dtype}")
@@ -56,8 +60,9 @@ class KernelWeight:
         else:
             size = FORMATS[fmt][0]
             if data.dtype != torch.uint8 or data.shape[1] % size:
-                raise ValueError(f"{label}{fmt} blocks must be uint8 [N, K/32*{size}], got {data.dtype} "
-                                 f"{list(data.shape)}")
+                raise ValueError(
+                    f"{label}{fmt} blocks must be uint8 [N, K/32*{size}], got {data.dtype} {list(data.shape)}"
+                )
             shape = (data.shape[0], data.shape[1] // size * 32)
         self.fmt, self.shape, self.name = fmt, shape, name
         self.data = data.detach().contiguous()
@@ -82,6 +87,7 @@ class KernelWeight:
     def quantize(cls, w: torch.Tensor, fmt: str, name: str = "") -> KernelWeight:
         """Quantise float32 [N, K] with the `gguf` package's reference quantiser (tests, benchmarks)."""
         import gguf
+
         if fmt == "f32":
             return cls.from_float(w.float().contiguous(), name)
         qtype = gguf.GGMLQuantizationType[fmt.upper()]
@@ -94,6 +100,7 @@ class KernelWeight:
         `unpermute_heads`: llama.cpp's rotary row order of a Q/K projection, undone as the loader
         does (`mtp.core.gguf.unpermute` with that many heads): whole rows move, blocks stay intact."""
         import gguf
+
         name, kind = tensor.name, gguf.GGMLQuantizationType(tensor.tensor_type)
         dims = [int(d) for d in tensor.shape]
         if len(dims) != 2:
@@ -107,8 +114,10 @@ class KernelWeight:
                 raise ValueError(f"{name}: GGUF type {kind.name} cannot be dequantised ({e})") from None
             data = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(n, k)
             if kind.name not in ("F16", "BF16"):  # exact in float32: no message
-                kernels._say(f"tensor {name} is {kind.name}, which the kernels lack; dequantised to float32 "
-                             "(the float32 kernel serves it)")
+                kernels._say(
+                    f"tensor {name} is {kind.name}, which the kernels lack; dequantised to float32 "
+                    "(the float32 kernel serves it)"
+                )
             fmt = "f32"
         elif fmt == "f32":
             data = torch.from_numpy(np.array(tensor.data, dtype=np.float32)).reshape(n, k)
@@ -125,6 +134,7 @@ class KernelWeight:
         if kernels.available():
             return getattr(torch.ops.mtp, f"dequantize_{self.fmt}")(self.data, kernels.resolve_isa(isa))
         import gguf
+
         arr = gguf.quants.dequantize(self.data.numpy(), gguf.GGMLQuantizationType[self.fmt.upper()])
         return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(self.shape)
 
@@ -156,7 +166,7 @@ def pack_int8(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     b = padded.view(tiles, I8_TILE, nb, size)
     qs = b[..., scale_bytes:]  # [T, 16, nb, 32 or 16]
     qs = qs.reshape(tiles, I8_TILE, nb, -1, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, -1)  # [T, nb, g, 16, 4]
-    scales = [b[..., i:i + 2].permute(0, 2, 1, 3).reshape(tiles, nb, 2 * I8_TILE) for i in range(0, scale_bytes, 2)]
+    scales = [b[..., i : i + 2].permute(0, 2, 1, 3).reshape(tiles, nb, 2 * I8_TILE) for i in range(0, scale_bytes, 2)]
     return torch.cat([qs, *scales], dim=-1).contiguous()
 
 
@@ -171,19 +181,27 @@ def check_scales(blocks: torch.Tensor, fmt: str, name: str = "") -> None:
     if bad.any():
         row, blk, which = (int(i) for i in bad.nonzero()[0])
         value = float(scales[row, blk, which])
-        raise ValueError(f"{name or 'weight'}: corrupt {fmt} block (row {row}, block {blk}): scale "
-                         f"{'dm'[which]} is {value}")
+        raise ValueError(
+            f"{name or 'weight'}: corrupt {fmt} block (row {row}, block {blk}): scale {'dm'[which]} is {value}"
+        )
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
     """The row order `mtp.core.gguf.unpermute` gives a [n_rows, ...] tensor of that many heads."""
     from mtp.core.gguf import unpermute
+
     return unpermute(torch.arange(n_rows).view(n_rows, 1), n_heads).view(n_rows)
 
 
 def _check_x(x: torch.Tensor, k: int, what: str) -> None:
-    if (type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_cpu and x.dim() >= 1 and x.shape[-1] == k
-            and not (x.requires_grad and torch.is_grad_enabled())):
+    if (
+        type(x) is torch.Tensor
+        and x.dtype == torch.float32
+        and x.is_cpu
+        and x.dim() >= 1
+        and x.shape[-1] == k
+        and not (x.requires_grad and torch.is_grad_enabled())
+    ):
         return  # the hot path
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what}: x must be a tensor, got {type(x).__name__}")
@@ -195,8 +213,9 @@ def _check_x(x: torch.Tensor, k: int, what: str) -> None:
         raise ValueError(f"{what}: the kernels are inference-only (x requires grad; use torch.no_grad())")
 
 
-def linear(x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None = None,
-           isa: str | int | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None = None, isa: str | int | None = None
+) -> torch.Tensor:
     """x [..., K] float32 @ weight.T (+ bias) -> [..., N], batch-invariant (see `mtp.core.kernels`).
     `isa`: 'scalar' / 'avx2' / 'avx512' forces a path (default: `MTP_KERNEL_ISA`, else the best)."""
     if not isinstance(weight, KernelWeight):
@@ -208,15 +227,19 @@ def linear(x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None = No
         y = _op(_OPS[weight.fmt])(rows, weight.data, kernels.resolve_isa(isa))
     else:  # the pure-torch path: each row alone (batch-invariant), other bits than the kernels
         w = weight.float_weight()
-        y = torch.cat([F.linear(rows[i:i + 1], w) for i in range(rows.shape[0])]) if rows.shape[0] else \
-            rows.new_empty(0, n)
+        y = (
+            torch.cat([F.linear(rows[i : i + 1], w) for i in range(rows.shape[0])])
+            if rows.shape[0]
+            else rows.new_empty(0, n)
+        )
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], n)
 
 
-def linear_int8(x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None = None,
-                isa: str | int | None = None) -> torch.Tensor:
+def linear_int8(
+    x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None = None, isa: str | int | None = None
+) -> torch.Tensor:
     """Like `linear`, with the activations quantised to int8 per row per 32-block (ggml's Q8 activation
     blocks, with a float32 scale) and integer dot products: faster, batch-invariant too, but not the
     float32 result (the activation rounding moves it). Q8_0 / Q4_0 / Q4_1 weights only."""
@@ -227,8 +250,10 @@ def linear_int8(x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None
     n, k = weight.shape
     _check_x(x, k, f"linear_int8({weight.name or weight.fmt})")
     if not kernels.available():
-        raise ValueError(f"linear_int8: the kernels are not available ({kernels.why_unavailable()}); "
-                         "use linear (float32 activations)")
+        raise ValueError(
+            f"linear_int8: the kernels are not available ({kernels.why_unavailable()}); "
+            "use linear (float32 activations)"
+        )
     rows = x.reshape(-1, k)
     y = _op(_OPS[weight.fmt] + "_i8")(rows, weight.packed_int8(), n, kernels.resolve_isa(isa, int8=True))
     if bias is not None:
@@ -252,6 +277,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 def _typed(fmt: str):
     def op(x: torch.Tensor, w: torch.Tensor, isa: str | int | None = None) -> torch.Tensor:
         return linear(x, KernelWeight(fmt, w) if not isinstance(w, KernelWeight) else w, isa=isa)
+
     op.__name__ = op.__qualname__ = f"linear_{fmt}"
     op.__doc__ = f"x [..., K] @ W.T for W given as {fmt} data (a tensor as `KernelWeight` takes it)."
     return op
@@ -269,10 +295,14 @@ def gguf_weights(path: str | Path, only_linear: bool = True) -> dict[str, Kernel
     import gguf
 
     from mtp.core.gguf import our_name
+
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
-    meta = {f: reader.fields[f].contents() for f in (f"{arch}.attention.head_count",
-                                                     f"{arch}.attention.head_count_kv") if f in reader.fields}
+    meta = {
+        f: reader.fields[f].contents()
+        for f in (f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv")
+        if f in reader.fields
+    }
     n_heads = meta.get(f"{arch}.attention.head_count")
     n_kv = meta.get(f"{arch}.attention.head_count_kv", n_heads)
     out = {}

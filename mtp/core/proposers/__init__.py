@@ -6,6 +6,7 @@ line here. A `ProposerSpec` says how to make the proposer for an engine and what
 or given by the user, e.g. `--heads DIR`), `needs_mask_token` that it proposes through the
 `<mtp_mask>` token of an MTP adapter.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,9 +20,21 @@ from mtp.core.proposers.mask import MaskProposer
 from mtp.core.proposers.merged import MergedProposer
 from mtp.core.proposers.suffix import load_suffix_proposer
 
-__all__ = ["MAX_MASK_GROUPS", "DraftRequest", "Guesses", "PassView", "Proposer", "max_appended",
-           "MaskProposer", "MergedProposer",
-           "PromptLookupProposer", "ProposerSpec", "REGISTRY", "check_proposer", "make_proposer"]
+__all__ = [
+    "MAX_MASK_GROUPS",
+    "DraftRequest",
+    "Guesses",
+    "PassView",
+    "Proposer",
+    "max_appended",
+    "MaskProposer",
+    "MergedProposer",
+    "PromptLookupProposer",
+    "ProposerSpec",
+    "REGISTRY",
+    "check_proposer",
+    "make_proposer",
+]
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ A proposer answers two questions for the decoding loop (mtp.core.decode):
 The strategy decides what to do with the guesses: emit them unverified (`static`, `conf_adapt`) or
 send them as drafts to be checked by the next pass (`verify`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ def max_appended(k: int) -> int:
 class Guesses:
     """Proposed tokens as a token tree (a chain being the tree `tree.chain(n)`), with what the decoding
     loop needs beside each: a proposer's answer, and a sequence's drafts (`Sequence.drafts`)."""
+
     tokens: list[int]
     confidences: list[float]  # top-1 probability of each guess's own distribution
     probs: torch.Tensor | None = None  # [n, V] distributions sampled from (None = greedy/deterministic)
@@ -61,20 +63,29 @@ class Guesses:
         """The guesses at indices `keep` (ascending; a tree's kept nodes must include their parents),
         parents re-indexed, distributions and sources kept alongside."""
         index = {j: i for i, j in enumerate(keep)}
-        return Guesses([self.tokens[j] for j in keep], [self.confidences[j] for j in keep],
-                       None if self.probs is None else self.probs[keep],
-                       [index[self.parents[j]] if self.parents[j] >= 0 else -1 for j in keep],
-                       None if self.sources is None else [self.sources[j] for j in keep])
+        return Guesses(
+            [self.tokens[j] for j in keep],
+            [self.confidences[j] for j in keep],
+            None if self.probs is None else self.probs[keep],
+            [index[self.parents[j]] if self.parents[j] >= 0 else -1 for j in keep],
+            None if self.sources is None else [self.sources[j] for j in keep],
+        )
 
     def prefix(self, n: int) -> "Guesses":
         """The first n guesses (parents precede their children: still a tree)."""
-        return Guesses(self.tokens[:n], self.confidences[:n], None if self.probs is None else self.probs[:n],
-                       self.parents[:n], None if self.sources is None else self.sources[:n])
+        return Guesses(
+            self.tokens[:n],
+            self.confidences[:n],
+            None if self.probs is None else self.probs[:n],
+            self.parents[:n],
+            None if self.sources is None else self.sources[:n],
+        )
 
 
 @dataclass
 class PassView:
     """What one row's forward pass produced, as a proposer needs it."""
+
     context: list[int]  # prompt + every token decided so far, the model's own token included
     mask_logits: torch.Tensor  # [M, V] logits at the appended mask positions (M may be 0)
     hidden: torch.Tensor | None  # [dim] last-layer hidden state at the last accepted input position
@@ -92,6 +103,7 @@ class DraftRequest:
     drafts do not depend on the random state); else a chain (parents `tree.chain`), each guess drawn
     under `params` with `gen`. Announced to `Proposer.prepare` before any row of the pass drafts,
     then asked of `Proposer.propose`."""
+
     view: PassView
     n: int
     tree: bool = False

@@ -26,6 +26,7 @@ A drafter directory holds `config.json` (vLLM's EAGLE-3 Llama config plus `forma
 and the base weights' hash) and `model.safetensors` under vLLM's names; training lives in
 `mtp.training.eagle3_train`.
 """
+
 from __future__ import annotations
 
 import math
@@ -99,45 +100,81 @@ class Eagle3Config:
         bad = [k for k in aux if not 0 <= k <= cfg.n_layers]
         if bad:
             raise ValueError(f"--aux-layers {bad} outside 0..{cfg.n_layers} (the model's layers)")
-        return cls(dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-                   draft_vocab=min(draft_vocab, cfg.vocab_size), aux_layers=aux, target_layers=cfg.n_layers,
-                   norm_eps=cfg.norm_eps,
-                   rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, max_seq_len=cfg.max_seq_len)
+        return cls(
+            dim=cfg.dim,
+            n_heads=cfg.n_heads,
+            n_kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            draft_vocab=min(draft_vocab, cfg.vocab_size),
+            aux_layers=aux,
+            target_layers=cfg.n_layers,
+            norm_eps=cfg.norm_eps,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            max_seq_len=cfg.max_seq_len,
+        )
 
     def rope_config(self) -> ModelConfig:
-        return ModelConfig(vocab_size=1, dim=self.n_heads * self.head_dim, n_layers=0, n_heads=self.n_heads,
-                           n_kv_heads=self.n_kv_heads, intermediate_size=1, head_dim=self.head_dim,
-                           rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
+        return ModelConfig(
+            vocab_size=1,
+            dim=self.n_heads * self.head_dim,
+            n_layers=0,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            intermediate_size=1,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+        )
 
     def to_hf(self) -> dict:
         """The Hugging Face / vLLM config.json fields of this drafter (a one-layer Llama)."""
         return {
-            "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": self.dim,
-            "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": 1, "hidden_act": "silu",
-            "rms_norm_eps": self.norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_seq_len, "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab, "target_hidden_size": self.target_dim,
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.dim,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_seq_len,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab,
+            "target_hidden_size": self.target_dim,
             "target_num_hidden_layers": self.target_layers,
-            "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "float32",
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
-                             "use_aux_hidden_state": True},
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "torch_dtype": "float32",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers), "use_aux_hidden_state": True},
         }
 
     @classmethod
     def from_hf(cls, hf: dict) -> "Eagle3Config":
         eagle = hf.get("eagle_config") or {}
         n_heads = hf["num_attention_heads"]
-        return cls(dim=hf["hidden_size"], n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-                   head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-                   intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-                   draft_vocab=hf.get("draft_vocab_size") or hf["vocab_size"],
-                   aux_layers=list(eagle.get("eagle_aux_hidden_state_layer_ids") or []),
-                   target_dim=hf.get("target_hidden_size") or hf["hidden_size"],
-                   target_layers=int(hf.get("target_num_hidden_layers") or 0),
-                   norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=float(hf.get("rope_theta", 10000.0)),
-                   rope_scaling=hf.get("rope_scaling"), max_seq_len=int(hf.get("max_position_embeddings", 2048)))
+        return cls(
+            dim=hf["hidden_size"],
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            intermediate_size=hf["intermediate_size"],
+            vocab_size=hf["vocab_size"],
+            draft_vocab=hf.get("draft_vocab_size") or hf["vocab_size"],
+            aux_layers=list(eagle.get("eagle_aux_hidden_state_layer_ids") or []),
+            target_dim=hf.get("target_hidden_size") or hf["hidden_size"],
+            target_layers=int(hf.get("target_num_hidden_layers") or 0),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_scaling=hf.get("rope_scaling"),
+            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        )
 
 
 class Eagle3Drafter(nn.Module):
@@ -221,8 +258,9 @@ class Eagle3Drafter(nn.Module):
         S, T = K.shape[2], q.shape[2]
         if mask is None:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # new row j sees S-T+j
-        y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask,
-                                           enable_gqa=self.config.n_heads != self.config.n_kv_heads)
+        y = F.scaled_dot_product_attention(
+            q, K, V, attn_mask=mask, enable_gqa=self.config.n_heads != self.config.n_kv_heads
+        )
         return self.finish(g, y), k, v
 
 
@@ -236,6 +274,7 @@ class Eagle3Proposer(Proposer):
     from its own hidden state, on scratch KV that the next pass drops. Drafts come from the draft
     vocabulary only, so `verify` stays lossless (under sampling the proposal is zero elsewhere,
     which rejection sampling handles exactly)."""
+
     name = "eagle3"
     has_confidence = True
 
@@ -260,7 +299,7 @@ class Eagle3Proposer(Proposer):
         dev = self.drafter.d2t.device
         d = self.drafter
         aux = view.aux.to(dev, d.fc.weight.dtype).unsqueeze(0)  # [1, n, A*dim]
-        nxt = torch.tensor(view.context[view.start + 1: view.start + n + 1], device=dev).view(1, n)
+        nxt = torch.tensor(view.context[view.start + 1 : view.start + n + 1], device=dev).view(1, n)
         pos = torch.arange(view.start, view.start + n, device=dev).view(1, n)
         h, k, v = d.step(self.model.embed_tokens(nxt), d.fc(aux), pos, st["k"], st["v"])
         st["k"] = k if st["k"] is None else torch.cat([st["k"], k], 2)
@@ -348,8 +387,9 @@ class Eagle3Proposer(Proposer):
                     cum.append(base + float(val[f, r]))
                     depth.append(level)
             nth = sorted(cum, reverse=True)[n - 1] if len(cum) >= n else float("-inf")
-            new = sorted((c for c in range(len(cum)) if depth[c] == level and cum[c] > nth),
-                         key=lambda c: -cum[c])[:TOP_K]
+            new = sorted((c for c in range(len(cum)) if depth[c] == level and cum[c] > nth), key=lambda c: -cum[c])[
+                :TOP_K
+            ]
             if not new:
                 break
             # one drafter step for the F = w candidates in `new`, tree-masked
@@ -366,8 +406,14 @@ class Eagle3Proposer(Proposer):
             ids = self.ids[torch.tensor([tok[c] for c in new])].to(dev).view(1, w)
             g = torch.stack([hid[par[c]] for c in new]).unsqueeze(0)  # [1, F, dim]
             pos = torch.full((1, w), st["len"] - 1 + level, device=dev)
-            hh, kk, vv = d.step(self.model.embed_tokens(ids), g, pos, torch.cat([st["k"], sk], 2),
-                                torch.cat([st["v"], sv], 2), mask=mask)
+            hh, kk, vv = d.step(
+                self.model.embed_tokens(ids),
+                g,
+                pos,
+                torch.cat([st["k"], sk], 2),
+                torch.cat([st["v"], sv], 2),
+                mask=mask,
+            )
             sk, sv = torch.cat([sk, kk], 2), torch.cat([sv, vv], 2)
             for i, c in enumerate(new):
                 hid[c], col[c] = hh[0, i], M + i
@@ -375,16 +421,27 @@ class Eagle3Proposer(Proposer):
         best = sorted(range(len(cum)), key=lambda c: (-cum[c], depth[c], c))[:n]
         keep = sorted(best)  # candidates are numbered after their parents: parents first
         index = {c: i for i, c in enumerate(keep)}
-        return Guesses([int(self.ids[tok[c]]) for c in keep], [math.exp(cum[c]) for c in keep],
-                       None, [index[par[c]] if par[c] >= 0 else -1 for c in keep])
+        return Guesses(
+            [int(self.ids[tok[c]]) for c in keep],
+            [math.exp(cum[c]) for c in keep],
+            None,
+            [index[par[c]] if par[c] >= 0 else -1 for c in keep],
+        )
 
 
 # ---- files -----------------------------------------------------------------------------------
 
+
 def drafter_files(drafter: Eagle3Drafter, model: Transformer, meta: dict | None = None) -> dict:
     """config.json (vLLM's fields + ours) and model.safetensors (vLLM's names) of a drafter."""
-    cfg = {**drafter.config.to_hf(), "format": FORMAT, "version": 1, "base_hash": base_hash(model),
-           "n_params": sum(p.numel() for p in drafter.parameters()), "meta": meta or {}}
+    cfg = {
+        **drafter.config.to_hf(),
+        "format": FORMAT,
+        "version": 1,
+        "base_hash": base_hash(model),
+        "n_params": sum(p.numel() for p in drafter.parameters()),
+        "meta": meta or {},
+    }
     return {WEIGHTS: dict(drafter.state_dict()), CONFIG: cfg}
 
 
@@ -409,8 +466,10 @@ def load_drafter(model: Transformer, path) -> Eagle3Drafter:
     # an MTP adapter appends its <mtp_mask> token to the vocabulary; the drafter never proposes it
     vocab = mc.vocab_size - 1 if mc.mask_token_id == mc.vocab_size - 1 else mc.vocab_size
     if ecfg.vocab_size != vocab or ecfg.target_dim != mc.dim:
-        raise ArtifactError(f"EAGLE-3 drafter {path} is for a vocabulary of {ecfg.vocab_size} and width "
-                            f"{ecfg.target_dim}; this model has {vocab} and {mc.dim}")
+        raise ArtifactError(
+            f"EAGLE-3 drafter {path} is for a vocabulary of {ecfg.vocab_size} and width "
+            f"{ecfg.target_dim}; this model has {vocab} and {mc.dim}"
+        )
     bad = [k for k in ecfg.aux_layers if not 0 <= k <= mc.n_layers]
     if bad:
         raise ArtifactError(f"EAGLE-3 drafter {path} reads trunk layers {bad}; the model has {mc.n_layers}")
@@ -425,11 +484,11 @@ def load_drafter(model: Transformer, path) -> Eagle3Drafter:
         raise ArtifactError(f"{path / WEIGHTS}: d2t does not map onto distinct token ids of this model")
     state.pop("t2d", None)  # derived from d2t
     try:
-        missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                       for k, v in state.items()}, strict=False)
+        missing, unexpected = drafter.load_state_dict(
+            {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False
+        )
     except RuntimeError as e:
-        raise ArtifactError(f"EAGLE-3 tensors in {path} do not match their config: {str(e).splitlines()[-1]}") \
-            from None
+        raise ArtifactError(f"EAGLE-3 tensors in {path} do not match their config: {str(e).splitlines()[-1]}") from None
     missing = [m for m in missing if m != "t2d"]
     if missing or unexpected:
         raise ArtifactError(f"EAGLE-3 tensors in {path}: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -441,4 +500,3 @@ def load_drafter(model: Transformer, path) -> Eagle3Drafter:
 def load_eagle3_proposer(model: Transformer, path) -> Eagle3Proposer:
     """What `Engine.load` calls for `--proposer eagle3`; the base model is not modified."""
     return Eagle3Proposer(model, load_drafter(model, path))
-

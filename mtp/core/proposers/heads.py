@@ -18,6 +18,7 @@ pass already produced. With one key the attention weights are 1, so q/k are iner
 as v/o projections plus an MLP. A heads directory holds `config.json` (format `mtp-heads`, sizes,
 the base weights' hash) and `heads.safetensors`; training lives in `mtp.training.heads_train`.
 """
+
 from __future__ import annotations
 
 import time
@@ -61,8 +62,7 @@ class HeadsConfig:
         if self.blocks == 0 or self.width == 0:  # projection only: straight to the model width
             self.width = self.dim
         if self.blocks and (self.n_heads < 1 or self.width % self.n_heads or (self.width // self.n_heads) % 2):
-            raise ValueError(f"width {self.width} does not split into {self.n_heads} attention heads "
-                             "of even size")
+            raise ValueError(f"width {self.width} does not split into {self.n_heads} attention heads of even size")
 
     @classmethod
     def for_model(cls, model_cfg: ModelConfig, depths=1, blocks=0, width=0) -> "HeadsConfig":
@@ -72,12 +72,26 @@ class HeadsConfig:
         while n_heads > 1 and (w % n_heads or (w // n_heads) % 2):
             n_heads -= 1
         inter = max(1, round(model_cfg.intermediate_size * w / model_cfg.dim))
-        return cls(dim=model_cfg.dim, depths=depths, blocks=blocks, width=width, n_heads=n_heads,
-                   intermediate_size=inter, norm_eps=model_cfg.norm_eps)
+        return cls(
+            dim=model_cfg.dim,
+            depths=depths,
+            blocks=blocks,
+            width=width,
+            n_heads=n_heads,
+            intermediate_size=inter,
+            norm_eps=model_cfg.norm_eps,
+        )
 
     def block_config(self) -> ModelConfig:
-        return ModelConfig(vocab_size=1, dim=self.width, n_layers=0, n_heads=self.n_heads, n_kv_heads=self.n_heads,
-                           intermediate_size=self.intermediate_size, norm_eps=self.norm_eps)
+        return ModelConfig(
+            vocab_size=1,
+            dim=self.width,
+            n_layers=0,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_heads,
+            intermediate_size=self.intermediate_size,
+            norm_eps=self.norm_eps,
+        )
 
     @classmethod
     def from_dict(cls, d: dict) -> "HeadsConfig":
@@ -105,8 +119,8 @@ class MTPHead(nn.Module):
         self.head_dim = bcfg.head_dim
         if cfg.width == cfg.dim:  # start from "h_d = h_{d-1}": the trunk's own readout, not noise
             with torch.no_grad():
-                self.proj.weight[:, :cfg.dim].copy_(torch.eye(cfg.dim))
-                self.proj.weight[:, cfg.dim:].mul_(0.1)
+                self.proj.weight[:, : cfg.dim].copy_(torch.eye(cfg.dim))
+                self.proj.weight[:, cfg.dim :].mul_(0.1)
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         x = self.proj(torch.cat([self.norm_h(h), self.norm_e(emb.to(h.dtype))], dim=-1))  # [N, width]
@@ -172,6 +186,7 @@ class HeadsProposer(Proposer):
     Rows of a pass that share this proposer draft together (`prepare` / `draft_prepared`): one head
     and readout call per depth for all of them, instead of one per row.
     `draft_s` / `draft_calls` accumulate the drafting time and the rows drafted, for the benchmarks."""
+
     name = "heads"
     needs_hidden = True
     has_confidence = True
@@ -207,8 +222,11 @@ class HeadsProposer(Proposer):
         whose random draws a batch could reorder: no generator of its own, or one already taken)."""
         if request.view.hidden is None or self._nodes(request) <= 0:
             return []
-        if not request.tree and not request.params.greedy and (
-                request.gen is None or any(r.gen is request.gen for r in self._pending)):
+        if (
+            not request.tree
+            and not request.params.greedy
+            and (request.gen is None or any(r.gen is request.gen for r in self._pending))
+        ):
             return []
         self._pending.append(request)
         return [self]
@@ -231,8 +249,11 @@ class HeadsProposer(Proposer):
         """The answer `draft_prepared` drafted for this request, if it did (each handed out once)."""
         r = request
         hit = self._ready.pop((id(r.view), r.tree, r.n), None)
-        if hit is None or hit[0].view is not r.view or (
-                not r.tree and (hit[0].params != r.params or hit[0].gen is not r.gen)):
+        if (
+            hit is None
+            or hit[0].view is not r.view
+            or (not r.tree and (hit[0].params != r.params or hit[0].gen is not r.gen))
+        ):
             return None
         return hit[1]
 
@@ -259,8 +280,9 @@ class HeadsProposer(Proposer):
         dev = self.model.device
         mid = self.model.config.mask_token_id
         R = len(requests)
-        growers = [tree.Grower(r.n, self.depths, r.view.context[-1], TOP_K, self.vocab) if r.tree else None
-                   for r in requests]
+        growers = [
+            tree.Grower(r.n, self.depths, r.view.context[-1], TOP_K, self.vocab) if r.tree else None for r in requests
+        ]
         depth = [self.depths if r.tree else min(r.n, self.depths) for r in requests]  # chains: n at most
         chain_tok = [r.view.context[-1] for r in requests]  # a chain's last token (its next depth's input)
         chains: list[tuple[list, list, list]] = [([], [], []) for _ in requests]  # tokens, confidences, dists
@@ -283,7 +305,7 @@ class HeadsProposer(Proposer):
                     logits[:, mid] = float("-inf")
                 for i, start, rows in spans:
                     first[i] = start
-                    lg = logits[start: start + rows]  # [rows, V]
+                    lg = logits[start : start + rows]  # [rows, V]
                     if growers[i] is not None:
                         growers[i].step(torch.log_softmax(lg.float(), -1))
                         continue
@@ -299,18 +321,28 @@ class HeadsProposer(Proposer):
                     if probs is not None:
                         chains[i][2].append(probs)
                     chain_tok[i] = int(t[0])
-        return [Guesses(g.tokens, g.confs, None, g.parents) if g is not None
-                else Guesses(c[0], c[1], torch.cat(c[2]) if c[2] else None)
-                for g, c in zip(growers, chains)]
+        return [
+            Guesses(g.tokens, g.confs, None, g.parents)
+            if g is not None
+            else Guesses(c[0], c[1], torch.cat(c[2]) if c[2] else None)
+            for g, c in zip(growers, chains)
+        ]
 
 
 def heads_files(heads: MTPHeads, model: Transformer, meta: dict | None = None) -> dict:
     tensors = dict(heads.state_dict())
     if heads.draft_vocab is not None:
         tensors["draft_vocab"] = heads.draft_vocab.cpu()
-    cfg = {"format": FORMAT, "version": 1, **asdict(heads.config), "n_params": heads.n_params(),
-           "draft_vocab": 0 if heads.draft_vocab is None else len(heads.draft_vocab),
-           "vocab_size": model.config.vocab_size, "base_hash": base_hash(model), "meta": meta or {}}
+    cfg = {
+        "format": FORMAT,
+        "version": 1,
+        **asdict(heads.config),
+        "n_params": heads.n_params(),
+        "draft_vocab": 0 if heads.draft_vocab is None else len(heads.draft_vocab),
+        "vocab_size": model.config.vocab_size,
+        "base_hash": base_hash(model),
+        "meta": meta or {},
+    }
     return {WEIGHTS: tensors, CONFIG: cfg}
 
 
@@ -331,8 +363,12 @@ def load_heads(model: Transformer, path) -> MTPHeads:
     check_finite(state, path / WEIGHTS)
     vocab = state.pop("draft_vocab", None)
     if vocab is not None:
-        if vocab.dtype != torch.int64 or vocab.dim() != 1 or not len(vocab) \
-                or int(vocab.max()) >= model.lm_head.weight.shape[0]:
+        if (
+            vocab.dtype != torch.int64
+            or vocab.dim() != 1
+            or not len(vocab)
+            or int(vocab.max()) >= model.lm_head.weight.shape[0]
+        ):
             raise ValueError(f"draft_vocab in {path} is not a list of this model's token ids")
         heads.draft_vocab = vocab
     try:

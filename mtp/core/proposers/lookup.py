@@ -1,4 +1,5 @@
 """Prompt lookup: copy what followed the latest earlier occurrence of the context's last n-gram."""
+
 from __future__ import annotations
 
 from mtp.core import tree
@@ -7,6 +8,7 @@ from mtp.core.proposers.base import DraftRequest, Guesses, Proposer
 
 class PromptLookupProposer(Proposer):
     """Baseline: copy the continuation of the latest earlier occurrence of the last n-gram."""
+
     name = "lookup"
     has_confidence = False
 
@@ -21,8 +23,8 @@ class PromptLookupProposer(Proposer):
                 continue
             tail = ctx[-n:]
             for start in range(len(ctx) - n - 1, -1, -1):
-                if ctx[start:start + n] == tail:
-                    cont = ctx[start + n:start + n + depth]
+                if ctx[start : start + n] == tail:
+                    cont = ctx[start + n : start + n + depth]
                     if cont:
                         yield cont
 

@@ -1,4 +1,5 @@
 """The mask proposer: the self-distilled model's own guesses from appended `<mtp_mask>` tokens."""
+
 from __future__ import annotations
 
 import torch
@@ -24,6 +25,7 @@ class MaskProposer(Proposer):
     asks `n_appended` with `Strategy.guess_k`), one distribution per depth, and the groups follow the
     root and the likeliest nodes (mtp.core.decode: Sequence.mask_anchors); `mask-single` keeps the
     root's group only."""
+
     name = "mask"
 
     def __init__(self, branch: bool = True):

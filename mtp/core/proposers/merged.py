@@ -16,6 +16,7 @@ order of the parts). A node several parts drafted is credited in full to each of
 "lookup drafted 40 % of the accepted tokens" then reads the same whether or not heads drafted them
 too, and the shares of a row may sum to more than 1 (`metrics.accepted_shares`).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -56,8 +57,9 @@ class MergedProposer(Proposer):
         for j in range(len(g.tokens)):
             if g.parents[j] == (chain[-1] if chain else -1) and len(chain) < request.n:
                 chain.append(j)
-        return Guesses([g.tokens[j] for j in chain], [g.confidences[j] for j in chain], None, None,
-                       [g.sources[j] for j in chain])
+        return Guesses(
+            [g.tokens[j] for j in chain], [g.confidences[j] for j in chain], None, None, [g.sources[j] for j in chain]
+        )
 
     def _merge(self, request: DraftRequest) -> Guesses:
         """The n best nodes of the parts' trees (tree `request` of n nodes), scored as the module says."""

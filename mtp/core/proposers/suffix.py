@@ -12,6 +12,7 @@ Saved as a directory (`datastore.safetensors`: the token stream; `config.json`: 
 weights' hash and vocabulary size it was made for, the shards it came from); the index is rebuilt at
 load (a sort, ~1 s for 4 M tokens). A datastore of another model is refused.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,7 +37,7 @@ def _hashes(tokens: np.ndarray, n: int) -> np.ndarray:
     h = np.zeros(len(tokens) - n + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in range(n):
-            h = h * _MUL + tokens[j:len(tokens) - n + 1 + j].astype(np.uint64) + np.uint64(1)
+            h = h * _MUL + tokens[j : len(tokens) - n + 1 + j].astype(np.uint64) + np.uint64(1)
     return h
 
 
@@ -80,12 +81,12 @@ class Datastore:
             if hi == lo:
                 continue
             out = []
-            for s in starts[max(lo, hi - 4 * MAX_MATCHES):hi][::-1]:
-                if self.tokens[s:s + n].tolist() != suffix[-n:]:
+            for s in starts[max(lo, hi - 4 * MAX_MATCHES) : hi][::-1]:
+                if self.tokens[s : s + n].tolist() != suffix[-n:]:
                     continue  # a hash collision
-                cont = self.tokens[s + n:s + n + depth].tolist()
+                cont = self.tokens[s + n : s + n + depth].tolist()
                 if SEP in cont:
-                    cont = cont[:cont.index(SEP)]
+                    cont = cont[: cont.index(SEP)]
                 if cont:
                     out.append(cont)
                 if len(out) >= MAX_MATCHES:
@@ -98,15 +99,19 @@ class Datastore:
         cfg = {"format": FORMAT, "version": 1, "tokens": len(self), "max_ngram": MAX_NGRAM, **(meta or self.meta)}
         if model is not None:
             cfg.update(base_hash=base_hash(model), vocab_size=model.config.vocab_size)
-        write_dir_atomic(Path(path), {WEIGHTS: {"tokens": torch.from_numpy(self.tokens.astype(np.int32))},
-                                      CONFIG: cfg}, kind=is_datastore)  # an earlier datastore is rebuilt
+        write_dir_atomic(
+            Path(path),
+            {WEIGHTS: {"tokens": torch.from_numpy(self.tokens.astype(np.int32))}, CONFIG: cfg},
+            kind=is_datastore,
+        )  # an earlier datastore is rebuilt
 
     @classmethod
     def load(cls, path, model=None) -> "Datastore":
         path = Path(path)
         if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
-            raise ValueError(f"{path}: not a datastore (needs {CONFIG} and {WEIGHTS}); build one with "
-                             f"`mtp datastore build`")
+            raise ValueError(
+                f"{path}: not a datastore (needs {CONFIG} and {WEIGHTS}); build one with `mtp datastore build`"
+            )
         cfg = read_config(path, FORMAT, "datastore")
         if model is not None and cfg.get("base_hash") not in (None, base_hash(model)):
             raise ValueError(f"{path}: this datastore was made for another model (base weights hash differs)")
@@ -137,7 +142,7 @@ def context_continuations(ctx: list[int], depth: int) -> tuple[int, list[list[in
         if not len(ends_j):
             break
         best, n = ends_j, j + 1
-    out = [ctx[e + 1:e + 1 + depth] for e in best[::-1][:MAX_MATCHES].tolist()]
+    out = [ctx[e + 1 : e + 1 + depth] for e in best[::-1][:MAX_MATCHES].tolist()]
     out = [c for c in out if c]
     return (n, out) if out else (0, [])
 
@@ -173,6 +178,7 @@ def frequent_tree(cands: list[list[int]], budget: int) -> tuple[list[int], list[
 
 class SuffixProposer(Proposer):
     """Drafts from the longest suffix match in the datastore and in the context so far."""
+
     name = "suffix"
     has_confidence = True
 
@@ -210,8 +216,10 @@ def build_datastore(answers: list[list[int]], model=None, meta: dict | None = No
         vocab = model.config.vocab_size
         bad = next((t for a in answers for t in a if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} of the answers is outside the model's vocabulary (0..{vocab - 1}): "
-                             "answers of another tokenizer?")
+            raise ValueError(
+                f"token id {bad} of the answers is outside the model's vocabulary (0..{vocab - 1}): "
+                "answers of another tokenizer?"
+            )
     if out is not None:
         store.save(out, model, meta)
     return store
