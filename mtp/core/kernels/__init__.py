@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("matmul.cpp")
-HEADERS = [Path(__file__).with_name("matmul_i8.h")]  # included by SOURCE (hashed with it)
+HEADERS = [Path(__file__).with_name(n) for n in ("matmul_driver.h", "matmul_i8.h")]  # included by SOURCE (hashed)
 CFLAGS = [
     "-O3",
     "-std=c++20",

@@ -276,44 +276,8 @@ static void rows(const uint8_t* w, int64_t ws, const Pass& p, int64_t n) {
   }
 }
 
-template <int F>
-static void run_fmt(const Pass& p, int64_t t0, int64_t t1) {
-  std::vector<float> panel;
-  const bool use_panel = F != F32 && p.M > MT;
-  if (use_panel) panel.resize(NT * p.K);
-  const uint8_t* pw = reinterpret_cast<const uint8_t*>(panel.data());
-  for (int64_t t = t0; t < t1; t++) {
-    const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, p.N - n0);
-    const uint8_t* w = p.w + n0 * p.w_stride;
-    if (use_panel) dequant_rows<F>(w, p.w_stride, nt, p.K, panel.data(), p.K);
-    if (nt == NT) {
-      if (use_panel) rows<F32, NT>(pw, p.K * 4, p, n0);
-      else rows<F, NT>(w, p.w_stride, p, n0);
-    } else {
-      for (int64_t j = 0; j < nt; j++) {
-        if (use_panel) rows<F32, 1>(pw + j * p.K * 4, p.K * 4, p, n0 + j);
-        else rows<F, 1>(w + j * p.w_stride, p.w_stride, p, n0 + j);
-      }
-    }
-  }
-}
-
-static void run(const Pass& p, int64_t t0, int64_t t1) {
-  switch (p.fmt) {
-    case F32: return run_fmt<F32>(p, t0, t1);
-    case Q8_0: return run_fmt<Q8_0>(p, t0, t1);
-    case Q4_0: return run_fmt<Q4_0>(p, t0, t1);
-    default: return run_fmt<Q4_1>(p, t0, t1);
-  }
-}
-
-static void dequant(int fmt, const uint8_t* w, int64_t ws, int64_t rows, int64_t K, float* out) {
-  switch (fmt) {
-    case Q8_0: return dequant_rows<Q8_0>(w, ws, rows, K, out, K);
-    case Q4_0: return dequant_rows<Q4_0>(w, ws, rows, K, out, K);
-    default: return dequant_rows<Q4_1>(w, ws, rows, K, out, K);
-  }
-}
+constexpr int64_t PANEL_ABOVE_M = MT;
+#include "matmul_driver.h"
 
 }  // namespace avx2
 }  // namespace mtp_kernels
@@ -426,44 +390,8 @@ static void rows(const uint8_t* w, int64_t ws, const Pass& p, int64_t n) {
   }
 }
 
-template <int F>
-static void run_fmt(const Pass& p, int64_t t0, int64_t t1) {
-  std::vector<float> panel;
-  const bool use_panel = F != F32 && p.M > 2 * MT;  // up to two row tiles: dequantising twice beats the panel
-  if (use_panel) panel.resize(NT * p.K);
-  const uint8_t* pw = reinterpret_cast<const uint8_t*>(panel.data());
-  for (int64_t t = t0; t < t1; t++) {
-    const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, p.N - n0);
-    const uint8_t* w = p.w + n0 * p.w_stride;
-    if (use_panel) dequant_rows<F>(w, p.w_stride, nt, p.K, panel.data(), p.K);
-    if (nt == NT) {
-      if (use_panel) rows<F32, NT>(pw, p.K * 4, p, n0);
-      else rows<F, NT>(w, p.w_stride, p, n0);
-    } else {
-      for (int64_t j = 0; j < nt; j++) {
-        if (use_panel) rows<F32, 1>(pw + j * p.K * 4, p.K * 4, p, n0 + j);
-        else rows<F, 1>(w + j * p.w_stride, p.w_stride, p, n0 + j);
-      }
-    }
-  }
-}
-
-static void run(const Pass& p, int64_t t0, int64_t t1) {
-  switch (p.fmt) {
-    case F32: return run_fmt<F32>(p, t0, t1);
-    case Q8_0: return run_fmt<Q8_0>(p, t0, t1);
-    case Q4_0: return run_fmt<Q4_0>(p, t0, t1);
-    default: return run_fmt<Q4_1>(p, t0, t1);
-  }
-}
-
-static void dequant(int fmt, const uint8_t* w, int64_t ws, int64_t rows, int64_t K, float* out) {
-  switch (fmt) {
-    case Q8_0: return dequant_rows<Q8_0>(w, ws, rows, K, out, K);
-    case Q4_0: return dequant_rows<Q4_0>(w, ws, rows, K, out, K);
-    default: return dequant_rows<Q4_1>(w, ws, rows, K, out, K);
-  }
-}
+constexpr int64_t PANEL_ABOVE_M = 2 * MT;  // up to two row tiles: dequantising twice beats the panel
+#include "matmul_driver.h"
 
 }  // namespace avx512
 }  // namespace mtp_kernels
