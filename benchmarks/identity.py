@@ -3,7 +3,7 @@
 computes it in a 1-row pass, and a greedy output stays identical only if the two agree.
 
     python benchmarks/identity.py --data prompts:benchmarks/results/final/diverse60.jsonl --rows 2,4,16,32 \
-        --limit 12 --tokens 96 [--linears torch|kernels] [--no-pack] [--out FILE]
+        --limit 12 --tokens 96 [--weights native|float32|torch] [--out FILE]
 
 For each prompt (chat-formatted) the prompt is prefilled into a KV cache and its greedy continuation is
 decoded one token per pass: the logits of every continuation position from 1-row passes are the
@@ -11,8 +11,8 @@ reference. For each k the prompt is prefilled again and the same continuation is
 (the cache kept as in decoding: each block writes its keys and values for the next), and every
 position's logits are compared with the reference. Printed per k: positions, max |dlogit|, and argmax
 flips (positions whose top token differs); with them the smallest top-2 logit gap of the reference
-(how close a flip is). `--linears kernels` runs every projection and the LM head on mtp's batch-invariant
-kernels (`mtp.core.kernels`, the GGUF blocks as stored, float32 activations); attention is today's.
+(how close a flip is). `--weights` is the engine's (mtp.core.weights): `native` and `float32` run on
+mtp's batch-invariant kernels, where every k must print 0 and no flip; `torch` is the oneDNN path.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mtp.core.cache import KVCache
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.loading import resolve
 from mtp.eval.bench import load_data
 
 
@@ -70,23 +69,15 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--tokens", type=int, default=96, help="continuation tokens per prompt")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--linears", choices=["torch", "kernels"], default="torch")
-    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True, help="oneDNN-packed weights")
+    p.add_argument("--weights", choices=["native", "native-int8", "float32", "torch"], default="native")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     rows = [int(x) for x in args.rows.split(",")]
-    pack = args.pack and args.linears == "torch"
     engine = Engine.load(
-        EngineConfig(model=args.model, adapter="none", proposer="lookup", threads=args.threads, pack=pack)
+        EngineConfig(model=args.model, adapter="none", proposer="lookup", threads=args.threads, weights=args.weights)
     )
     model = engine.model
-    if args.linears == "kernels":
-        from kernel_text_drift import install
-
-        from mtp.core.kernels.qlinear import gguf_weights
-
-        install(model, gguf_weights(resolve(args.model)), "f32act")
     _, items = load_data(args.data, args.limit)
     prompts = [engine.encode(it["prompt"]) for it in items]
     stats = {k: {"positions": 0, "max_abs_dlogit": 0.0, "argmax_flips": 0} for k in rows}
@@ -102,14 +93,16 @@ def main(argv=None) -> int:
                 s["max_abs_dlogit"] = max(s["max_abs_dlogit"], float((got - ref).abs().max()))
                 s["argmax_flips"] += int((got.argmax(-1) != ref.argmax(-1)).sum())
             print(f"prompt {n}/{len(prompts)}", file=sys.stderr)
-    print(
-        f"{args.linears} linears{', oneDNN-packed' if pack else ''}; smallest top-2 gap of the 1-row logits: {gap:.3g}"
-    )
+    print(f"weights: {engine.weights_line}; smallest top-2 gap of the 1-row logits: {gap:.3g}")
     print(f"{'k':>4} {'positions':>10} {'max |dlogit|':>13} {'argmax flips':>13}")
     for k, s in stats.items():
         print(f"{k:>4} {s['positions']:>10} {s['max_abs_dlogit']:>13.3g} {s['argmax_flips']:>13}")
     if args.out:
-        env = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+        env = {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "weights": engine.weights_line,
+        }
         Path(args.out).write_text(json.dumps({"args": vars(args), "min_top2_gap": gap, "by_k": stats, **env}) + "\n")
     return 0
 

@@ -195,13 +195,13 @@ def tiny_with_mask(seed=0):
 
 @pytest.mark.parametrize("k", [2, 3, 4, 8])
 @pytest.mark.parametrize("proposer", ["mask", "lookup"])
-@pytest.mark.parametrize("packed", [False, True])
-def test_verify_equals_ntp_tiny(k, proposer, packed):
+@pytest.mark.parametrize("weights", ["plain", "torch", "float32"])
+def test_verify_equals_ntp_tiny(k, proposer, weights):
     model = tiny_with_mask()
-    if packed:
-        from mtp.core.model import pack_weights
+    if weights != "plain":  # torch: oneDNN-packed; float32: the batch-invariant kernels
+        from mtp.core.weights import attach
 
-        pack_weights(model)
+        attach(model, weights)
     prop = MaskProposer() if proposer == "mask" else PromptLookupProposer()
     for seed in range(3):
         prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -326,14 +326,16 @@ def test_verify_equals_ntp_smollm2(smollm2, k):
     assert out.summary["forward_passes"] <= ref.summary["forward_passes"]
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_branched_mask_groups_equal_separate_passes(packed):
-    """Group a of a branched verify pass gives the logits the masks would give right after draft a."""
+@pytest.mark.parametrize("weights", ["plain", "torch", "float32"])
+def test_branched_mask_groups_equal_separate_passes(weights):
+    """Group a of a branched verify pass gives the logits the masks would give right after draft a
+    (on the batch-invariant kernels, `float32`: the same bits)."""
     model = tiny_with_mask(2)
-    if packed:
-        from mtp.core.model import pack_weights
+    if weights != "plain":
+        from mtp.core.weights import attach
 
-        pack_weights(model)
+        attach(model, weights)
+    tol = dict(rtol=0, atol=0) if weights == "float32" else dict(rtol=1e-4, atol=1e-4)
     mid = model.config.mask_token_id
     prompt, pending, drafts, g = [5, 9, 2, 7, 1], [3], [8, 4, 6], 3
     cache = KVCache.for_model(model, 1, 64)
@@ -350,7 +352,7 @@ def test_branched_mask_groups_equal_separate_passes(packed):
         for a in range(4):  # a accepted drafts; a == 3: the group right after the drafts
             first = 4 + (0 if a == 3 else g * (1 + a))
             ref = model(torch.tensor([prompt + pending + drafts[:a] + [mid] * g]))[0, -g:]
-            torch.testing.assert_close(got[first : first + g], ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got[first : first + g], ref, **tol)
         # the draft rows are the plain causal pass's rows
         ref = model(torch.tensor([prompt + pending + drafts]))[0, 5:]
-        torch.testing.assert_close(got[:4], ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[:4], ref, **tol)

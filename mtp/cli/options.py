@@ -9,23 +9,27 @@ import sys
 
 from mtp.core.checks import check_device, check_threads, valid_text
 from mtp.core.engine import EngineConfig
-from mtp.core.proposers import check_proposer
+from mtp.core.proposers import AUTO, SHIPPED_DEFAULT, check_proposer, resolve_default
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
+from mtp.core.weights import check_weights
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, proposer_default: str = "mask") -> None:
+    """proposer_default: `auto` for generate and serve (`mtp.core.proposers.resolve_default`)."""
     p.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file, or smollm2-135m (default)")
     p.add_argument(
         "--adapter",
         default="auto",
         help="MTP adapter directory; 'auto' = the shipped one for the default model; 'none' = no adapter",
     )
+    auto = ", ".join(f"{m}: {v}" for m, v in SHIPPED_DEFAULT.items())
     p.add_argument(
         "--proposer",
-        default="mask",
-        help="where proposals come from: mask (default), mask-single (verify: masks only after the "
-        "last draft), heads, eagle3, lookup, suffix, or a merge such as heads+suffix+lookup",
+        default=proposer_default,
+        help="where proposals come from: mask, mask-single (verify: masks only after the "
+        "last draft), heads, eagle3, lookup, suffix, a merge such as eagle3+suffix+lookup, or auto "
+        f"(the shipped model's best measured merge ({auto}), else mask); default {proposer_default}",
     )
     p.add_argument("--heads", default="auto", help="MTP heads checkpoint directory (for --proposer heads)")
     p.add_argument("--eagle3", default="auto", help="EAGLE-3 drafter directory (for --proposer eagle3)")
@@ -35,10 +39,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument(
+        "--weights",
+        default="native",
+        help="what runs the model on CPU: native (default; the GGUF's own Q4_1/Q8_0 blocks on mtp's "
+        "batch-invariant kernels, float32 where the model has no blocks; the float32 model's exact "
+        "arithmetic), native-int8 (the same blocks with int8 activations: faster, other text), float32 (the "
+        "kernels on float32 weights), torch (oneDNN-packed float32, not batch-invariant)",
+    )
+    p.add_argument(
         "--pack",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="CPU float32: oneDNN-packed weights, faster small-block passes (default on)",
+        help="prepare the weights for CPU inference as --weights says (default on; --no-pack: plain torch)",
     )
 
 
@@ -59,7 +71,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args) -> EngineConfig:
-    """The engine the flags describe, checked (proposer, threads, device) before anything loads."""
+    """The engine the flags describe, checked (proposer, threads, device) before anything loads;
+    `--proposer auto` resolved for the model (and kept in args: later checks read the real name)."""
+    off = tuple(k for k in ("heads", "eagle3", "datastore") if getattr(args, k, "auto") in (None, "", "none"))
+    args.proposer = resolve_default(args.proposer, args.model, off) if args.proposer == AUTO else args.proposer
     check_proposer(args.proposer)
     return EngineConfig(
         model=args.model,
@@ -71,6 +86,7 @@ def engine_config(args) -> EngineConfig:
         threads=check_threads(args.threads),
         device=check_device(args.device),
         pack=getattr(args, "pack", True),
+        weights=check_weights(getattr(args, "weights", "native")),
     )
 
 

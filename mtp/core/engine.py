@@ -21,10 +21,10 @@ from mtp.core.calibration import Calibration, CalibratedProposer
 from mtp.core.costmodel import measure
 from mtp.core.decode import Sequence, stream
 from mtp.core.metrics import DecodeStats, accepted_by_proposer
-from mtp.core.model import pack_weights
 from mtp.core.proposers import MergedProposer, Proposer, check_proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
+from mtp.core.weights import attach
 
 SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads per embedded model
 TREE_SUFFIX = "/tree"  # EngineConfig.calibration key of a proposer's tree-node calibration ("heads/tree")
@@ -40,7 +40,8 @@ class EngineConfig:
     datastore: str | None = "auto"  # suffix datastore directory (for --proposer suffix; `mtp datastore build`)
     threads: int = 0
     device: str = "cpu"
-    pack: bool = True  # oneDNN-packed weights for CPU float32 inference (model.pack_weights)
+    pack: bool = True  # prepare the weights for inference (False: training, which takes the torch path)
+    weights: str = "native"  # native | float32 | torch: which arithmetic runs the model (mtp.core.weights)
     calibration: dict = field(default_factory=dict)  # proposer name (chains) or name + '/tree' -> per-depth maps
 
 
@@ -75,6 +76,7 @@ class Engine:
         self.asset_dirs: dict[str, Path] = {}  # asset kind ("heads") -> the directory loaded
         self._loaded_proposers: dict[str, Proposer] = {}  # proposers built from an asset, once
         self.cost_model = None  # mtp.core.costmodel.CostModel, measured on first need (tree:auto)
+        self.weights_line = "torch (not prepared for inference)"  # what runs the model (mtp.core.weights.attach)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -89,8 +91,8 @@ class Engine:
         for part in spec.parts or (config.proposer,):
             if check_proposer(part).asset is not None:
                 engine._load_asset_proposer(part)
-        if config.pack:
-            pack_weights(engine.model)  # after every weight is final
+        if config.pack:  # after every weight is final
+            engine.weights_line = attach(engine.model, config.weights, engine.loaded.gguf)
         return engine
 
     @property
@@ -174,8 +176,15 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def new_sequence(
-        self, prompt_ids: list[int], strategy: str | Strategy, params: SamplingParams, proposer: str | None = None
+        self,
+        prompt_ids: list[int],
+        strategy: str | Strategy,
+        params: SamplingParams,
+        proposer: str | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> Sequence:
+        """A Sequence ready to decode; `logprobs` / `prompt_logprobs`: what it records (`Sequence`)."""
         strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
         proposer = proposer or self.config.proposer
         n = len(prompt_ids)
@@ -199,6 +208,8 @@ class Engine:
             eos_ids=self.loaded.eos_ids,
             decode_text=self.decode_text,
             pass_time=self.pass_time() if strategy.auto else None,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def pass_time(self):

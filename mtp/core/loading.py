@@ -45,6 +45,7 @@ class Loaded:
     tokenizer: object  # transformers PreTrainedTokenizerFast
     source: str  # the resolved directory or file
     name: str  # what the user asked for
+    gguf: Path | None = None  # the GGUF file the weights came from (its blocks serve --weights native)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -88,7 +89,7 @@ def load(name: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu") -> Loaded
         raise ModelLoadError(f"unsupported model file {path.name!r}: give a .gguf file or a HF directory")
     converted = gguf_to_hf_dir(path)
     try:
-        return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name)
+        return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name, path)
     except (
         ModelLoadError,
         ArtifactError,
@@ -99,7 +100,7 @@ def load(name: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu") -> Loaded
             file=sys.stderr,
         )
         converted = gguf_to_hf_dir(path, rebuild=True)
-        return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name)
+        return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name, path)
 
 
 def model_tokenizer(name: str):

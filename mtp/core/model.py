@@ -119,7 +119,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    fast = False  # the batch-invariant op (mtp.core.weights.attach), for float32 inference rows
+
     def forward(self, x):
+        if self.fast and kernel_rows(x):
+            return torch.ops.mtp.rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -141,12 +145,36 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     packed_version: int = -1
+    # the weight as the kernels hold it (mtp.core.weights.attach): parts along the output dimension
+    # (e.g. the GGUF's blocks, then float32 rows the file lacks); used while the weight is unchanged
+    kernel: list | None = None
+    kernel_version: int = -1
+    kernel_int8: bool = False  # quantised weights take int8 activations (--weights native-int8)
 
     def forward(self, x, gate=None):
+        if self.kernel is not None and self.kernel_version == self.weight._version and kernel_rows(x):
+            return kernel_linear(x, self.kernel, self.bias, self.kernel_int8)
         if self.packed is not None and self.packed_version == self.weight._version and use_packed(x):
             y = packed_matmul(x, self.packed, self.packed_bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         return super().forward(x)
+
+
+def kernel_rows(x: torch.Tensor) -> bool:
+    """Whether the batch-invariant kernels serve this call: float32 CPU rows without autograd (training
+    and autocast take the torch path)."""
+    return x.dtype == torch.float32 and not torch.is_grad_enabled() and x.device.type == "cpu"
+
+
+def kernel_linear(x: torch.Tensor, parts: list, bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
+    """x [..., K] @ the weight held as kernel parts (mtp.core.kernels.qlinear.KernelWeight) -> [..., N];
+    `int8`: quantised parts with int8 activations (`qlinear.linear_int8`), float32 parts as ever."""
+    from mtp.core.kernels.qlinear import linear, linear_int8
+
+    if len(parts) == 1:
+        return (linear_int8 if int8 and parts[0].fmt != "f32" else linear)(x, parts[0], bias)
+    y = torch.cat([(linear_int8 if int8 and p.fmt != "f32" else linear)(x, p) for p in parts], dim=-1)
+    return y if bias is None else y + bias
 
 
 def use_packed(x: torch.Tensor) -> bool:
@@ -228,6 +256,8 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
+    fast = False  # batch-invariant attention over the cache (mtp.core.weights.attach)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -258,6 +288,10 @@ class Attention(nn.Module):
             k, v = torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0)
         if kv is not None:  # write this block into the cache, then attend over the cache prefix
             k, v = kv(k, v)
+        if self.fast and kernel_rows(q) and mask.dtype == torch.bool:
+            # one query row at a time over exactly the keys it sees: [B, T, H, hd] (mtp/core/kernels/layer_ops.h)
+            y = torch.ops.mtp.attention(q, k, v, mask.expand(B, -1, T, k.shape[2]), 1.0 / math.sqrt(hd))
+            return self.o_proj(y.view(B, T, -1), gate)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1), gate)
 
@@ -269,8 +303,14 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.dim, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
+    fast = False  # the batch-invariant SiLU product (mtp.core.weights.attach)
+
     def forward(self, x, gate):
-        return self.down_proj(F.silu(self.gate_proj(x, gate)) * self.up_proj(x, gate), gate)
+        g, u = self.gate_proj(x, gate), self.up_proj(x, gate)
+        if self.fast and kernel_rows(g):
+            n = g.shape[-1]
+            return self.down_proj(torch.ops.mtp.silu_mul(g.reshape(-1, n), u.reshape(-1, n)).view(g.shape), gate)
+        return self.down_proj(F.silu(g) * u, gate)
 
 
 class Block(nn.Module):

@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("matmul.cpp")
-HEADERS = [Path(__file__).with_name(n) for n in ("matmul_driver.h", "matmul_i8.h")]  # included by SOURCE (hashed)
+SOURCES = [Path(__file__).with_name(n) for n in ("matmul.cpp", "layer_ops.cpp")]  # compiled into one library
+HEADERS = [Path(__file__).with_name(n) for n in ("matmul_driver.h", "matmul_i8.h", "layer_ops.h")]  # included (hashed)
 CFLAGS = [
     "-O3",
     "-std=c++20",
@@ -105,7 +105,7 @@ def build_dir(cxx: str) -> Path:
 
     h = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(p.read_bytes() for p in SOURCES),
         *(p.read_bytes() for p in HEADERS),
         " ".join(CFLAGS).encode(),
         _compiler_id(cxx).encode(),
@@ -128,7 +128,7 @@ def _build(cxx: str, out: Path) -> None:
         *CFLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in includes),
-        str(SOURCE),
+        *(str(p) for p in SOURCES),
         "-o",
         str(tmp),
         f"-L{libdir}",
@@ -144,7 +144,8 @@ def _build(cxx: str, out: Path) -> None:
         tmp.unlink(missing_ok=True)
         err = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip().split("\n")[0])
         (out.parent / "build.log").write_text(" ".join(cmd) + "\n\n" + r.stderr)
-        raise KernelError(f"compiling {SOURCE.name} failed: {err.strip()} (log: {out.parent / 'build.log'})")
+        names = ", ".join(p.name for p in SOURCES)
+        raise KernelError(f"compiling {names} failed: {err.strip()} (log: {out.parent / 'build.log'})")
     os.replace(tmp, out)
 
 
@@ -157,7 +158,7 @@ def load(quiet: bool = False) -> bool:
         ok, why = False, ""
         if os.environ.get("MTP_KERNELS", "").lower() in ("0", "off", "no", "false"):
             why = "MTP_KERNELS=0"
-        elif missing := [p.name for p in (SOURCE, *HEADERS) if not p.exists()]:
+        elif missing := [p.name for p in (*SOURCES, *HEADERS) if not p.exists()]:
             why = f"the kernel sources {', '.join(missing)} are missing from the installed package"
         elif (cxx := _compiler()) is None:
             why = f"no C++ compiler ({os.environ.get('CXX') or 'c++'} not found)"

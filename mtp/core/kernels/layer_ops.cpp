@@ -1,0 +1,184 @@
+// Batch-invariant layer ops beside the matmul kernels (see mtp/core/kernels/__init__.py), as torch custom ops:
+//
+//   mtp::attention(q [B, H, T, hd], k [B, Hkv, S, hd], v [B, Hkv, S, hd], mask [B, 1 or H, T, S] bool, scale)
+//       -> [B, T, H, hd]       softmax(q k^T * scale over the keys the mask shows) v, one query row at a time
+//   mtp::rmsnorm(x [M, n], w [n], eps) -> [M, n]
+//   mtp::silu_mul(g [M, n], u [M, n]) -> [M, n]       silu(g) * u (SwiGLU's product)
+//
+// Each takes an `isa` argument like the matmul ops (-1 = the best this CPU runs). Their fixed arithmetic is
+// stated in layer_ops.h; a row's bits depend on that row's inputs alone, never on the other rows, the thread
+// split (threads take whole rows) or the ISA path. Inputs may be strided views (the innermost dimension
+// contiguous): q is a transposed projection, k and v are slices of the KV cache, the mask may be expanded.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace mtp_layer_ops {
+
+struct Attn {
+  const float* q;
+  int64_t qs[3];  // strides of q's B, H, T
+  const float* k;
+  int64_t ks[3];  // strides of k's B, Hkv, S
+  const float* v;
+  int64_t vs[3];
+  const uint8_t* mask;
+  int64_t ms[4];  // strides of the mask's B, H (0 when broadcast), T, S
+  float* y;       // [B, T, H, hd]
+  int64_t B, H, Hkv, T, S, hd;
+  float scale;
+};
+
+namespace scalar {
+#include "layer_ops.h"
+}  // namespace scalar
+
+}  // namespace mtp_layer_ops
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace mtp_layer_ops {
+namespace avx2 {
+#include "layer_ops.h"
+}  // namespace avx2
+}  // namespace mtp_layer_ops
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace mtp_layer_ops {
+namespace avx512 {
+#include "layer_ops.h"
+}  // namespace avx512
+}  // namespace mtp_layer_ops
+#pragma GCC pop_options
+
+namespace mtp_layer_ops {
+
+static int best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+  return 0;
+}
+
+static int pick(int64_t isa) {
+  const int best = best_isa();
+  if (isa < 0) return best;
+  TORCH_CHECK(isa <= 2, "mtp layer ops: unknown isa ", isa, " (0 scalar, 1 avx2, 2 avx512, -1 best)");
+  TORCH_CHECK(isa <= best, "mtp layer ops: isa ", isa, " is not supported by this CPU (best: ", best, ")");
+  return int(isa);
+}
+
+static void check_float(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim, "mtp layer ops: ", name,
+              " must be a float32 CPU tensor of ", dim, " dimensions");
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "mtp layer ops: ", name, "'s last dimension must be contiguous");
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                     double scale, int64_t isa_arg) {
+  const int isa = pick(isa_arg);
+  check_float(q, "q", 4);
+  check_float(k, "k", 4);
+  check_float(v, "v", 4);
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.device().is_cpu(),
+              "mtp layer ops: mask must be a bool [B, 1 or H, T, S] CPU tensor");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == hd &&
+                  v.size(3) == hd,
+              "mtp layer ops: k and v must be [B, Hkv, S, hd] with q's B and hd");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "mtp layer ops: ", H, " query heads cannot share ", Hkv, " key heads");
+  TORCH_CHECK(mask.size(0) == B && (mask.size(1) == 1 || mask.size(1) == H) && mask.size(2) == T &&
+                  mask.size(3) == S,
+              "mtp layer ops: mask must be [B, 1 or H, T, S] = [", B, ", 1, ", T, ", ", S, "]");
+  at::Tensor y = at::empty({B, T, H, hd}, q.options());
+  if (y.numel() == 0) return y;
+  Attn a{q.data_ptr<float>(),
+         {q.stride(0), q.stride(1), q.stride(2)},
+         k.data_ptr<float>(),
+         {k.stride(0), k.stride(1), k.stride(2)},
+         v.data_ptr<float>(),
+         {v.stride(0), v.stride(1), v.stride(2)},
+         reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()),
+         {mask.stride(0), mask.size(1) == 1 ? 0 : mask.stride(1), mask.stride(2), mask.stride(3)},
+         y.data_ptr<float>(),
+         B,
+         H,
+         Hkv,
+         T,
+         S,
+         hd,
+         float(scale)};
+  const int64_t rows = B * H * T;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, S * hd));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    if (isa == 2) avx512::attend(a, r0, r1);
+    else if (isa == 1) avx2::attend(a, r0, r1);
+    else scalar::attend(a, r0, r1);
+  });
+  return y;
+}
+
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa_arg) {
+  const int isa = pick(isa_arg);
+  check_float(x, "x", 2);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1),
+              "mtp layer ops: rmsnorm weight must be a contiguous float32 [n] tensor, n = x's columns");
+  const int64_t M = x.size(0), n = x.size(1);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (y.numel() == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  const float e = float(eps);
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, n)), [&](int64_t m0, int64_t m1) {
+    if (isa == 2) avx512::rmsnorm_rows(xp, xs, wp, yp, n, e, m0, m1);
+    else if (isa == 1) avx2::rmsnorm_rows(xp, xs, wp, yp, n, e, m0, m1);
+    else scalar::rmsnorm_rows(xp, xs, wp, yp, n, e, m0, m1);
+  });
+  return y;
+}
+
+at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u, int64_t isa_arg) {
+  const int isa = pick(isa_arg);
+  check_float(g, "g", 2);
+  check_float(u, "u", 2);
+  TORCH_CHECK(g.sizes() == u.sizes(), "mtp layer ops: silu_mul's g and u must have one shape");
+  const int64_t M = g.size(0), n = g.size(1);
+  at::Tensor y = at::empty({M, n}, g.options());
+  if (y.numel() == 0) return y;
+  const float* gp = g.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t gs = g.stride(0), us = u.stride(0);
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t(1) << 13) / std::max<int64_t>(1, n)), [&](int64_t m0, int64_t m1) {
+    if (isa == 2) avx512::silu_mul_rows(gp, gs, up, us, yp, n, m0, m1);
+    else if (isa == 1) avx2::silu_mul_rows(gp, gs, up, us, yp, n, m0, m1);
+    else scalar::silu_mul_rows(gp, gs, up, us, yp, n, m0, m1);
+  });
+  return y;
+}
+
+}  // namespace mtp_layer_ops
+
+TORCH_LIBRARY_FRAGMENT(mtp, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, int isa=-1) -> Tensor");
+  m.def("rmsnorm(Tensor x, Tensor w, float eps, int isa=-1) -> Tensor");
+  m.def("silu_mul(Tensor g, Tensor u, int isa=-1) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtp, CPU, m) {
+  m.impl("attention", &mtp_layer_ops::attention);
+  m.impl("rmsnorm", &mtp_layer_ops::rmsnorm);
+  m.impl("silu_mul", &mtp_layer_ops::silu_mul);
+}

@@ -1,0 +1,94 @@
+// The bodies of the batch-invariant layer ops (attention over a KV cache, RMSNorm, SiLU-gated product),
+// included by layer_ops.cpp once per ISA region (scalar, AVX2, AVX-512) inside that region's namespace.
+// The code is written once, as plain loops whose arithmetic is fixed (explicit fused multiply-adds, one
+// summation order, `expf` from the C library for every exponential): the compiler may vectorise it
+// differently per region, never change its results, so every path gives the same bits.
+//
+// The fixed orders:
+//   dot(a, b, n): 16 lanes, lane i accumulates the products of elements c + i for c = 0, 16, 32, ... with
+//     one fused multiply-add each from +0, then the lanes summed in the tree of matmul.cpp (tree16).
+//   attention, one query row (one batch row, one head, one position): the keys the mask lets it see, in
+//     increasing slot order, and only those (a hidden key is skipped, not added as a zero):
+//       s_j = dot(q, k_j, hd) * scale;  mx = max_j s_j;  p_j = expf(s_j - mx)
+//       l = ((p_1 + p_2) + p_3) + ...   acc[d] = fma(p_j, v_j[d], acc[d]) in the same order
+//       y[d] = acc[d] / l
+//     So the row's result depends on its own query, its visible keys and values and their order, and on
+//     nothing else: not on how many other rows share the pass, how the block is laid out (chain, tree,
+//     branched mask groups), or how far the cache is padded behind the visible keys.
+//   rmsnorm, one row: ss = dot(x, x, n);  r = 1 / sqrtf(ss / n + eps);  y[i] = w[i] * (x[i] * r)
+//   silu_mul, one element: y = g / (1 + expf(-g)) * u
+
+static inline float tree16(const float* a) {
+  float s8[8], s4[4], s2[2];
+  for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+  for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+  return s2[0] + s2[1];
+}
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16)
+    for (int i = 0; i < 16; i++) acc[i] = __builtin_fmaf(a[c + i], b[c + i], acc[i]);
+  for (int i = 0; c + i < n; i++) acc[i] = __builtin_fmaf(a[c + i], b[c + i], acc[i]);
+  return tree16(acc);
+}
+
+static void attend(const Attn& a, int64_t r0, int64_t r1) {
+  std::vector<float> s(a.S);
+  std::vector<int64_t> idx(a.S);
+  std::vector<float> acc(a.hd);
+  const int64_t group = a.H / a.Hkv;
+  for (int64_t r = r0; r < r1; r++) {
+    const int64_t b = r / (a.H * a.T), h = (r / a.T) % a.H, t = r % a.T, kvh = h / group;
+    const float* q = a.q + b * a.qs[0] + h * a.qs[1] + t * a.qs[2];
+    const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
+    const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
+    const uint8_t* mrow = a.mask + b * a.ms[0] + h * a.ms[1] + t * a.ms[2];
+    float* y = a.y + ((b * a.T + t) * a.H + h) * a.hd;
+    int64_t n = 0;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < a.S; j++) {
+      if (!mrow[j * a.ms[3]]) continue;
+      const float sc = dot(q, kb + j * a.ks[2], a.hd) * a.scale;
+      s[n] = sc;
+      idx[n++] = j;
+      mx = sc > mx ? sc : mx;
+    }
+    if (n == 0) {  // a row that sees no key (never in decoding): zeros
+      for (int64_t d = 0; d < a.hd; d++) y[d] = 0.0f;
+      continue;
+    }
+    for (int64_t i = 0; i < n; i++) s[i] = expf(s[i] - mx);
+    float l = 0.0f;
+    for (int64_t d = 0; d < a.hd; d++) acc[d] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+      const float p = s[i];
+      const float* v = vb + idx[i] * a.vs[2];
+      l += p;
+      for (int64_t d = 0; d < a.hd; d++) acc[d] = __builtin_fmaf(p, v[d], acc[d]);
+    }
+    for (int64_t d = 0; d < a.hd; d++) y[d] = acc[d] / l;
+  }
+}
+
+static void rmsnorm_rows(const float* x, int64_t xs, const float* w, float* y, int64_t n, float eps, int64_t m0,
+                         int64_t m1) {
+  for (int64_t m = m0; m < m1; m++) {
+    const float* xr = x + m * xs;
+    float* yr = y + m * n;
+    const float r = 1.0f / sqrtf(dot(xr, xr, n) / float(n) + eps);
+    for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * r);
+  }
+}
+
+static void silu_mul_rows(const float* g, int64_t gs, const float* u, int64_t us, float* y, int64_t n, int64_t m0,
+                          int64_t m1) {
+  for (int64_t m = m0; m < m1; m++) {
+    const float* gr = g + m * gs;
+    const float* ur = u + m * us;
+    float* yr = y + m * n;
+    for (int64_t i = 0; i < n; i++) yr[i] = gr[i] / (1.0f + expf(-gr[i])) * ur[i];
+  }
+}

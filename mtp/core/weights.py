@@ -1,0 +1,111 @@
+"""Which arithmetic runs a loaded model for inference: `--weights native | native-int8 | float32 | torch`.
+
+* `native` (default): every `Linear` whose weight a GGUF file holds runs on the batch-invariant kernels
+  (mtp.core.kernels) in the file's own format, its blocks as stored (SmolLM2's shipped file: Q4_1
+  projections, a Q8_0 embedding tied to the output head); weights the file lacks (a mask-token row
+  added to the head) and models from safetensors run on the float32 kernel.
+* `native-int8`: the same blocks, with each row's activations quantised to int8 per 32-block (as
+  ggml's Q8 activation blocks are) and integer dot products: about twice as fast as `native` on
+  these CPUs, batch-invariant too, but not the float32 model's arithmetic: its text moves from
+  `native`'s as llama.cpp's Q4_1 text moves from its F32 (benchmarks/results/kernel/).
+* `float32`: every `Linear` on the float32 kernel, over the loader's float32 weights (what `native`
+  dequantises to).
+* `torch`: the path before the kernels: oneDNN-packed float32 matmuls and torch's attention. Faster to
+  set up, not batch-invariant: a row's logits move with the other rows of its pass (~1e-4).
+
+`native` computes exactly what `float32` computes, bit for bit (a block dequantises to the loader's
+float32 values and both kernels share one reduction order), reading 5.5x fewer bytes. With the three
+kernel choices, RMSNorm, attention over the KV cache and the SiLU product run on the layer ops of the
+same library, so the model's logits for a row are bit-identical whatever else shares its pass:
+`ntp`, `verify` and `tree` do the same arithmetic on every position (tests/test_weights.py,
+benchmarks/identity.py). Only rows without autograd use them; training takes the torch path.
+
+Where the kernels cannot run (no C++ compiler, a failed build, `MTP_KERNELS=0`), the kernel choices
+fall back to `torch`, and the one-line description says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mtp.core import kernels
+from mtp.core.model import MLP, Attention, Linear, RMSNorm, pack_weights
+
+CHOICES = ("native", "native-int8", "float32", "torch")
+
+
+def check_weights(value: str) -> str:
+    if value not in CHOICES:
+        raise ValueError(f"--weights {value!r}: expected one of {', '.join(CHOICES)}")
+    return value
+
+
+def attach(model: torch.nn.Module, weights: str = "native", gguf: Path | None = None) -> str:
+    """Prepare `model` (weights final: adapter loaded, mask token added) for inference with `weights`;
+    `gguf`: the file the model was loaded from, if any (`native` reads its blocks). Returns one line
+    saying what runs, e.g. 'native (kernels, avx512): 210 q4_1, 1 q8_0, 1 f32 linears'."""
+    check_weights(weights)
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        return f"torch ({p.dtype} on {p.device}: the kernels serve float32 CPU models)"
+    if weights != "torch" and not kernels.load(quiet=True):
+        pack_weights(model)
+        return f"torch (oneDNN-packed; {weights} needs the kernels, which are unavailable: {kernels.why_unavailable()})"
+    if weights == "torch":
+        pack_weights(model)
+        return "torch (oneDNN-packed float32, not batch-invariant)"
+    from mtp.core.kernels.qlinear import KernelWeight, gguf_weights
+
+    native = weights.startswith("native")
+    blocks = gguf_weights(gguf) if native and gguf is not None else {}
+    counts: dict[str, int] = {}
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, Linear):
+                w = mod.weight.detach()
+                key = name.replace(".base", "") + ".weight"  # an adapter's LoRALinear wraps the Linear as .base
+                parts = _native_parts(blocks.get(key), w) or [KernelWeight.from_float(w.contiguous(), key)]
+                mod.kernel, mod.kernel_version = parts, mod.weight._version
+                mod.kernel_int8 = weights == "native-int8"
+                if mod.kernel_int8:
+                    for part in parts:
+                        if part.fmt != "f32":
+                            part.packed_int8()  # the int8 ops' packing, made now rather than in the first pass
+                mod.packed = mod.packed_bias = None
+                for part in parts:
+                    counts[part.fmt] = counts.get(part.fmt, 0) + 1
+            elif isinstance(mod, (RMSNorm, Attention, MLP)):
+                mod.fast = True
+            elif hasattr(mod, "unpack"):  # an adapter's fused oneDNN weights
+                mod.unpack()
+    what = ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    isa = kernels.ISA_NAMES[kernels.resolve_isa(int8=weights == "native-int8")]
+    if native and gguf is None:
+        return f"{weights} = float32 (kernels, {isa}; the model has no GGUF blocks): {what} linears"
+    return f"{weights} (kernels, {isa}): {what} linears"
+
+
+def _native_parts(kw, w: torch.Tensor) -> list | None:
+    """The kernel parts of weight w [N, K] from a GGUF's blocks `kw`, if they hold w exactly: the blocks
+    alone, or the blocks and float32 rows after them (a vocabulary grown by a mask token); else None."""
+    if kw is None or kw.shape[1] != w.shape[1] or kw.shape[0] > w.shape[0]:
+        return None
+    from mtp.core.kernels.qlinear import KernelWeight
+
+    n = kw.shape[0]
+    if not torch.equal(kw.dequantize(), w[:n]):
+        return None
+    if n == w.shape[0]:
+        return [kw]
+    return [kw, KernelWeight.from_float(w[n:].contiguous(), kw.name + "[extra rows]")]
+
+
+def disable(model: torch.nn.Module) -> None:
+    """Back to the plain torch path (e.g. before training the model in place)."""
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.kernel, mod.kernel_int8 = None, False
+        elif isinstance(mod, (RMSNorm, Attention, MLP)):
+            mod.fast = False

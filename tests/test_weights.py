@@ -1,0 +1,202 @@
+"""Inference on the batch-invariant kernels (`mtp.core.weights`, `mtp/core/kernels/layer_ops.cpp`): the layer
+ops give a row the same bits whatever shares its pass (other rows, padding behind the visible keys, the ISA
+path), and so does a whole model: logits of 1-row and k-row passes `torch.equal`, token trees and chains
+identical to `ntp`, on tiny models and on SmolLM2 in its own Q4_1/Q8_0 blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_model
+from mtp.core import kernels, weights
+from mtp.core.cache import KVCache
+from mtp.core.decode import generate
+from mtp.core.model import add_mask_token
+from mtp.core.proposers import MaskProposer, PromptLookupProposer
+from mtp.core.sampling import SamplingParams
+
+ISAS = ["scalar", "avx2", "avx512"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not kernels.load():
+        pytest.skip(f"the C++ kernels do not build here ({kernels.why_unavailable()})")
+
+
+def need(isa: str) -> int:
+    if isa not in kernels.supported_isas():
+        pytest.skip(f"this CPU does not run the {isa} path")
+    return kernels.ISAS[isa]
+
+
+def attention_inputs(B=2, H=4, Hkv=2, T=5, S=12, hd=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, hd, generator=g)
+    k = torch.randn(B, Hkv, S, hd, generator=g)
+    v = torch.randn(B, Hkv, S, hd, generator=g)
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.6
+    mask[..., 0] = True  # every row sees at least one key
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("hd", [64, 8, 20])
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_row_depends_on_its_visible_keys_only(isa, hd):
+    n = need(isa)
+    q, k, v, mask = attention_inputs(hd=hd, seed=hd)
+    scale = 1.0 / math.sqrt(hd)
+    full = torch.ops.mtp.attention(q, k, v, mask, scale, n)  # [B, T, H, hd]
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+    torch.testing.assert_close(full, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(99)
+    pad = 7  # keys behind the visible ones, hidden, with other values: exact zeros of the row's result
+    k2 = torch.cat([k, torch.randn(2, 2, pad, hd, generator=g)], 2)
+    v2 = torch.cat([v, torch.randn(2, 2, pad, hd, generator=g)], 2)
+    for b in range(2):
+        for t in range(5):
+            m1 = torch.cat([mask[b : b + 1, :, t : t + 1], torch.zeros(1, 1, 1, pad, dtype=torch.bool)], -1)
+            alone = torch.ops.mtp.attention(q[b : b + 1, :, t : t + 1], k2[b : b + 1], v2[b : b + 1], m1, scale, n)
+            assert torch.equal(alone[0, 0], full[b, t])
+    other = q.clone()
+    other[:, :, 1:] = torch.randn(2, 4, 4, hd, generator=g)  # the neighbours' queries change
+    assert torch.equal(torch.ops.mtp.attention(other, k, v, mask, scale, n)[:, 0], full[:, 0])
+
+
+def test_layer_ops_same_bits_on_every_isa_and_thread_count():
+    q, k, v, mask = attention_inputs(T=9, S=40, seed=3)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(4))
+    w = torch.randn(96, generator=torch.Generator().manual_seed(5))
+    outs = []
+    for isa in kernels.supported_isas():
+        n = kernels.ISAS[isa]
+        outs.append(
+            (
+                torch.ops.mtp.attention(q, k, v, mask, 0.125, n),
+                torch.ops.mtp.rmsnorm(x, w, 1e-5, n),
+                torch.ops.mtp.silu_mul(x, x * 2, n),
+            )
+        )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        outs.append(
+            (
+                torch.ops.mtp.attention(q, k, v, mask, 0.125),
+                torch.ops.mtp.rmsnorm(x, w, 1e-5),
+                torch.ops.mtp.silu_mul(x, x * 2),
+            )
+        )
+    finally:
+        torch.set_num_threads(threads)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+
+
+@pytest.mark.parametrize("n", [96, 37])
+def test_rmsnorm_and_silu_mul_rows_are_invariant(n):
+    g = torch.Generator().manual_seed(n)
+    x, u, w = torch.randn(33, n, generator=g), torch.randn(33, n, generator=g), torch.randn(n, generator=g)
+    norm, prod = torch.ops.mtp.rmsnorm(x, w, 1e-6), torch.ops.mtp.silu_mul(x, u)
+    torch.testing.assert_close(norm, w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
+    torch.testing.assert_close(prod, F.silu(x) * u)
+    for i in (0, 5, 32):
+        assert torch.equal(torch.ops.mtp.rmsnorm(x[i : i + 1], w, 1e-6)[0], norm[i])
+        assert torch.equal(torch.ops.mtp.silu_mul(x[i : i + 1], u[i : i + 1])[0], prod[i])
+
+
+def test_layer_ops_bad_input_is_one_line():
+    q, k, v, mask = attention_inputs()
+    with pytest.raises(RuntimeError, match="mask must be"):
+        torch.ops.mtp.attention(q, k, v, mask[..., :3], 0.1)
+    with pytest.raises(RuntimeError, match="cannot share"):
+        torch.ops.mtp.attention(q, k.repeat(1, 2, 1, 1)[:, :3], v.repeat(1, 2, 1, 1)[:, :3], mask, 0.1)
+    with pytest.raises(RuntimeError, match="rmsnorm weight"):
+        torch.ops.mtp.rmsnorm(torch.randn(2, 8), torch.randn(7), 1e-5)
+    with pytest.raises(ValueError, match="--weights 'q4'"):
+        weights.check_weights("q4")
+
+
+def passes(model, tokens: list[int], split: list[int]) -> torch.Tensor:
+    """Logits of every position after the first, computed in passes of the sizes in `split`."""
+    cache = KVCache.for_model(model, 1, 128)
+    out, at = [], 1
+    with torch.inference_mode():
+        model(torch.tensor([tokens[:1]]), torch.zeros(1, 1, dtype=torch.long), cache)
+        cache.commit(0, 1)
+        for n in split:
+            out.append(model(torch.tensor([tokens[at : at + n]]), torch.arange(at, at + n).view(1, -1), cache)[0])
+            cache.commit(0, n)
+            at += n
+    return torch.cat(out)
+
+
+def test_tiny_model_rows_are_bit_identical_in_any_pass():
+    model = tiny_model(5)
+    line = weights.attach(model, "float32")
+    assert "float32 (kernels" in line and "f32 linears" in line
+    tokens = torch.randint(0, 97, (33,), generator=torch.Generator().manual_seed(1)).tolist()
+    one = passes(model, tokens, [1] * 32)
+    for split in ([4] * 8, [16, 16], [32], [3, 1, 7, 2, 19]):
+        assert torch.equal(passes(model, tokens, split), one)
+    weights.disable(model)  # the torch path: other arithmetic, so other bits, within float tolerance
+    torch_path = passes(model, tokens, [32])
+    torch.testing.assert_close(torch_path, one, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(torch_path, one)
+
+
+@pytest.mark.parametrize("strategy", ["verify:4", "tree:8", "verify:3"])
+def test_tiny_model_chains_and_trees_equal_ntp(strategy):
+    model = tiny_model(2)
+    add_mask_token(model)
+    weights.attach(model, "float32")
+    prop = MaskProposer() if strategy == "verify:3" else PromptLookupProposer()
+    for seed in range(3):
+        prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = generate(model, prompt, "ntp", SamplingParams(max_new_tokens=40))
+        out = generate(model, prompt, strategy, SamplingParams(max_new_tokens=40), proposer=prop)
+        assert out.output == ref.output
+
+
+def test_attach_without_kernels_falls_back_to_torch(monkeypatch):
+    model = tiny_model(1)
+    monkeypatch.setattr(kernels, "load", lambda quiet=False: False)
+    line = weights.attach(model, "native")
+    assert line.startswith("torch (oneDNN-packed; native needs the kernels")
+    assert all(getattr(m, "kernel", None) is None for m in model.modules())
+
+
+@pytest.mark.slow
+def test_smollm2_runs_native_blocks_bit_identically(smollm2):
+    assert smollm2.weights_line.startswith("native (kernels") and "q4_1" in smollm2.weights_line
+    head = smollm2.model.lm_head.kernel
+    assert [p.fmt for p in head] == ["q8_0"]  # the tied embedding, as stored
+    tokens = smollm2.encode("Name three rivers in Europe and one fact about each.")[:40]
+    one = passes(smollm2.model, tokens, [1] * (len(tokens) - 1))
+    assert torch.equal(passes(smollm2.model, tokens, [len(tokens) - 1]), one)
+    assert torch.equal(passes(smollm2.model, tokens, [4] * ((len(tokens) - 1) // 4) + [(len(tokens) - 1) % 4]), one)
+
+
+@pytest.mark.slow
+def test_smollm2_native_is_float32_arithmetic_and_int8_is_invariant(smollm2):
+    """`native` reads the blocks, `float32` the loader's float32 weights: the same values in the same
+    order, so the same bits; `native-int8` rounds activations (other bits), batch-invariant all the same."""
+    model, gguf = smollm2.model, smollm2.loaded.gguf
+    tokens = smollm2.encode("Write a haiku about the sea.")[:24]
+    native = passes(model, tokens, [len(tokens) - 1])
+    try:
+        weights.attach(model, "float32", gguf)
+        assert torch.equal(passes(model, tokens, [1] * (len(tokens) - 1)), native)
+        assert "q4_1" in weights.attach(model, "native-int8", gguf)
+        int8 = passes(model, tokens, [len(tokens) - 1])
+        assert not torch.equal(int8, native)
+        torch.testing.assert_close(int8, native, rtol=0, atol=3.0)  # the activation rounding: up to ~1.7
+        assert torch.equal(
+            passes(model, tokens, [3, 1] * ((len(tokens) - 1) // 4) + [1] * ((len(tokens) - 1) % 4)), int8
+        )
+    finally:
+        weights.attach(model, "native", gguf)
