@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from mtp.core import kernels
+
 
 class KVCache:
     def __init__(
@@ -80,13 +82,17 @@ class KVCache:
         if S > self.capacity:
             raise ValueError(f"position {S - 1} is beyond the KV cache capacity {self.capacity}")
         kc, vc = self.k[layer], self.v[layer]
+        fast_writes = kernels.loaded()  # the kernel library's kv_write (same bytes, fewer calls)
 
         def write(k, v):
             B = k.shape[0]
             rows = slots if slots is not None else torch.arange(B, device=k.device)
-            # advanced indices [B,1] and [B,T] around a slice -> target view [B, T, heads, hd]
-            kc[rows.view(B, 1), :, positions] = k.transpose(1, 2)
-            vc[rows.view(B, 1), :, positions] = v.transpose(1, 2)
+            if fast_writes and k.dtype == kc.dtype == torch.float32 and k.is_cpu and not torch.is_grad_enabled():
+                torch.ops.mtp.kv_write(kc, vc, rows, positions, k, v)  # one call instead of two scatters
+            else:
+                # advanced indices [B,1] and [B,T] around a slice -> target view [B, T, heads, hd]
+                kc[rows.view(B, 1), :, positions] = k.transpose(1, 2)
+                vc[rows.view(B, 1), :, positions] = v.transpose(1, 2)
             if slots is None:
                 return kc[:B, :, :S], vc[:B, :, :S]
             return kc[slots, :, :S], vc[slots, :, :S]

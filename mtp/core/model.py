@@ -166,6 +166,11 @@ def kernel_rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and not torch.is_grad_enabled() and x.device.type == "cpu"
 
 
+def fused_current(*linears) -> bool:
+    """Whether a fused kernel copy of these Linears' weights is still theirs (no weight changed since)."""
+    return all(type(m) is Linear and m.kernel is not None and m.kernel_version == m.weight._version for m in linears)
+
+
 def kernel_linear(x: torch.Tensor, parts: list, bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
     """x [..., K] @ the weight held as kernel parts (mtp.core.kernels.qlinear.KernelWeight) -> [..., N];
     `int8`: quantised parts with int8 activations (`qlinear.linear_int8`), float32 parts as ever."""
@@ -270,26 +275,43 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.norm_eps)
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
+    fused: tuple | None = None  # (kernel part, bias, int8) of q, k, v stacked: one call (weights.attach)
+
     def forward(self, x, cos, sin, mask, kv, gate):
         # x: [B, T, dim]; cos/sin: [B, 1, T, hd]; mask: [B, 1, T, S] bool (True = attend)
         B, T, _ = x.shape
         hd = self.cfg.head_dim
-        q = self.q_proj(x, gate).view(B, T, -1, hd)
-        k = self.k_proj(x, gate).view(B, T, -1, hd)
-        v = self.v_proj(x, gate).view(B, T, -1, hd)
+        if (
+            self.fused is not None
+            and gate is None
+            and kernel_rows(x)
+            and fused_current(self.q_proj, self.k_proj, self.v_proj)
+        ):
+            part, bias, int8 = self.fused
+            qkv = kernel_linear(x, [part], bias, int8)  # [B, T, (H + 2 Hkv) hd]: the three outputs side by side
+            q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+            q, k, v = q.view(B, T, -1, hd), k.view(B, T, -1, hd), v.view(B, T, -1, hd)
+        else:
+            q = self.q_proj(x, gate).view(B, T, -1, hd)
+            k = self.k_proj(x, gate).view(B, T, -1, hd)
+            v = self.v_proj(x, gate).view(B, T, -1, hd)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        fast = self.fast and kernel_rows(q) and mask.dtype == torch.bool and cos.dtype == torch.float32
+        if fast:  # the same arithmetic in one call each (mtp/core/kernels/layer_ops.cpp)
+            q, k = torch.ops.mtp.rope(q, cos, sin), torch.ops.mtp.rope(k, cos, sin)  # [B, H, T, hd]
+            v = v.transpose(1, 2)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         if gate is not None:  # a pass with mask rows: a non-finite mask row must not reach other rows
             # (a masked-out NaN key still poisons the softmax: NaN + -inf = NaN), so its keys and values
             # are zeroed; ordinary rows are then computed exactly as without it
             k, v = torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0)
         if kv is not None:  # write this block into the cache, then attend over the cache prefix
             k, v = kv(k, v)
-        if self.fast and kernel_rows(q) and mask.dtype == torch.bool:
-            # one query row at a time over exactly the keys it sees: [B, T, H, hd] (mtp/core/kernels/layer_ops.h)
+        if fast:  # one query row at a time over exactly the keys it sees: [B, T, H, hd] (mtp/core/kernels/layer_ops.h)
             y = torch.ops.mtp.attention(q, k, v, mask.expand(B, -1, T, k.shape[2]), 1.0 / math.sqrt(hd))
             return self.o_proj(y.view(B, T, -1), gate)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads)
@@ -304,8 +326,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
     fast = False  # the batch-invariant SiLU product (mtp.core.weights.attach)
+    fused: tuple | None = None  # (kernel part, None, int8) of gate and up stacked: one call (weights.attach)
 
     def forward(self, x, gate):
+        if self.fused is not None and gate is None and kernel_rows(x) and fused_current(self.gate_proj, self.up_proj):
+            part, _, int8 = self.fused
+            gu = kernel_linear(x, [part], None, int8)  # [B, T, 2 I]: gate's outputs, then up's
+            n = self.gate_proj.out_features
+            g, u = gu.reshape(-1, 2 * n).split([n, n], -1)
+            return self.down_proj(torch.ops.mtp.silu_mul(g, u).view(*x.shape[:-1], n), gate)
         g, u = self.gate_proj(x, gate), self.up_proj(x, gate)
         if self.fast and kernel_rows(g):
             n = g.shape[-1]

@@ -80,11 +80,37 @@ def attach(model: torch.nn.Module, weights: str = "native", gguf: Path | None = 
                 mod.fast = True
             elif hasattr(mod, "unpack"):  # an adapter's fused oneDNN weights
                 mod.unpack()
+        for mod in model.modules():  # projections read from one input: one call (output columns independent)
+            if isinstance(mod, Attention):
+                mod.fused = _stack([mod.q_proj, mod.k_proj, mod.v_proj])
+            elif isinstance(mod, MLP):
+                mod.fused = _stack([mod.gate_proj, mod.up_proj])
     what = ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     isa = kernels.ISA_NAMES[kernels.resolve_isa(int8=weights == "native-int8")]
     if native and gguf is None:
         return f"{weights} = float32 (kernels, {isa}; the model has no GGUF blocks): {what} linears"
     return f"{weights} (kernels, {isa}): {what} linears"
+
+
+def _stack(linears: list) -> tuple | None:
+    """(one kernel weight of the Linears' weights stacked along the output dimension, their biases
+    stacked or None, int8) when they are plain Linears of one single-part format; else None (an
+    adapter wraps one, or a part was split). Each output column keeps its own bits: the kernels
+    compute columns independently, in one order."""
+    from mtp.core.kernels.qlinear import KernelWeight
+
+    if not all(type(m) is Linear and m.kernel is not None and len(m.kernel) == 1 for m in linears):
+        return None
+    parts = [m.kernel[0] for m in linears]
+    if len({p.fmt for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+        return None
+    if len({m.bias is None for m in linears}) != 1:
+        return None
+    part = KernelWeight(parts[0].fmt, torch.cat([p.data for p in parts]), "+".join(p.name for p in parts))
+    if linears[0].kernel_int8 and part.fmt != "f32":
+        part.packed_int8()
+    bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    return part, bias, linears[0].kernel_int8
 
 
 def _native_parts(kw, w: torch.Tensor) -> list | None:
@@ -109,3 +135,5 @@ def disable(model: torch.nn.Module) -> None:
             mod.kernel, mod.kernel_int8 = None, False
         elif isinstance(mod, (RMSNorm, Attention, MLP)):
             mod.fast = False
+            if not isinstance(mod, RMSNorm):
+                mod.fused = None

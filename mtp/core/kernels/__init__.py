@@ -179,6 +179,11 @@ def load(quiet: bool = False) -> bool:
         return ok
 
 
+def loaded() -> bool:
+    """Whether the ops are loaded in this process already (never builds or loads them)."""
+    return _state.get("ok", False)
+
+
 def available() -> bool:
     return load() if "ok" not in _state else _state["ok"]
 

@@ -4,8 +4,11 @@
 //       -> [B, T, H, hd]       softmax(q k^T * scale over the keys the mask shows) v, one query row at a time
 //   mtp::rmsnorm(x [M, n], w [n], eps) -> [M, n]
 //   mtp::silu_mul(g [M, n], u [M, n]) -> [M, n]       silu(g) * u (SwiGLU's product)
+//   mtp::rope(x [B, T, n, hd], cos, sin [B, 1, T, hd]) -> [B, n, T, hd]   rotary embedding, per head
+//   mtp::kv_write(kc, vc [rows, Hkv, capacity, hd], rows [B], positions [B, T], k, v [B, Hkv, T, hd])
+//       writes a block into the KV cache in place
 //
-// Each takes an `isa` argument like the matmul ops (-1 = the best this CPU runs). Their fixed arithmetic is
+// attention, rmsnorm and silu_mul take an `isa` argument like the matmul ops (-1 = the best this CPU runs). Their fixed arithmetic is
 // stated in layer_ops.h; a row's bits depend on that row's inputs alone, never on the other rows, the thread
 // split (threads take whole rows) or the ISA path. Inputs may be strided views (the innermost dimension
 // contiguous): q is a transposed projection, k and v are slices of the KV cache, the mask may be expanded.
@@ -17,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace mtp_layer_ops {
@@ -169,9 +173,82 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u, int64_t isa_arg) {
   return y;
 }
 
+// rotary embedding of x [B, T, n, hd] (a projection's output seen per head) into [B, n, T, hd]:
+// y[d] = x[d] * cos[d] + r[d] * sin[d], r = (-x[hd/2:], x[:hd/2]), each product and the sum rounded on its
+// own (no fused multiply-add), as torch's `x * cos + rotate_half(x) * sin`. cos, sin: [B, 1, T, hd].
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_float(x, "x", 4);
+  check_float(cos, "cos", 4);
+  check_float(sin, "sin", 4);
+  const int64_t B = x.size(0), T = x.size(1), n = x.size(2), hd = x.size(3), half = hd / 2;
+  TORCH_CHECK(hd % 2 == 0 && cos.size(0) == B && cos.size(2) == T && cos.size(3) == hd && sin.sizes() == cos.sizes(),
+              "mtp layer ops: rope needs cos and sin [B, 1, T, hd] for x [B, T, n, hd], hd even");
+  at::Tensor y = at::empty({B, n, T, hd}, x.options());
+  if (y.numel() == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < n; h++)
+      for (int64_t t = 0; t < T; t++) {
+        const float* xr = xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2);
+        const float* c = cp + b * cos.stride(0) + t * cos.stride(2);
+        const float* s = sp + b * sin.stride(0) + t * sin.stride(2);
+        float* yr = yp + ((b * n + h) * T + t) * hd;
+        for (int64_t d = 0; d < half; d++) {
+          const float a = xr[d] * c[d], r = -xr[d + half] * s[d];
+          yr[d] = a + r;
+        }
+        for (int64_t d = half; d < hd; d++) {
+          const float a = xr[d] * c[d], r = xr[d - half] * s[d];
+          yr[d] = a + r;
+        }
+      }
+  return y;
+}
+
+// write a block's keys and values [B, Hkv, T, hd] into cache buffers [rows, Hkv, capacity, hd] at cache row
+// rows[b] and slot positions[b, t] (what `cache[rows, :, positions] = k.transpose(1, 2)` does), in place.
+void kv_write(at::Tensor kc, at::Tensor vc, const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& k,
+              const at::Tensor& v) {
+  check_float(k, "k", 4);
+  check_float(v, "v", 4);
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat && kc.dim() == 4 &&
+                  vc.sizes() == kc.sizes() && vc.scalar_type() == at::kFloat,
+              "mtp layer ops: the cache buffers must be contiguous float32 [rows, Hkv, capacity, hd]");
+  const int64_t B = k.size(0), H = k.size(1), T = k.size(2), hd = k.size(3), cap = kc.size(2);
+  TORCH_CHECK(v.sizes() == k.sizes() && kc.size(1) == H && kc.size(3) == hd, "mtp layer ops: k, v and cache disagree");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.size(0) == B &&
+                  positions.scalar_type() == at::kLong && positions.dim() == 2 && positions.size(0) == B &&
+                  positions.size(1) == T,
+              "mtp layer ops: rows must be int64 [B] and positions int64 [B, T]");
+  const at::Tensor rc = rows.contiguous(), pc = positions.contiguous();
+  const int64_t* r = rc.data_ptr<int64_t>();
+  const int64_t* p = pc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++) {
+    TORCH_CHECK(r[b] >= 0 && r[b] < kc.size(0), "mtp layer ops: cache row ", r[b], " out of range");
+    for (int64_t t = 0; t < T; t++)
+      TORCH_CHECK(p[b * T + t] >= 0 && p[b * T + t] < cap, "mtp layer ops: slot ", p[b * T + t], " beyond capacity ", cap);
+  }
+  float* kd = kc.data_ptr<float>();
+  float* vd = vc.data_ptr<float>();
+  const float* ks = k.data_ptr<float>();
+  const float* vs = v.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t t = 0; t < T; t++) {
+        const int64_t dst = ((r[b] * H + h) * cap + p[b * T + t]) * hd;
+        std::memcpy(kd + dst, ks + b * k.stride(0) + h * k.stride(1) + t * k.stride(2), hd * sizeof(float));
+        std::memcpy(vd + dst, vs + b * v.stride(0) + h * v.stride(1) + t * v.stride(2), hd * sizeof(float));
+      }
+}
+
 }  // namespace mtp_layer_ops
 
 TORCH_LIBRARY_FRAGMENT(mtp, m) {
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("kv_write(Tensor(a!) kc, Tensor(b!) vc, Tensor rows, Tensor positions, Tensor k, Tensor v) -> ()");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, int isa=-1) -> Tensor");
   m.def("rmsnorm(Tensor x, Tensor w, float eps, int isa=-1) -> Tensor");
   m.def("silu_mul(Tensor g, Tensor u, int isa=-1) -> Tensor");
@@ -181,4 +258,6 @@ TORCH_LIBRARY_IMPL(mtp, CPU, m) {
   m.impl("attention", &mtp_layer_ops::attention);
   m.impl("rmsnorm", &mtp_layer_ops::rmsnorm);
   m.impl("silu_mul", &mtp_layer_ops::silu_mul);
+  m.impl("rope", &mtp_layer_ops::rope);
+  m.impl("kv_write", &mtp_layer_ops::kv_write);
 }
