@@ -162,11 +162,12 @@ def test_tiny_model_chains_and_trees_equal_ntp(strategy):
         assert out.output == ref.output
 
 
-def test_attach_without_kernels_falls_back_to_torch(monkeypatch):
+def test_attach_without_kernels_falls_back_to_torch(monkeypatch, capsys):
     model = tiny_model(1)
     monkeypatch.setattr(kernels, "load", lambda quiet=False: False)
     line = weights.attach(model, "native")
     assert line.startswith("torch (oneDNN-packed; native needs the kernels")
+    assert capsys.readouterr().err.strip() == f"mtp: weights: {line}"  # one line says which path runs
     assert all(getattr(m, "kernel", None) is None for m in model.modules())
 
 
