@@ -33,6 +33,12 @@ import safetensors.torch
 from safetensors import SafetensorError
 
 
+def cache_root() -> Path:
+    """Where mtp keeps what it derives once (converted models, built kernels): `$MTP_CACHE_DIR`, default
+    `~/.cache/mtp`."""
+    return Path(os.environ.get("MTP_CACHE_DIR") or Path.home() / ".cache" / "mtp")
+
+
 class ArtifactError(ValueError):
     """A file or directory that cannot be used as asked (one line, names the path)."""
 

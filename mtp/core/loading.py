@@ -19,7 +19,6 @@ import contextlib
 import fcntl
 import importlib.util
 import json
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from mtp.core.artifacts import ArtifactError, atomic_dir, file_digest, load_safetensors
+from mtp.core.artifacts import ArtifactError, atomic_dir, cache_root, file_digest, load_safetensors
 from mtp.core.gguf import GGUF_ARCHS, gguf_header, read_gguf
 from mtp.core.hf_config import ModelLoadError, check_sizes, first_line, read_hf_config
 from mtp.core.model import ModelConfig, Transformer, UnsupportedModelError
@@ -53,10 +52,6 @@ class Loaded:
         extra = self.model.config.extra.get("eos_token_ids") or []
         ids.update(extra)
         return tuple(sorted(i for i in ids if i is not None))
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MTP_CACHE_DIR") or Path.home() / ".cache" / "mtp")
 
 
 def resolve(name: str) -> Path:

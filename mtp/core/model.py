@@ -15,6 +15,7 @@ import contextlib
 import math
 import threading
 from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -149,11 +150,11 @@ class Linear(nn.Linear):
     # (e.g. the GGUF's blocks, then float32 rows the file lacks); used while the weight is unchanged
     kernel: list | None = None
     kernel_version: int = -1
-    kernel_int8: bool = False  # quantised weights take int8 activations (--weights native-int8)
+    kernel_call: Callable | None = None  # x [..., in] -> [..., out] on those parts, bias included
 
     def forward(self, x, gate=None):
-        if self.kernel is not None and self.kernel_version == self.weight._version and kernel_rows(x):
-            return kernel_linear(x, self.kernel, self.bias, self.kernel_int8)
+        if self.kernel_call is not None and self.kernel_version == self.weight._version and kernel_rows(x):
+            return self.kernel_call(x)
         if self.packed is not None and self.packed_version == self.weight._version and use_packed(x):
             y = packed_matmul(x, self.packed, self.packed_bias)
             return y.view(*x.shape[:-1], y.shape[-1])
@@ -168,18 +169,9 @@ def kernel_rows(x: torch.Tensor) -> bool:
 
 def fused_current(*linears) -> bool:
     """Whether a fused kernel copy of these Linears' weights is still theirs (no weight changed since)."""
-    return all(type(m) is Linear and m.kernel is not None and m.kernel_version == m.weight._version for m in linears)
-
-
-def kernel_linear(x: torch.Tensor, parts: list, bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
-    """x [..., K] @ the weight held as kernel parts (mtp.core.kernels.qlinear.KernelWeight) -> [..., N];
-    `int8`: quantised parts with int8 activations (`qlinear.linear_int8`), float32 parts as ever."""
-    from mtp.core.kernels.qlinear import linear, linear_int8
-
-    if len(parts) == 1:
-        return (linear_int8 if int8 and parts[0].fmt != "f32" else linear)(x, parts[0], bias)
-    y = torch.cat([(linear_int8 if int8 and p.fmt != "f32" else linear)(x, p) for p in parts], dim=-1)
-    return y if bias is None else y + bias
+    return all(
+        type(m) is Linear and m.kernel_call is not None and m.kernel_version == m.weight._version for m in linears
+    )
 
 
 def use_packed(x: torch.Tensor) -> bool:
@@ -275,7 +267,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.norm_eps)
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
-    fused: tuple | None = None  # (kernel part, bias, int8) of q, k, v stacked: one call (weights.attach)
+    fused: Callable | None = None  # x -> [..., (H + 2 Hkv) hd]: q, k, v's kernels stacked, one call (weights.attach)
 
     def forward(self, x, cos, sin, mask, kv, gate):
         # x: [B, T, dim]; cos/sin: [B, 1, T, hd]; mask: [B, 1, T, S] bool (True = attend)
@@ -287,8 +279,7 @@ class Attention(nn.Module):
             and kernel_rows(x)
             and fused_current(self.q_proj, self.k_proj, self.v_proj)
         ):
-            part, bias, int8 = self.fused
-            qkv = kernel_linear(x, [part], bias, int8)  # [B, T, (H + 2 Hkv) hd]: the three outputs side by side
+            qkv = self.fused(x)  # [B, T, (H + 2 Hkv) hd]: the three outputs side by side
             q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
             q, k, v = q.view(B, T, -1, hd), k.view(B, T, -1, hd), v.view(B, T, -1, hd)
         else:
@@ -326,12 +317,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
     fast = False  # the batch-invariant SiLU product (mtp.core.weights.attach)
-    fused: tuple | None = None  # (kernel part, None, int8) of gate and up stacked: one call (weights.attach)
+    fused: Callable | None = None  # x -> [..., 2 I]: gate's and up's kernels stacked, one call (weights.attach)
 
     def forward(self, x, gate):
         if self.fused is not None and gate is None and kernel_rows(x) and fused_current(self.gate_proj, self.up_proj):
-            part, _, int8 = self.fused
-            gu = kernel_linear(x, [part], None, int8)  # [B, T, 2 I]: gate's outputs, then up's
+            gu = self.fused(x)  # [B, T, 2 I]: gate's outputs, then up's
             n = self.gate_proj.out_features
             g, u = gu.reshape(-1, 2 * n).split([n, n], -1)
             return self.down_proj(torch.ops.mtp.silu_mul(g, u).view(*x.shape[:-1], n), gate)

@@ -73,12 +73,9 @@ def attach(model: torch.nn.Module, weights: str = "native", gguf: Path | None = 
                 w = mod.weight.detach()
                 key = name.replace(".base", "") + ".weight"  # an adapter's LoRALinear wraps the Linear as .base
                 parts = _native_parts(blocks.get(key), w) or [KernelWeight.from_float(w.contiguous(), key)]
+                int8 = weights == "native-int8"
                 mod.kernel, mod.kernel_version = parts, mod.weight._version
-                mod.kernel_int8 = weights == "native-int8"
-                if mod.kernel_int8:
-                    for part in parts:
-                        if part.fmt != "f32":
-                            part.packed_int8()  # the int8 ops' packing, made now rather than in the first pass
+                mod.kernel_call = kernel_call(parts, mod.bias, int8)
                 mod.packed = mod.packed_bias = None
                 for part in parts:
                     counts[part.fmt] = counts.get(part.fmt, 0) + 1
@@ -88,9 +85,9 @@ def attach(model: torch.nn.Module, weights: str = "native", gguf: Path | None = 
                 mod.unpack()
         for mod in model.modules():  # projections read from one input: one call (output columns independent)
             if isinstance(mod, Attention):
-                mod.fused = _stack([mod.q_proj, mod.k_proj, mod.v_proj])
+                mod.fused = _stack([mod.q_proj, mod.k_proj, mod.v_proj], weights == "native-int8")
             elif isinstance(mod, MLP):
-                mod.fused = _stack([mod.gate_proj, mod.up_proj])
+                mod.fused = _stack([mod.gate_proj, mod.up_proj], weights == "native-int8")
     what = ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     isa = kernels.ISA_NAMES[kernels.resolve_isa(int8=weights == "native-int8")]
     if native and gguf is None:
@@ -98,11 +95,35 @@ def attach(model: torch.nn.Module, weights: str = "native", gguf: Path | None = 
     return f"{weights} (kernels, {isa}): {what} linears"
 
 
-def _stack(linears: list) -> tuple | None:
-    """(one kernel weight of the Linears' weights stacked along the output dimension, their biases
-    stacked or None, int8) when they are plain Linears of one single-part format; else None (an
-    adapter wraps one, or a part was split). Each output column keeps its own bits: the kernels
-    compute columns independently, in one order."""
+def kernel_call(parts: list, bias: torch.Tensor | None, int8: bool):
+    """x [..., K] -> x @ the weight held as kernel parts (`KernelWeight`s along the output dimension)
+    (+ bias); `int8`: quantised parts take int8 activations (`qlinear.linear_int8`, packed here, not in
+    the first pass), float32 parts the float32 kernel."""
+    from mtp.core.kernels.qlinear import linear, linear_int8
+
+    ops = []
+    for p in parts:
+        if int8 and p.fmt != "f32":
+            p.packed_int8()
+            ops.append((linear_int8, p))
+        else:
+            ops.append((linear, p))
+    b = None if bias is None else bias.detach()
+    if len(ops) == 1:
+        op, p = ops[0]
+        return lambda x: op(x, p, b)
+
+    def call(x):
+        y = torch.cat([op(x, p) for op, p in ops], dim=-1)
+        return y if b is None else y + b
+
+    return call
+
+
+def _stack(linears: list, int8: bool):
+    """One kernel call for the Linears' weights stacked along the output dimension (and their biases),
+    when they are plain Linears of one single-part format; else None (an adapter wraps one, or a part
+    was split). Each output column keeps its own bits: the kernels compute columns independently."""
     from mtp.core.kernels.qlinear import KernelWeight
 
     if not all(type(m) is Linear and m.kernel is not None and len(m.kernel) == 1 for m in linears):
@@ -113,10 +134,8 @@ def _stack(linears: list) -> tuple | None:
     if len({m.bias is None for m in linears}) != 1:
         return None
     part = KernelWeight(parts[0].fmt, torch.cat([p.data for p in parts]), "+".join(p.name for p in parts))
-    if linears[0].kernel_int8 and part.fmt != "f32":
-        part.packed_int8()
     bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
-    return part, bias, linears[0].kernel_int8
+    return kernel_call([part], bias, int8)
 
 
 def _native_parts(kw, w: torch.Tensor) -> list | None:
@@ -138,7 +157,7 @@ def disable(model: torch.nn.Module) -> None:
     """Back to the plain torch path (e.g. before training the model in place)."""
     for mod in model.modules():
         if isinstance(mod, Linear):
-            mod.kernel, mod.kernel_int8 = None, False
+            mod.kernel = mod.kernel_call = None
         elif isinstance(mod, (RMSNorm, Attention, MLP)):
             mod.fast = False
             if not isinstance(mod, RMSNorm):

@@ -101,7 +101,7 @@ def _compiler_id(cxx: str) -> str:
 
 def build_dir(cxx: str) -> Path:
     """Where the build for this source, these flags, this compiler and this torch lives."""
-    from mtp.core.loading import cache_root
+    from mtp.core.artifacts import cache_root
 
     h = hashlib.sha256()
     for part in (
