@@ -17,6 +17,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -40,6 +42,7 @@ struct Attn {
 };
 
 namespace scalar {
+constexpr int kIsa = 0;
 #include "layer_ops.h"
 }  // namespace scalar
 
@@ -49,6 +52,7 @@ namespace scalar {
 #pragma GCC target("avx2,fma,f16c")
 namespace mtp_layer_ops {
 namespace avx2 {
+constexpr int kIsa = 1;
 #include "layer_ops.h"
 }  // namespace avx2
 }  // namespace mtp_layer_ops
@@ -58,6 +62,7 @@ namespace avx2 {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace mtp_layer_ops {
 namespace avx512 {
+constexpr int kIsa = 2;
 #include "layer_ops.h"
 }  // namespace avx512
 }  // namespace mtp_layer_ops
