@@ -167,11 +167,12 @@ def kernel_rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and not torch.is_grad_enabled() and x.device.type == "cpu"
 
 
-def fused_current(*linears) -> bool:
+def fused_current(linears: tuple) -> bool:
     """Whether a fused kernel copy of these Linears' weights is still theirs (no weight changed since)."""
-    return all(
-        type(m) is Linear and m.kernel_call is not None and m.kernel_version == m.weight._version for m in linears
-    )
+    for m in linears:
+        if m.kernel_call is None or m.kernel_version != m.weight._version:
+            return False
+    return True
 
 
 def use_packed(x: torch.Tensor) -> bool:
@@ -268,17 +269,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
     fused: Callable | None = None  # x -> [..., (H + 2 Hkv) hd]: q, k, v's kernels stacked, one call (weights.attach)
+    fused_from: tuple = ()  # the Linears stacked into `fused` (their weights' versions say whether it is current)
 
     def forward(self, x, cos, sin, mask, kv, gate):
         # x: [B, T, dim]; cos/sin: [B, 1, T, hd]; mask: [B, 1, T, S] bool (True = attend)
         B, T, _ = x.shape
         hd = self.cfg.head_dim
-        if (
-            self.fused is not None
-            and gate is None
-            and kernel_rows(x)
-            and fused_current(self.q_proj, self.k_proj, self.v_proj)
-        ):
+        if self.fused is not None and gate is None and kernel_rows(x) and fused_current(self.fused_from):
             qkv = self.fused(x)  # [B, T, (H + 2 Hkv) hd]: the three outputs side by side
             q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
             q, k, v = q.view(B, T, -1, hd), k.view(B, T, -1, hd), v.view(B, T, -1, hd)
@@ -318,9 +315,10 @@ class MLP(nn.Module):
 
     fast = False  # the batch-invariant SiLU product (mtp.core.weights.attach)
     fused: Callable | None = None  # x -> [..., 2 I]: gate's and up's kernels stacked, one call (weights.attach)
+    fused_from: tuple = ()  # the Linears stacked into `fused`
 
     def forward(self, x, gate):
-        if self.fused is not None and gate is None and kernel_rows(x) and fused_current(self.gate_proj, self.up_proj):
+        if self.fused is not None and gate is None and kernel_rows(x) and fused_current(self.fused_from):
             gu = self.fused(x)  # [B, T, 2 I]: gate's outputs, then up's
             n = self.gate_proj.out_features
             g, u = gu.reshape(-1, 2 * n).split([n, n], -1)

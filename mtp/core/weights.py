@@ -85,9 +85,11 @@ def attach(model: torch.nn.Module, weights: str = "native", gguf: Path | None = 
                 mod.unpack()
         for mod in model.modules():  # projections read from one input: one call (output columns independent)
             if isinstance(mod, Attention):
-                mod.fused = _stack([mod.q_proj, mod.k_proj, mod.v_proj], weights == "native-int8")
+                mod.fused_from = (mod.q_proj, mod.k_proj, mod.v_proj)
             elif isinstance(mod, MLP):
-                mod.fused = _stack([mod.gate_proj, mod.up_proj], weights == "native-int8")
+                mod.fused_from = (mod.gate_proj, mod.up_proj)
+            if isinstance(mod, (Attention, MLP)):
+                mod.fused = _stack(list(mod.fused_from), weights == "native-int8")
     what = ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     isa = kernels.ISA_NAMES[kernels.resolve_isa(int8=weights == "native-int8")]
     if native and gguf is None:
@@ -98,23 +100,17 @@ def attach(model: torch.nn.Module, weights: str = "native", gguf: Path | None = 
 def kernel_call(parts: list, bias: torch.Tensor | None, int8: bool):
     """x [..., K] -> x @ the weight held as kernel parts (`KernelWeight`s along the output dimension)
     (+ bias); `int8`: quantised parts take int8 activations (`qlinear.linear_int8`, packed here, not in
-    the first pass), float32 parts the float32 kernel."""
-    from mtp.core.kernels.qlinear import linear, linear_int8
+    the first pass), float32 parts the float32 kernel. Ops and ISA bound once (`qlinear.bind`)."""
+    from mtp.core.kernels.qlinear import bind
 
-    ops = []
-    for p in parts:
-        if int8 and p.fmt != "f32":
-            p.packed_int8()
-            ops.append((linear_int8, p))
-        else:
-            ops.append((linear, p))
+    calls = [bind(p, int8) for p in parts]
     b = None if bias is None else bias.detach()
-    if len(ops) == 1:
-        op, p = ops[0]
-        return lambda x: op(x, p, b)
+    if len(calls) == 1:
+        one = calls[0]
+        return one if b is None else (lambda x: one(x) + b)
 
     def call(x):
-        y = torch.cat([op(x, p) for op, p in ops], dim=-1)
+        y = torch.cat([c(x) for c in calls], dim=-1)
         return y if b is None else y + b
 
     return call

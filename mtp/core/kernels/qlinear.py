@@ -261,6 +261,35 @@ def linear_int8(
     return y.view(*x.shape[:-1], n)
 
 
+def bind(weight: KernelWeight, int8: bool = False, isa: str | int | None = None):
+    """x [..., K] -> `linear(x, weight)` (or `linear_int8` with `int8` on a quantised weight) with the op,
+    its weight data and the ISA path resolved once, here (`MTP_KERNEL_ISA` is read now): what a model
+    calls every pass. x must be float32 CPU rows without autograd (the caller checks:
+    `mtp.core.model.kernel_rows`); a wrong last dimension is a ValueError."""
+    if not kernels.available():
+        return lambda x: linear(x, weight)
+    n, k = weight.shape
+    if int8 and weight.fmt != "f32":
+        op, data, i = _op(_OPS[weight.fmt] + "_i8"), weight.packed_int8(), kernels.resolve_isa(isa, int8=True)
+
+        def call(x):
+            if x.shape[-1] != k:
+                raise ValueError(
+                    f"linear_int8({weight.name}): x has shape {list(x.shape)}, its last dimension must be {k}"
+                )
+            return op(x.reshape(-1, k), data, n, i).view(*x.shape[:-1], n)
+
+        return call
+    op, data, i = _op(_OPS[weight.fmt]), weight.data, kernels.resolve_isa(isa)
+
+    def call(x):
+        if x.shape[-1] != k:
+            raise ValueError(f"linear({weight.name}): x has shape {list(x.shape)}, its last dimension must be {k}")
+        return op(x.reshape(-1, k), data, i).view(*x.shape[:-1], n)
+
+    return call
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """float32 [..., K] -> the float32 values the int8-activation ops multiply (q * d per 32-block,
     d = amax / 127, round half to even): a reference for tests and for measuring the rounding."""
