@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_model
 from mtp.eval import bench
-from mtp.eval import gsm8k
+from mtp.eval import gsm8k, report
 from mtp.core import metrics, quality
 from mtp.eval.bench import BenchConfig, Row, Run
 from mtp.core.decode import generate
@@ -153,9 +153,54 @@ def test_aggregate_by_category():
     assert rec["tokens_per_forward"] == pytest.approx(7 / 4)
     # code: chunks [2] + [3] -> 5 tokens / 2 passes, both identical; chat: [1, 1], differs from ntp
     assert rec["by_category"] == {
-        "chat": {"n": 1, "tokens_per_forward": 1.0, "exact_match": 0.0},
-        "code": {"n": 2, "tokens_per_forward": 2.5, "exact_match": 1.0},
+        "chat": {
+            "n": 1,
+            "tokens_per_forward": 1.0,
+            "exact_match": 0.0,
+            "accepted_by_proposer": {},
+            "accepted_share": {},
+        },
+        "code": {
+            "n": 2,
+            "tokens_per_forward": 2.5,
+            "exact_match": 1.0,
+            "accepted_by_proposer": {},
+            "accepted_share": {},
+        },
     }
+    assert "accepted_share" not in bench.aggregate([ntp, v], "prompts", items, repeats=1)[0]["by_category"]["code"]
+
+
+def test_by_category_credits_accepted_drafts_to_merge_parts_and_prints_them(tmp_path):
+    """Per category: which part of a merge drafted the accepted tokens (a token two parts drafted counts
+    for both), in results, in the printed table and in report.html's per-category table."""
+    import io
+    from rich.console import Console
+
+    items = [{"prompt": "a", "category": "maths"}, {"prompt": "b", "category": "copy"}]
+    ntp = _row("ntp", [Run("x", [1, 2, 3], [1, 1, 1], walls=[1.0]), Run("y", [4, 5, 6], [1, 1, 1], walls=[1.0])])
+    merged = _row(
+        "tree:8@eagle3+lookup",
+        [
+            Run("x", [1, 2, 3], [3], walls=[0.5], accepted_from=[[("eagle3",), ("eagle3",)]]),
+            Run("y", [4, 5, 6], [2, 1], walls=[0.5], accepted_from=[[("eagle3", "lookup")], []]),
+        ],
+        "tree:8",
+    )
+    rec = bench.aggregate([ntp, merged], "prompts", items, repeats=1)[1]
+    assert rec["by_category"]["maths"]["accepted_share"] == {"eagle3": 1.0}
+    assert rec["by_category"]["copy"]["accepted_share"] == {"eagle3": 1.0, "lookup": 1.0}
+    assert rec["by_category"]["copy"]["tokens_per_forward"] == 1.5
+    head, lines = report.category_table([{"strategy": "ntp"}, rec])
+    assert head == ["strategy", "copy (n=1)", "maths (n=1)"]
+    assert lines == [["tree:8@eagle3+lookup", "1.50 (eagle3 100% lookup 100%)", "3.00 (eagle3 100%)"]]
+    res = bench.BenchResult("prompts", items, [ntp, merged], bench.aggregate([ntp, merged], "prompts", items, 1), {})
+    text = io.StringIO()
+    bench.print_summary(res, Console(file=text, width=250))
+    assert "tokens/pass per category" in text.getvalue() and "3.00 (eagle3 100%)" in text.getvalue()
+    bench.write_outputs(res, tmp_path / "out")
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert 'id="by-category"' in page and "3.00 (eagle3 100%)" in page
 
 
 def test_metric_helpers():

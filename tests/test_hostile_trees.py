@@ -182,7 +182,8 @@ def test_tree_n_out_of_range_in_bench_is_refused_before_the_model_loads(tiny_dir
         ("heads+suffix+", "malformed"),
         ("lookup+lookup", "each part once"),
         ("lookup+mask", "cannot be merged"),
-        ("suffix+eagle3", "cannot be merged"),
+        ("suffix+eagle3+mask-single", "cannot be merged"),
+        ("eagle3+eagle3", "each part once"),
     ],
 )
 def test_a_bad_name_inside_a_plus_list_is_refused_before_the_model_loads(

@@ -29,7 +29,7 @@ def add_model_args(p: argparse.ArgumentParser, proposer_default: str = "mask") -
         default=proposer_default,
         help="where proposals come from: mask, mask-single (verify: masks only after the "
         "last draft), heads, eagle3, lookup, suffix, a merge such as eagle3+suffix+lookup, or auto "
-        f"(the shipped model's best measured merge ({auto}), else mask); default {proposer_default}",
+        f"(the shipped model's fastest measured merge ({auto}), else mask); default {proposer_default}",
     )
     p.add_argument("--heads", default="auto", help="MTP heads checkpoint directory (for --proposer heads)")
     p.add_argument("--eagle3", default="auto", help="EAGLE-3 drafter directory (for --proposer eagle3)")

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from mtp.core.checks import MAX_BATCH
+from mtp.core.proposers import AUTO
 from mtp.cli.options import add_model_args, add_sampling_args, check_decoding_args, engine_config
 from mtp.core import deploy as deploy_file
 from mtp.core.costmodel import CostModel, measured_cost
@@ -26,7 +27,7 @@ API_KEY_ENV = "MTP_API_KEY"
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and shadow mode")
-    add_model_args(p)
+    add_model_args(p, AUTO)  # the shipped model: its best measured merge (mtp.core.proposers)
     add_sampling_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)

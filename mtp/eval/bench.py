@@ -208,6 +208,7 @@ def environment(engine=None) -> dict:
             adapter=_asset_name(engine.adapter_dir),
             heads=_asset_name(engine.asset_dirs.get("heads")),
             proposer=engine.config.proposer,
+            weights=getattr(engine, "weights_line", ""),  # what ran the model (mtp.core.weights.attach)
             device=str(engine.model.device),
             packed=_packed(engine.model),
         )
@@ -397,20 +398,8 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 rec["tokens_per_forward"] = metrics.tokens_per_forward(chunks)
                 rec["acceptance_by_position"] = metrics.acceptance_by_position(chunks, row.strategy.k)
                 cats = sorted({items[j]["category"] for j in idx if "category" in items[j]})
-                if cats:  # prompts files with a 'category' field: tokens per pass and exactness per category
-                    rec["by_category"] = {
-                        c: {
-                            "n": sum(items[j].get("category") == c for j in idx),
-                            "tokens_per_forward": metrics.tokens_per_forward(
-                                [x for j in idx if items[j].get("category") == c for x in row.runs[j].chunks]
-                            ),
-                            "exact_match": metrics.match_rate(
-                                [row.runs[j].text.strip() for j in common if items[j].get("category") == c],
-                                [ref.runs[j].text.strip() for j in common if items[j].get("category") == c],
-                            ),
-                        }
-                        for c in cats
-                    }
+                if cats:  # prompts files with a 'category' field: the row's numbers per category
+                    rec["by_category"] = {c: _category(row, ref, items, idx, common, c) for c in cats}
                 rec["proposing_ms_per_guess"] = guess_seconds(row) * 1e3
                 steady_blocks = [b for r in runs for b in r.blocks[1:]]  # prompt passes excluded
                 steady_chunks = [c for r in runs for c in r.chunks[1:]]
@@ -436,6 +425,26 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                             cost, rec["predicted_tokens_per_forward"], steady_blocks
                         )
         out.append(rec)
+    return out
+
+
+def _category(row: Row, ref: Row, items: list[dict], idx: list[int], common: list[int], c: str) -> dict:
+    """Row `row` on the prompts of category c: their count, tokens per pass, exactness against `ntp`
+    and, for a row that verifies drafts, which proposer (a merge's part) drafted the accepted tokens
+    (`metrics.accepted_by_proposer` / `accepted_share` over the category's passes)."""
+    mine = [j for j in idx if items[j].get("category") == c]
+    out = {
+        "n": len(mine),
+        "tokens_per_forward": metrics.tokens_per_forward([x for j in mine for x in row.runs[j].chunks]),
+        "exact_match": metrics.match_rate(
+            [row.runs[j].text.strip() for j in common if items[j].get("category") == c],
+            [ref.runs[j].text.strip() for j in common if items[j].get("category") == c],
+        ),
+    }
+    if row.strategy.verifies:
+        accepted_from = [p for j in mine for p in row.runs[j].accepted_from]
+        out["accepted_by_proposer"] = metrics.accepted_by_proposer(accepted_from)
+        out["accepted_share"] = metrics.accepted_share(accepted_from)
     return out
 
 
@@ -620,6 +629,14 @@ def print_summary(res: BenchResult, console=None) -> None:
         }
         t.add_row(*[cells[c] for c in cols])
     console.print(t)
+    head, lines = report.category_table(res.records)
+    if lines:  # tokens per pass per prompt category, and which part drafted the accepted tokens there
+        ct = Table(title="tokens/pass per category (accepted drafts by proposer)")
+        for c in head:
+            ct.add_column(c, overflow="fold")
+        for cells in lines:
+            ct.add_row(*cells)
+        console.print(ct)
     for rec in res.records:
         if rec["error"] and len(rec["error"]) > 28:
             console.print(f"{rec['strategy']}: {rec['error']}")

@@ -4,7 +4,8 @@
   right: tokens per forward pass. Quality = final-answer agreement with `ntp` (gsm8k) or ROUGE-L
   against `ntp` (prompts), the loss a user pays for the speed.
 - acceptance.png: per-position acceptance (fraction of passes emitting more than i tokens).
-- report.html: the table, both plots, the t(q) profile when measured, and the chunk view (each
+- report.html: the table, tokens/pass per prompt category (with the accepted drafts' proposers) when
+  the prompts carry one, both plots, the t(q) profile when measured, and the chunk view (each
   forward pass's tokens on one background colour; a pass that accepted drafts underlined in the
   colour of the proposer that drafted its accepted branch) for the first prompts.
 """
@@ -55,6 +56,33 @@ def shares_text(share: dict | None) -> str:
     """`heads 62% lookup 41%`: accepted_share, largest first (a token several parts drafted counts for
     each, so a merge's shares may sum to more than 100%)."""
     return " ".join(f"{name} {100 * v:.0f}%" for name, v in sorted((share or {}).items(), key=lambda kv: -kv[1]))
+
+
+def category_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Per prompt category (prompts files with a 'category' field): a header and one line per row
+    that has categories, each cell `tokens/pass (drafted by ...)`; ([], []) when none has."""
+    cats = sorted({c for rec in records for c in rec.get("by_category") or {}})
+    if not cats:
+        return [], []
+    lines = []
+    for rec in records:
+        per = rec.get("by_category") or {}
+        if not per:
+            continue
+        cells = [rec["strategy"]]
+        for c in cats:
+            v = per.get(c)
+            if v is None:
+                cells.append("—")
+                continue
+            share = shares_text(v.get("accepted_share"))
+            cells.append(f"{v['tokens_per_forward']:.2f}" + (f" ({share})" if share else ""))
+        lines.append(cells)
+    return ["strategy"] + [f"{c} (n={_cat_n(records, c)})" for c in cats], lines
+
+
+def _cat_n(records: list[dict], c: str) -> int:
+    return max((rec.get("by_category") or {}).get(c, {}).get("n", 0) for rec in records)
 
 
 def _quality(rec: dict, kind: str) -> tuple[float | None, str]:
@@ -207,6 +235,19 @@ def write_html(res, path: Path, engine=None, command: str = "", chunk_examples: 
         "<p>speedup = tokens/s over ntp's in the same run (rows interleaved prompt by prompt), median of "
         "repeats; quality against the ntp output; oracle = tokens/pass an ideal ConfAdapt would reach "
         "from ntp's own confidences.</p>",
+    ]
+    head, lines = category_table(res.records)
+    if lines:
+        pieces += [
+            "<h2 id=categories>Per prompt category</h2><p>tokens/pass (accepted drafts by proposer) per "
+            "category of the prompts file</p>",
+            '<table id="by-category"><tr>'
+            + "".join(f"<th>{html.escape(h)}</th>" for h in head)
+            + "</tr>"
+            + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>" for cells in lines)
+            + "</table>",
+        ]
+    pieces += [
         "<h2 id=pareto>Speed vs quality</h2>",
         img_tag(out / "pareto.png"),
         "<h2 id=acceptance>Per-position acceptance</h2>",

@@ -5,6 +5,9 @@ line here. A `ProposerSpec` says how to make the proposer for an engine and what
 `asset` names the directory kind it loads (shipped per model under `mtp/assets/<model>/<asset>`,
 or given by the user, e.g. `--heads DIR`), `needs_mask_token` that it proposes through the
 `<mtp_mask>` token of an MTP adapter.
+
+The default `--proposer` of `mtp generate` / `mtp serve` is `auto` (`resolve_default`): for a model that
+ships its drafters (`SHIPPED_DEFAULT`) the merge that measured fastest on its diverse prompts, else `mask`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ __all__ = [
     "REGISTRY",
     "check_proposer",
     "make_proposer",
+    "AUTO",
+    "SHIPPED_DEFAULT",
+    "resolve_default",
 ]
 
 
@@ -55,6 +61,28 @@ REGISTRY: dict[str, ProposerSpec] = {
 }
 
 
+AUTO = "auto"  # `--proposer auto`: SHIPPED_DEFAULT's merge for a model that ships its drafters, else FALLBACK
+FALLBACK = "mask"
+# per shipped model, the merge that measured fastest on the diverse held-out prompts (issue 50, greedy, 256
+# tokens, identical to ntp; benchmarks/results/trees/eagle3-merge.md): tree:8@heads+suffix+lookup 2.89
+# tokens/pass at 2.5 ms of drafting per node, tree:8@eagle3+suffix+lookup 3.04 at 9.5 ms per node: EAGLE-3's
+# 5 % more tokens per pass do not pay for its drafting on this CPU
+SHIPPED_DEFAULT = {"smollm2-135m": "heads+suffix+lookup"}
+
+
+def resolve_default(name: str, model: str, off: tuple[str, ...] = ()) -> str:
+    """`name` itself, or for `auto` the model's shipped default merge (SHIPPED_DEFAULT; FALLBACK for any
+    other model) less the parts whose asset kind the user turned off (`off`, e.g. ("eagle3",) for
+    `--eagle3 none`)."""
+    if name != AUTO:
+        return name
+    merge = SHIPPED_DEFAULT.get(model)
+    if merge is None:
+        return FALLBACK
+    parts = [p for p in merge.split("+") if REGISTRY[p].asset not in off]
+    return "+".join(parts) if parts else FALLBACK
+
+
 def check_proposer(name: str) -> ProposerSpec:
     """The spec of proposer `name` (or of a merge `a+b`), else a ValueError listing the names."""
     if "+" in name:
@@ -62,9 +90,9 @@ def check_proposer(name: str) -> ProposerSpec:
         if any(not p for p in parts) or len(set(parts)) != len(parts):
             raise ValueError(f"malformed proposer merge {name!r}; e.g. heads+suffix+lookup (each part once)")
         specs = [check_proposer(p) for p in parts]
-        bad = [p for p, s in zip(parts, specs) if s.needs_mask_token or p == "eagle3"]
-        if bad:
-            raise ValueError(f"proposer {bad[0]!r} cannot be merged; merge heads, suffix and lookup")
+        bad = [p for p, s in zip(parts, specs) if s.needs_mask_token]
+        if bad:  # mask groups follow one proposer's drafts (mtp.core.proposers.merged)
+            raise ValueError(f"proposer {bad[0]!r} cannot be merged; merge heads, eagle3, suffix and lookup")
         return ProposerSpec(None, parts=parts)
     if name not in REGISTRY:
         raise ValueError(f"unknown proposer {name!r}; choose from {', '.join(sorted(REGISTRY))}")
