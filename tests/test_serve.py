@@ -428,7 +428,7 @@ BAD = [
     ),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 3.0}, "invalid_request_error", "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": "yes"}, "invalid_request_error", "stream"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, "invalid_request_error", "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 9}, "invalid_request_error", "n"),  # over max_n 8
     (
         "/v1/completions",
         {"model": "tiny", "prompt": "hi", "mtp": {"strategy": "fast"}},

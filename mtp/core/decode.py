@@ -23,6 +23,14 @@ One step, for a batch of sequences (ragged rows, right-padded):
      confident prefix of [it, guesses...]; verify -> accepted drafts + it, guesses become next drafts
   6. commit pending + accepted drafts to the cache (rejected drafts and masks are simply not
      committed: rollback is not advancing the length), stop on EOS / stop string / length.
+
+Log-probabilities, opt-in per sequence (`Sequence.logprobs`: None records nothing and changes nothing):
+every emitted token's log-probability and its top N under the model's raw logits (log-softmax at
+temperature 1, before top-k/top-p: vLLM's "raw logprobs"), read from the pass that verified it (an
+accepted draft: the row that predicted it; the model's own token: the row after the accepted ones),
+kept in step with the output in `Sequence.token_logprobs`. Lossless strategies only: a lossy one emits
+guesses no pass verified. `Sequence.prompt_logprobs` also reads every prompt position of the prefill
+pass (`Sequence.prompt_token_logprobs`: the prompt's tokens from the second on).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -40,6 +48,26 @@ from mtp.core.metrics import DecodeStats, tree_expected_tokens
 from mtp.core.proposers import DraftRequest, Guesses, MaskProposer, PassView, Proposer, max_appended
 from mtp.core.sampling import SamplingParams, verify_drafts
 from mtp.core.strategy import Strategy
+
+
+class TokenLogprob(NamedTuple):
+    """One token's log-probability under the model, with the top N of the same distribution."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, log-probability), likeliest first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """[R, V] logits and the R tokens read at them -> each token's log-softmax value and the top `top`."""
+    lp = torch.log_softmax(logits.float(), -1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long).view(-1, 1)).squeeze(1).tolist()
+    if top > 0:
+        values, ids = lp.topk(min(top, lp.shape[-1]), -1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(t, c, k) for t, c, k in zip(tokens, chosen, tops)]
 
 
 @dataclass
@@ -64,10 +92,20 @@ class Sequence:
     proposer_state: dict = field(default_factory=dict)  # the proposer's own per-sequence state (EAGLE-3: its KV)
     pass_time: Callable[[float], float] | None = None  # `tree:auto`: seconds per pass of q tokens (mtp.core.costmodel)
     missed_groups: int = 0  # passes whose acceptance stopped where no mask group followed (no guesses next pass)
+    tree_trust: list = field(default_factory=list)  # a tree row's [promised, accepted] per depth (tree.trusted)
+    logprobs: int | None = None  # record each output token's log-probability and top N (None: nothing recorded)
+    prompt_logprobs: bool = False  # with `logprobs`: the prompt tokens' too, from the prefill pass
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, in step with it
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 2.. (set by prefill)
 
     def __post_init__(self):
         if not self.prompt_ids:
             raise ValueError("empty prompt")
+        if self.logprobs is not None and (self.logprobs < 0 or not self.strategy.lossless):
+            raise ValueError(
+                f"log-probabilities need a lossless strategy (ntp, verify, tree) and N >= 0, not {self.strategy} "
+                f"with N = {self.logprobs}: a lossy strategy emits guesses no pass verified"
+            )
         if not self.pending:
             self.pending = list(self.prompt_ids)
         if self.gen is None and self.params.seed is not None:
@@ -132,6 +170,9 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
       5-6. `_commit`: per row, emit by strategy, commit to the cache, record the pass."""
     batch = _blocks(seqs, cache, mask_id)
     out = _forward(model, cache, seqs, batch, mask_id)
+    for s, scored in zip(seqs, out.prompt or ()):
+        if scored is not None:
+            s.prompt_token_logprobs = scored
     accepted = [_accept(s, i, batch, out) for i, s in enumerate(seqs)]
     drafted = _draft(seqs, [a.view for a in accepted])
     return [
@@ -154,6 +195,7 @@ class _Batch:
     attn_mask: torch.Tensor | None  # [B, T, S] who sees what; None = the plain causal rule over slots
     out_index: torch.Tensor  # [B, N] block positions whose logits are read: the last pending one on
     slots: torch.Tensor | None  # [B] the rows' cache rows; None = rows 0..B-1
+    lead: list[int] | None = None  # per row, prompt positions scored before those (`prompt_logprobs`); None = none
 
 
 def _blocks(seqs: list[Sequence], cache: KVCache, mask_id: int | None) -> _Batch:
@@ -185,6 +227,12 @@ def _blocks(seqs: list[Sequence], cache: KVCache, mask_id: int | None) -> _Batch
     first = [len(s.pending) - 1 for s in seqs]
     N = max(len(b) - f for b, f in zip(blocks, first))
     out_index = torch.tensor([[min(f + j, len(b) - 1) for j in range(N)] for b, f in zip(blocks, first)])
+    # a row scoring its prompt (prefill, `prompt_logprobs`) also reads positions 0..P-2 first: max(lead)
+    # columns in front (shorter rows repeat a position), which `_forward` splits off
+    lead = [len(s.pending) - 1 if s.prompt_logprobs and s.stats.forward_passes == 0 else 0 for s in seqs]
+    if any(lead):
+        front = torch.tensor([[min(j, max(n - 1, 0)) for j in range(max(lead))] for n in lead])
+        out_index = torch.cat([front, out_index], 1)
     slots = torch.tensor([s.slot for s in seqs])
     return _Batch(
         blocks,
@@ -196,6 +244,7 @@ def _blocks(seqs: list[Sequence], cache: KVCache, mask_id: int | None) -> _Batch
         attn_mask,
         out_index,
         None if slots.tolist() == list(range(B)) else slots,
+        lead if any(lead) else None,
     )
 
 
@@ -206,6 +255,7 @@ class _Output:
     logits: torch.Tensor  # [B, N, V] float32 on the CPU; row j predicts the token after block position first+j
     hidden: torch.Tensor | None  # [B, N, dim] on the CPU, the last layer's states at the same positions
     aux: torch.Tensor | None  # [B, T, A*dim] residual streams of the trunk layers the proposers read
+    prompt: list[list[TokenLogprob] | None] | None = None  # per row scoring its prompt: tokens 2.. (else None)
 
 
 def _forward(model, cache: KVCache, seqs: list[Sequence], batch: _Batch, mask_id: int | None) -> _Output:
@@ -235,6 +285,14 @@ def _forward(model, cache: KVCache, seqs: list[Sequence], batch: _Batch, mask_id
     else:
         logits, hidden = out if need_hidden else (out, None)
     logits = logits.float().cpu()
+    prompt = None
+    if batch.lead is not None:  # the prompt positions read in front: scored here, split off
+        L = max(batch.lead)
+        head, logits = logits[:, :L], logits[:, L:]
+        hidden = None if hidden is None else hidden[:, L:]
+        prompt = [
+            _score_prompt(s, head[i, :n], mask_id) if n else None for i, (s, n) in enumerate(zip(seqs, batch.lead))
+        ]
     finite = torch.isfinite(logits).all(-1)  # [B, N]
     if any(not bool(finite[i, : len(s.drafts) + 1].all()) for i, s in enumerate(seqs)):
         raise NonFiniteError(
@@ -243,7 +301,18 @@ def _forward(model, cache: KVCache, seqs: list[Sequence], batch: _Batch, mask_id
         )
     if mask_id is not None and mask_id < logits.shape[-1]:
         logits[..., mask_id] = float("-inf")
-    return _Output(logits, None if hidden is None else hidden.cpu(), aux)
+    return _Output(logits, None if hidden is None else hidden.cpu(), aux, prompt)
+
+
+def _score_prompt(s: Sequence, logits: torch.Tensor, mask_id: int | None) -> list[TokenLogprob]:
+    """The prompt's tokens 2..P under the prefill's logits at positions 0..P-2 (the mask token, never
+    a prediction, at -inf). Raises NonFiniteError on NaN / inf: a broken pass never scores."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteError("the model produced non-finite logits (NaN/inf) on the prompt: its weights are corrupt")
+    if mask_id is not None and mask_id < logits.shape[-1]:
+        logits = logits.clone()
+        logits[..., mask_id] = float("-inf")
+    return token_logprobs(logits, s.pending[1 : 1 + logits.shape[0]], s.logprobs or 0)
 
 
 @dataclass
@@ -258,6 +327,7 @@ class _Accepted:
     drafted_by: list[tuple[str, ...]]  # who drafted each accepted draft (a merge's parts, else the proposer)
     expected: float | None  # a tree row: the tokens its drafts promised (tree_expected_tokens)
     view: PassView
+    logprobs: list[TokenLogprob] | None = None  # `Sequence.logprobs`: the accepted drafts' and the own token's
 
 
 def _accept(s: Sequence, i: int, batch: _Batch, out: _Output) -> _Accepted:
@@ -300,8 +370,17 @@ def _accept(s: Sequence, i: int, batch: _Batch, out: _Output) -> _Accepted:
         start=batch.starts[i],
         state=s.proposer_state,
     )
-    expected = tree_expected_tokens(drafts.confidences[:D]) if s.strategy.is_tree else None
-    return _Accepted(a, path, accepted, own, float(torch.softmax(lg[row], -1).max()), drafted_by, expected, view)
+    expected = None
+    if s.strategy.is_tree:  # what the drafts promised (as believed before this pass), then the record grows
+        expected = tree_expected_tokens(tree.trusted(drafts.parents, drafts.confidences[:D], s.tree_trust))
+        tree.record_trust(s.tree_trust, drafts.parents, drafts.confidences[:D], a)
+    logprobs = None
+    if s.logprobs is not None:  # each emitted token at the row that predicted it: a tree node's after its parent
+        rows = [0] + [1 + j for j in (path if path is not None else range(a))]
+        logprobs = token_logprobs(lg[rows], accepted + [own], s.logprobs)
+    return _Accepted(
+        a, path, accepted, own, float(torch.softmax(lg[row], -1).max()), drafted_by, expected, view, logprobs
+    )
 
 
 @dataclass
@@ -318,7 +397,7 @@ def _draft(seqs: list[Sequence], views: list[PassView]) -> list[_Drafted]:
     nothing, unless its proposer keeps state that must follow every pass: EAGLE-3), timed. Every row
     announces its request first and proposers shared by rows draft them all at once (`_draft_together`:
     the heads, one call per depth for the batch); each row's `propose` then hands out its answer."""
-    requests = [_request(s, v) if s.k > 1 or s.proposer.aux_layers else None for s, v in zip(seqs, views)]
+    requests = [_request(s, v) if s.k > 1 or _keeps_state(s) else None for s, v in zip(seqs, views)]
     shares = _draft_together(seqs, requests)
     out = []
     for s, request, share in zip(seqs, requests, shares):
@@ -330,7 +409,8 @@ def _draft(seqs: list[Sequence], views: list[PassView]) -> list[_Drafted]:
         seconds, count = share + time.perf_counter() - t0, len(guesses)
         if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows (and their masks) here
             appended = lambda n: s.proposer.n_appended(s.strategy.guess_k(s.k), n)  # noqa: E731
-            guesses = guesses.select(tree.keep(guesses.parents, guesses.confidences, s.pass_time, appended=appended))
+            believed = tree.trusted(guesses.parents, guesses.confidences, s.tree_trust)
+            guesses = guesses.select(tree.keep(guesses.parents, believed, s.pass_time, appended=appended))
         out.append(_Drafted(finite_prefix(guesses), seconds, count))
     return out
 
@@ -378,6 +458,9 @@ def _commit(s: Sequence, cache: KVCache, start: int, block_tokens: int, a: _Acce
     s.pending = new
     s.drafts = d.guesses if s.strategy.verifies else Guesses.none()
     emitted, produced = _append_output(s, a.tokens + new)
+    if a.logprobs is not None:  # lossless: a.tokens + new are the tokens scored; cut as the output was
+        s.token_logprobs.extend(a.logprobs)
+        del s.token_logprobs[len(s.output) :]
     s.stats.record_pass(
         produced, [1.0] * a.n + confs[:n], block_tokens, a.drafted_by[:produced], a.expected, d.seconds, d.count
     )
@@ -405,10 +488,16 @@ def finite_prefix(g: Guesses) -> Guesses:
 
 def _aux_layers(seqs: list[Sequence]) -> tuple[int, ...]:
     """The trunk layers the batch's proposers read (one set per pass: rows must agree)."""
-    wanted = {tuple(s.proposer.aux_layers) for s in seqs if s.proposer.aux_layers}
+    wanted = {tuple(s.proposer.aux_layers) for s in seqs if _keeps_state(s)}
     if len(wanted) > 1:
         raise ValueError(f"one pass cannot serve proposers reading different trunk layers: {sorted(wanted)}")
     return wanted.pop() if wanted else ()
+
+
+def _keeps_state(s: Sequence) -> bool:
+    """Whether the row's proposer keeps state that must follow every pass (EAGLE-3, alone or in a merge:
+    it reads trunk layers), for a strategy that ever drafts (`ntp` never asks: no drafter runs for it)."""
+    return bool(s.proposer.aux_layers) and s.strategy.k > 1
 
 
 def _branch_layout(seqs: list[Sequence], slots_pos: torch.Tensor, branched: list[bool]):

@@ -1,7 +1,8 @@
 """`mtp serve`: an OpenAI-compatible HTTP server over continuous batching (mtp.serving.scheduler).
 
 Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI schema, `stream: true` as
-server-sent events ending in `data: [DONE]`), GET /v1/models, /health, /metrics (Prometheus text).
+server-sent events ending in `data: [DONE]`; `n`, `logprobs` / `top_logprobs`, and on completions
+`echo`, prompt scoring included: `mtp.serving.state`), GET /v1/models, /health, /metrics (Prometheus text).
 A request may carry `"mtp": {"strategy": "conf_adapt:0.9", "adaptive": false}`; omitted fields take the
 server's flags (`adaptive: false` exempts the request from the per-pass K cap, see `mtp.serving.scheduler`).
 Every bad input is HTTP 4xx with an OpenAI-style `{"error": {...}}` (413 for a body over
@@ -110,8 +111,6 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await parse(request, CompletionRequest)
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
         ids = await asyncio.to_thread(state.completion_ids, body)  # tokenising never blocks other streams
         return await complete(state, request, body, ids, body.max_tokens, chat=False)
 

@@ -3,10 +3,14 @@ JSON response or as server-sent events (`stream: true`, ending in `data: [DONE]`
 fails (500) or that the server cancels at shutdown (503, `server_shutting_down`) is answered with that
 `{"error": ...}`: as the JSON response, or as the stream's last event before `data: [DONE]`.
 
-Tokens cross from the engine thread per pass through `loop.call_soon_threadsafe` into an asyncio
-queue per request. Text is detokenised here; a streamed delta never ends inside a possible stop
-string or an incomplete UTF-8 character. A non-streaming request watches its client independently
-of token flow (every DISCONNECT_POLL_S), so an abandoned request leaves the batch at the next pass.
+A request's choices (`n`, `mtp.serving.state.Asked`) decode as rows of their own (greedy: one row,
+answered n times); their tokens cross from the engine thread per pass through
+`loop.call_soon_threadsafe` into one asyncio queue, tagged with the choice. Text is detokenised here;
+a streamed delta never ends inside a possible stop string or an incomplete UTF-8 character, and carries
+the log-probabilities of the tokens whose text it completes (`mtp.serving.logprobs`; the rest with the
+final delta). `echo` sends the prompt (and its log-probabilities) first. A non-streaming request
+watches its client independently of token flow (every DISCONNECT_POLL_S), so an abandoned request
+leaves the batch at the next pass.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mtp.serving.config import DISCONNECT_POLL_S
+from mtp.serving.logprobs import Pieces, chat_content, completion_logprobs, text_offsets
 from mtp.serving.openai import APIError
 from mtp.serving.scheduler import Request
-from mtp.serving.state import ServerState
+from mtp.serving.state import Asked, ServerState
 
 
 async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int], max_tokens: int | None, chat: bool):
@@ -31,11 +36,13 @@ async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int
     endpoint = "chat" if chat else "completions"
     try:
         req = state.new_request(body, ids, max_tokens)
+        asked = state.asked(body, max_tokens)
+        reqs = state.choices(req, asked)
     except APIError:
         state.metrics.count(endpoint, "invalid")
         raise
     loop = asyncio.get_running_loop()
-    queue = state.submit(req, loop)
+    queue = state.submit(reqs, loop)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     base = {
@@ -44,132 +51,246 @@ async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int
         "created": created,
         "model": config.model_name,
     }
+    answer = Answer(state, reqs, asked, chat, body.prompt if not chat and isinstance(body.prompt, str) else None)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(
-            stream(state, req, queue, base, chat, include_usage, endpoint),
+            stream(state, answer, queue, base, include_usage, endpoint),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    tokens, gone = [], asyncio.Event()
+    tokens: list[list[int]] = [[] for _ in reqs]
+    gone = asyncio.Event()
 
     async def watch_client():  # independent of token flow: a busy batch never hides a gone client
-        while not req.done.is_set():
+        while not all(r.done.is_set() for r in reqs):
             await asyncio.sleep(DISCONNECT_POLL_S)
             if await request.is_disconnected():
                 gone.set()
-                state.scheduler.cancel(req)  # the row leaves at the next pass
+                for r in reqs:
+                    state.scheduler.cancel(r)  # the rows leave at the next pass
                 return
 
     watcher = asyncio.ensure_future(watch_client())
     try:
-        while True:
-            new, final = await queue.get()
-            tokens += new
-            if final:
-                break
+        left = len(reqs)
+        while left:
+            i, new, final, _ = await queue.get()
+            tokens[i] += new
+            left -= final
     finally:
         watcher.cancel()
-        if not req.done.is_set():
-            state.scheduler.cancel(req)
+        for r in reqs:
+            if not r.done.is_set():
+                state.scheduler.cancel(r)
     if gone.is_set():
         state.metrics.count(endpoint, "cancelled")
         return JSONResponse(APIError(499, "client closed the request", code="client_closed").body(), status_code=499)
-    if req.seq.finish_reason == "error":
-        state.metrics.count(endpoint, "error")
-        raise APIError(500, f"decoding failed: {req.error}", type="server_error")
-    if req.seq.finish_reason == "cancelled":
+    for r in reqs:
+        if r.seq.finish_reason == "error":
+            state.metrics.count(endpoint, "error")
+            raise APIError(500, f"decoding failed: {r.error}", type="server_error")
+    if any(r.seq.finish_reason == "cancelled" for r in reqs):
         state.metrics.count(endpoint, "cancelled")
         raise shutting_down()
-    text = state.text(req, tokens)
-    choice = {"index": 0, "finish_reason": req.seq.finish_reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    n_prompt = len(req.seq.prompt_ids)
+    choices = [answer.choice(index, tokens[answer.row(index)]) for index in range(asked.n)]
     out = {
         **base,
         "object": "chat.completion" if chat else "text_completion",
-        "choices": [choice],
-        "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(tokens), "total_tokens": n_prompt + len(tokens)},
-        "mtp": state.mtp_summary(req),
+        "choices": choices,
+        "usage": answer.usage([tokens[answer.row(index)] for index in range(asked.n)]),
+        "mtp": answer.summary(),
     }
     state.metrics.count(endpoint, "ok")
     state.maybe_shadow(req)
     return JSONResponse(out)
 
 
-async def stream(
-    state: ServerState, req: Request, queue: asyncio.Queue, base: dict, chat: bool, include_usage: bool, endpoint: str
-):
-    """The event stream of one request; a client that goes away frees its row at the next pass."""
-    tokens, sent = [], ""
-    stops = req.seq.params.stop
+class Answer:
+    """How a request's choices are answered: their text, finish reasons, log-probabilities and echo."""
 
-    def chunk(text=None, finish=None, role=False):
-        if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            c = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return _sse({**base, "choices": [c]})
+    def __init__(self, state: ServerState, reqs: list[Request], asked: Asked, chat: bool, prompt_text: str | None):
+        self.state, self.reqs, self.asked, self.chat = state, reqs, asked, chat
+        self.engine = state.engine
+        self.piece = Pieces(state.engine.tokenizer)
+        self.echo = ""
+        if asked.echo:  # the client's own text when it sent text, else the prompt's ids decoded
+            ids = reqs[0].seq.prompt_ids
+            self.echo = prompt_text if prompt_text is not None else self.engine.decode_text(ids)
+
+    def row(self, index: int) -> int:
+        """The request decoding choice `index` (greedy n > 1: the one request)."""
+        return index if len(self.reqs) > 1 else 0
+
+    def text(self, r: Request, tokens: list[int]) -> str:
+        return self.state.text(r, tokens) if self.asked.generate else ""
+
+    def finish_reason(self, r: Request) -> str:
+        return r.seq.finish_reason if self.asked.generate else "length"
+
+    def echo_logprobs(self) -> dict | None:
+        """The echoed prompt's part of a completion's logprobs (the first token has none)."""
+        if self.asked.logprobs is None:
+            return None
+        seq = self.reqs[0].seq
+        ids = seq.prompt_ids
+        records = [None] + list(seq.prompt_token_logprobs)
+        records += [None] * (len(ids) - len(records))
+        return completion_logprobs(ids, records, text_offsets(ids, self.engine.decode_text), self.piece)
+
+    def logprobs(self, ids: list[int], records: list, before: list[int] = ()) -> dict | None:
+        """The logprobs of generated tokens `ids` (following the generated tokens `before`) in the shape
+        of the endpoint; completions offsets count the echoed prompt and the text before them."""
+        if self.asked.logprobs is None or not self.asked.generate:
+            return None
+        if self.chat:
+            return {"content": chat_content(records, self.piece)}
+        decode = self.engine.decode_text
+        start = len(self.echo) + (len(decode(list(before))) if before else 0)
+        return completion_logprobs(ids, records, text_offsets(ids, decode, start), self.piece)
+
+    def choice(self, index: int, tokens: list[int]) -> dict:
+        r = self.reqs[self.row(index)]
+        text = self.text(r, tokens)
+        seq = r.seq
+        logprobs = self.logprobs(list(seq.output), list(seq.token_logprobs))
+        if self.chat:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": self.finish_reason(r),
+                "logprobs": logprobs,
+            }
+        if self.asked.echo:
+            text = self.echo + text
+            head = self.echo_logprobs()
+            if head is not None:
+                tail = logprobs or {k: [] for k in head}
+                logprobs = {k: head[k] + tail[k] for k in head}
+        return {"index": index, "text": text, "finish_reason": self.finish_reason(r), "logprobs": logprobs}
+
+    def usage(self, tokens: list[list[int]]) -> dict:
+        n_prompt = len(self.reqs[0].seq.prompt_ids)
+        n_out = sum(len(t) for t in tokens) if self.asked.generate else 0
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+    def summary(self) -> dict:
+        out = self.state.mtp_summary(self.reqs[0])
+        if len(self.reqs) > 1:
+            out["choices"] = [{**self.state.mtp_summary(r), "shared_prefill": r.shared_prefill} for r in self.reqs]
+        return out
+
+
+class _Streamed:
+    """One decoding row's progress in a stream: tokens and log-probabilities received, text sent."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.records: list = []
+        self.sent = ""
+        self.n_sent = 0  # tokens whose log-probabilities went out
+        self.echoed = False
+
+
+async def stream(
+    state: ServerState, answer: Answer, queue: asyncio.Queue, base: dict, include_usage: bool, endpoint: str
+):
+    """The event stream of one request; a client that goes away frees its rows at the next pass."""
+    reqs, asked, chat = answer.reqs, answer.asked, answer.chat
+    rows = [_Streamed() for _ in reqs]
+    totals = [[] for _ in reqs]
+    decode = state.engine.decode_text
+
+    def chunks(row: int, text=None, finish=None, role=False, logprobs=None):
+        """The same delta for every choice that row `row` answers."""
+        indices = range(asked.n) if len(reqs) == 1 else [row]
+        for index in indices:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            else:
+                c = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+            yield _sse({**base, "choices": [c]})
 
     finished = False
     try:
         if chat:
-            yield chunk(role=True)
-        while True:
-            new, final = await queue.get()
-            tokens += new
+            for i in range(len(reqs)):
+                for c in chunks(i, role=True):
+                    yield c
+        left = len(reqs)
+        while left:
+            i, new, final, records = await queue.get()
+            r, st = reqs[i], rows[i]
+            st.tokens += new
+            st.records += records
+            totals[i] = st.tokens
+            if asked.echo and not st.echoed:
+                st.echoed = True
+                for c in chunks(i, answer.echo, logprobs=answer.echo_logprobs()):
+                    yield c
             if final:
-                if req.seq.finish_reason in ("error", "cancelled"):
+                if r.seq.finish_reason in ("error", "cancelled"):
                     err = (
                         shutting_down()
-                        if req.seq.finish_reason == "cancelled"
-                        else APIError(500, f"decoding failed: {req.error}", type="server_error")
+                        if r.seq.finish_reason == "cancelled"
+                        else APIError(500, f"decoding failed: {r.error}", type="server_error")
                     )
                     yield _sse(err.body())
                     yield b"data: [DONE]\n\n"
-                    state.metrics.count(endpoint, req.seq.finish_reason)
+                    state.metrics.count(endpoint, r.seq.finish_reason)
                     finished = True
+                    for other in reqs:
+                        state.scheduler.cancel(other)
                     return
-                rest = state.text(req, tokens)[len(sent) :]
-                if rest:
-                    yield chunk(rest)
-                yield chunk(None, req.seq.finish_reason)
-                if include_usage:
-                    n_prompt = len(req.seq.prompt_ids)
-                    yield _sse(
-                        {
-                            **base,
-                            "choices": [],
-                            "usage": {
-                                "prompt_tokens": n_prompt,
-                                "completion_tokens": len(tokens),
-                                "total_tokens": n_prompt + len(tokens),
-                            },
-                            "mtp": state.mtp_summary(req),
-                        }
-                    )
-                yield b"data: [DONE]\n\n"
-                finished = True
-                state.metrics.count(endpoint, "ok")
-                break
-            if not new:
+                if asked.generate:
+                    rest = answer.text(r, st.tokens)[len(st.sent) :]
+                    output = r.seq.output  # final: the engine no longer changes it
+                    ids, recs = output[st.n_sent :], r.seq.token_logprobs[st.n_sent : len(output)]
+                    lp = answer.logprobs(ids, recs, output[: st.n_sent]) if ids else None
+                    if rest or lp is not None:
+                        for c in chunks(i, rest, logprobs=lp):
+                            yield c
+                for c in chunks(i, None, answer.finish_reason(r)):
+                    yield c
+                left -= 1
                 continue
-            full = state.engine.decode_text(tokens)
+            if not new or not asked.generate:
+                continue
+            full = decode(st.tokens)
             if full.endswith("\ufffd"):
                 continue  # an incomplete UTF-8 character: wait for the rest
+            stops = r.seq.params.stop
             safe = full[: len(full) - _stop_holdback(full, stops)] if stops else full
-            if len(safe) > len(sent) and safe.startswith(sent):
-                yield chunk(safe[len(sent) :])
-                sent = safe
+            if len(safe) > len(st.sent) and safe.startswith(st.sent):
+                lp = None
+                if asked.logprobs is not None:  # the tokens whose text this delta completes
+                    k = st.n_sent
+                    while k < len(st.records) and len(decode(st.tokens[: k + 1])) <= len(safe):
+                        k += 1
+                    lp = answer.logprobs(st.tokens[st.n_sent : k], st.records[st.n_sent : k], st.tokens[: st.n_sent])
+                    st.n_sent = k
+                for c in chunks(i, safe[len(st.sent) :], logprobs=lp):
+                    yield c
+                st.sent = safe
+        if include_usage:
+            yield _sse(
+                {
+                    **base,
+                    "choices": [],
+                    "usage": answer.usage([totals[answer.row(index)] for index in range(asked.n)]),
+                    "mtp": answer.summary(),
+                }
+            )
+        yield b"data: [DONE]\n\n"
+        finished = True
+        state.metrics.count(endpoint, "ok")
     finally:
-        if not finished:  # the client went away: free the row at the next pass
-            state.scheduler.cancel(req)
+        if not finished:  # the client went away: free the rows at the next pass
+            for r in reqs:
+                state.scheduler.cancel(r)
             state.metrics.count(endpoint, "cancelled")
-    state.maybe_shadow(req)
+    state.maybe_shadow(reqs[0])
 
 
 def shutting_down() -> APIError:

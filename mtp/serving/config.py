@@ -1,5 +1,6 @@
 """What `mtp serve` is configured with, checked when built (before any model loads): the request
-defaults, authentication, shadow mode and the limits on what one request may carry."""
+defaults, authentication, shadow mode and the limits on what one request may carry (body, prompt,
+messages, `n`, `top_logprobs`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ PROMPT_CHARS_PER_TOKEN = 32  # default prompt character limit = this x max_model
 MAX_MESSAGES = 256  # default limit on a chat request's messages (checked before validating them)
 SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout: how long uvicorn waits for the 503s / error events to go out
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
+MAX_TOP_LOGPROBS = 20  # `logprobs` (completions) / `top_logprobs` (chat): alternatives per token, at most
+MAX_N = 8  # default limit on a request's `n` (choices; each sampled one is a row of the batch)
 
 
 def check_shutdown_timeout(seconds) -> float:
@@ -46,6 +49,7 @@ class ServeConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     max_prompt_chars: int = 0  # 0 = PROMPT_CHARS_PER_TOKEN x scheduler.max_model_len
     max_messages: int = MAX_MESSAGES
+    max_n: int = MAX_N  # a request's `n` at most
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     deploy: Deploy | None = None  # `mtp tune`'s choice, rolled out (mtp.serving.rollout)
     rollout: float = 1.0  # fraction of requests given the tuned configuration at start
@@ -75,6 +79,8 @@ class ServeConfig:
             raise ValueError(f"--max-prompt-chars must be >= 0, got {self.max_prompt_chars}")
         if self.max_messages < 1:
             raise ValueError(f"--max-messages must be >= 1, got {self.max_messages}")
+        if isinstance(self.max_n, bool) or not isinstance(self.max_n, int) or self.max_n < 1:
+            raise ValueError(f"max_n must be an integer >= 1, got {self.max_n!r}")
         if not self.max_prompt_chars:
             self.max_prompt_chars = PROMPT_CHARS_PER_TOKEN * self.scheduler.max_model_len
         check_fraction(self.rollout, "--rollout")

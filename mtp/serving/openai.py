@@ -50,7 +50,7 @@ class CommonRequest(_Strict):
     n: int | None = None
     stream: bool | None = False
     stream_options: dict | None = None
-    logprobs: bool | int | None = None
+    logprobs: bool | int | None = None  # completions: N, the top alternatives per token; chat: true / false
     mtp: MTPOptions | None = None
 
 
@@ -67,6 +67,7 @@ class ChatMessage(_Strict):
 class ChatRequest(CommonRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None  # with `logprobs: true`
 
 
 class APIError(Exception):

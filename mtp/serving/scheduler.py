@@ -5,7 +5,9 @@ One iteration of the engine thread:
   1. drop cancelled rows (client gone) and compact the rows;
   2. admit from the FIFO queue while a row is free and the token budget holds (sum over rows of
      prompt + max_tokens + K <= max_cache_tokens); background (shadow) work only when no live
-     request waits; nobody is dropped, the rest wait;
+     request waits; nobody is dropped, the rest wait; a request's further choices (`n > 1`,
+     `Request.follows`) wait until the first one had its prefill pass, then start from it
+     (`share_prefill`: the prompt's keys and values copied, all but the last token's);
   3. `Batch.step`: newcomers are prefilled in a pass of their own (FIFO, up to PREFILL_TOKENS padded
      tokens), then one `decode_step` over every active row; before each pass the adaptive policy
      (`mtp.serving.adaptive.AdaptiveK`) caps K for it (a token tree keeps its K - 1 most confident
@@ -91,6 +93,12 @@ class Request:
     background: bool = False  # shadow work: admitted only when no live request waits
     adaptive: bool = True  # False: the policy never caps this row's K (exact `generate` output for lossy strategies)
     arm: str | None = None  # under a rollout (mtp.serving.rollout): "tuned" or "fallback"; None = chose its own
+    proposer: str | None = None  # the proposer named at admission (None: the engine's)
+    # another choice of the same HTTP request (`n > 1`): admitted once `follows` had its prefill pass, with
+    # its prompt's keys and values but the last copied (`Scheduler.share_prefill`), then it decodes on its own
+    follows: Request | None = None
+    choice: int = 0  # its index among the request's choices
+    shared_prefill: bool = False  # it started from `follows`'s prefill
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False
     error: str | None = None
@@ -258,13 +266,45 @@ class Scheduler:
                     continue
                 if len(self.active) >= self.config.max_batch or used + r.budget > self.config.max_cache_tokens:
                     break
+                if r.follows is not None and self._prefilling(r.follows):
+                    break  # the choice it shares a prefill with has its prefill pass this iteration
                 q.popleft()
                 used += r.budget
                 self.batch.add(r.seq)
                 self.requests[id(r.seq)] = r
+                if r.follows is not None:
+                    self.share_prefill(r)
                 r.t_admitted = time.perf_counter()
                 newcomers.append(r)
         return newcomers
+
+    def _prefilling(self, r: Request) -> bool:
+        """`r` is admitted and waits for its prefill pass (called with the lock)."""
+        return id(r.seq) in self.requests and r.seq.stats.forward_passes == 0
+
+    def share_prefill(self, r: Request) -> None:
+        """Start `r` (just admitted) from the prefill of `r.follows` (the same prompt), if that one is
+        still decoding: its first P-1 positions' keys and values are copied into `r`'s row, so `r`'s own
+        first pass feeds the last prompt token alone (and computes the prediction after it, with its own
+        sampling). Otherwise (`follows` left, a one-token prompt, a proposer that keeps per-sequence state
+        from every pass: EAGLE-3) `r` prefills its prompt itself."""
+        parent, seq = r.follows, r.seq
+        n = len(seq.prompt_ids) - 1
+        if (
+            id(parent.seq) not in self.requests
+            or parent.seq.stats.forward_passes == 0
+            or n < 1
+            or parent.seq.prompt_ids != seq.prompt_ids
+            or seq.proposer.aux_layers
+            or parent.seq.proposer.aux_layers
+        ):
+            return
+        cache, src, dst = self.batch.cache, parent.seq.slot, seq.slot
+        cache.k[:, dst, :, :n] = cache.k[:, src, :, :n]
+        cache.v[:, dst, :, :n] = cache.v[:, src, :, :n]
+        cache.lengths[dst] = n
+        seq.pending = [seq.prompt_ids[-1]]
+        r.shared_prefill = True
 
     def _iteration(self, newcomers: list[Request]) -> None:
         for r in [r for r in self.active if r.cancelled]:

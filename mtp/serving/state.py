@@ -1,8 +1,24 @@
 """What the server knows between requests: the engine, the scheduler, the metrics, and how an
-OpenAI request becomes a scheduled `Request` (its checks: model name, sampling limits, strategy,
-context length, prompt text and size). Everything that is tokenised counts against
---max-prompt-chars before any tokenising: a completion's prompt; a chat's roles and contents
-together (the message count is bounded earlier, by `openai.parse_request`)."""
+OpenAI request becomes scheduled `Request`s (its checks: model name, sampling limits, strategy,
+context length, prompt text and size, `n`, `logprobs`, `echo`). Everything that is tokenised counts
+against --max-prompt-chars before any tokenising: a completion's prompt; a chat's roles and contents
+together (the message count is bounded earlier, by `openai.parse_request`).
+
+What a request asks beyond its text (`Asked`, checked by `asked`):
+- `logprobs` (completions: N; chat: `logprobs: true` + `top_logprobs: N`, N <= MAX_TOP_LOGPROBS): each
+  generated token's log-probability under the model's raw logits (temperature 1, no top-k/top-p: the
+  distribution itself, whatever the request samples with) and its top N, from the pass that verified it
+  (`mtp.core.decode`). Lossless strategies only: a lossy one (conf_adapt, static) emits guesses no pass
+  verified, so a request with logprobs and a lossy strategy is refused (400), unless it generates at
+  most one token: every strategy's first token is the model's own, so it runs as ntp.
+- `echo` (completions only): the prompt before the completion, with its tokens' log-probabilities from
+  the prefill pass (the first token's is null); `max_tokens: 0` only with `echo` (prompt scoring: one
+  token is decoded in the prefill pass and not returned).
+- `n` (at most --max-n, ServeConfig.max_n): n choices. Sampled, each is a `Request` of its own (a batch
+  row, admitted like any request; choice i seeded with seed + i when a seed is given), the choices after
+  the first starting from its prefill (`Scheduler.share_prefill`). Greedy, the n choices are identical:
+  decoded once, answered n times.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +28,13 @@ import itertools
 import logging
 import random
 import time
+from dataclasses import dataclass
 
 from mtp.core.deploy import check_within_caps
 from mtp.core.engine import Engine
-from mtp.core.sampling import SamplingParams
+from mtp.core.sampling import SEED_MAX, SamplingParams
 from mtp.core.strategy import Strategy
-from mtp.serving.config import ServeConfig
+from mtp.serving.config import MAX_TOP_LOGPROBS, ServeConfig
 from mtp.serving.openai import APIError, ChatRequest, CompletionRequest, CommonRequest
 from mtp.core import quality
 from mtp.serving.prometheus import ServerMetrics
@@ -26,6 +43,16 @@ from mtp.serving.scheduler import Request, Scheduler, SchedulerClosed
 from mtp.serving.shadow import ShadowLog, compare
 
 log = logging.getLogger("mtp.serve")
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a request asks beyond its text (see the module docstring)."""
+
+    n: int = 1  # choices
+    logprobs: int | None = None  # alternatives per token (0..MAX_TOP_LOGPROBS); None = no log-probabilities
+    echo: bool = False  # the prompt before the completion
+    generate: bool = True  # False: `max_tokens: 0` (prompt scoring), the completion is empty
 
 
 class ServerState:
@@ -51,10 +78,6 @@ class ServerState:
         stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else list(self.config.stop)
         if len(stop) > 4:
             raise APIError(400, "at most 4 stop sequences are supported", "stop")
-        if body.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", "n")
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
         t = self.config.temperature if body.temperature is None else body.temperature
         top_p = self.config.top_p if body.top_p is None else body.top_p
         top_k = self.config.top_k if body.top_k is None else body.top_k
@@ -72,7 +95,34 @@ class ServerState:
         except ValueError as e:
             raise APIError(400, str(e), "mtp.strategy") from None
 
+    def asked(self, body: CommonRequest, max_tokens: int | None) -> Asked:
+        """`n`, `logprobs` / `top_logprobs`, `echo` and `max_tokens: 0`, checked (APIError 400)."""
+        chat = isinstance(body, ChatRequest)
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= self.config.max_n:
+            raise APIError(400, f"n must be in [1, {self.config.max_n}] on this server, got {n}", "n")
+        lp, param = body.logprobs, "logprobs"
+        if chat:
+            if (body.model_extra or {}).get("echo") not in (None, False):
+                raise APIError(400, "echo is supported on /v1/completions only", "echo")
+            if lp is not None and not isinstance(lp, bool):
+                raise APIError(400, "logprobs must be true or false here (top_logprobs gives the count)", "logprobs")
+            if body.top_logprobs is not None and not lp:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            logprobs, param, echo = ((body.top_logprobs or 0) if lp else None), "top_logprobs", False
+        else:
+            if lp is True:
+                raise APIError(400, f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] here", "logprobs")
+            logprobs, echo = (None if lp is None or lp is False else lp), bool(body.echo)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", param)
+        generate = chat or max_tokens != 0
+        if not generate and not echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo: prompt scoring)", "max_tokens")
+        return Asked(n, logprobs, echo, generate)
+
     def new_request(self, body: CommonRequest, ids: list[int], max_tokens: int | None) -> Request:
+        """The request's first (or only) choice; `choices` adds the others."""
         if body.model is not None and body.model != self.config.model_name:
             raise APIError(
                 404,
@@ -80,6 +130,7 @@ class ServerState:
                 "model",
                 "model_not_found",
             )
+        asked = self.asked(body, max_tokens)
         params = self.sampling(body)
         arm, proposer = None, None
         if self.rollout is not None and not (body.mtp and body.mtp.strategy is not None):
@@ -99,6 +150,8 @@ class ServerState:
             )
         if max_tokens is None:
             max_tokens = min(self.config.max_tokens, limit - n)
+        if not asked.generate:
+            max_tokens = 1  # prompt scoring: the prefill pass decodes one token, which is not returned
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
         if n + max_tokens > limit:
@@ -109,12 +162,52 @@ class ServerState:
                 "max_tokens",
                 "context_length_exceeded",
             )
+        if asked.logprobs is not None and not strategy.lossless:
+            if max_tokens > 1:
+                raise APIError(
+                    400,
+                    f"logprobs need a lossless strategy (ntp, verify:K, tree:N), not {strategy}: it emits "
+                    "guesses no pass verified, whose distribution is not the model's",
+                    "logprobs",
+                )
+            strategy = Strategy()  # one token: every strategy's first is the model's own, as ntp decodes it
         params.max_new_tokens = max_tokens
         try:
-            seq = self.engine.new_sequence(ids, strategy, params, proposer)
+            seq = self.engine.new_sequence(
+                ids,
+                strategy,
+                params,
+                proposer,
+                logprobs=asked.logprobs,
+                prompt_logprobs=asked.echo and asked.logprobs is not None,
+            )
         except ValueError as e:
             raise APIError(400, str(e), "mtp.strategy") from None
-        return Request(seq, adaptive=body.mtp.adaptive if body.mtp else True, arm=arm)
+        return Request(seq, adaptive=body.mtp.adaptive if body.mtp else True, arm=arm, proposer=proposer)
+
+    def choices(self, req: Request, asked: Asked) -> list[Request]:
+        """The requests decoding a request's choices: `req` alone (n = 1, or greedy: n identical choices
+        decoded once), else `req` and n - 1 more that follow its prefill (`Scheduler.share_prefill`),
+        choice i seeded with seed + i when a seed is given."""
+        first = req.seq
+        if asked.n == 1 or first.params.greedy:
+            return [req]
+        out = [req]
+        for i in range(1, asked.n):
+            p = first.params
+            params = SamplingParams(
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=None if p.seed is None else (p.seed + i) % (SEED_MAX + 1),
+                max_new_tokens=p.max_new_tokens,
+                stop=list(p.stop),
+            )
+            seq = self.engine.new_sequence(
+                first.prompt_ids, first.strategy, params, req.proposer, logprobs=first.logprobs
+            )
+            out.append(Request(seq, adaptive=req.adaptive, arm=req.arm, proposer=req.proposer, follows=req, choice=i))
+        return out
 
     def check_caps(self, strategy: Strategy) -> None:
         """Under a deploy file, a request's own lossy strategy stays within its safety caps (the check
@@ -196,21 +289,31 @@ class ServerState:
             raise APIError(400, "cannot apply the model's chat template to these messages", "messages") from None
 
     # -- running a request
-    def submit(self, req: Request, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+    def submit(self, reqs: list[Request], loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        """Schedule a request's choices; their events arrive on one queue as (choice, tokens, final,
+        the tokens' `TokenLogprob`s: empty without logprobs)."""
         q: asyncio.Queue = asyncio.Queue()
 
-        def on_event(r, tokens, final):
+        def on_event(r, tokens, final):  # on the engine thread, right after the pass
             if final:
                 self.metrics.finished(r)
+            seq, records = r.seq, []
+            if seq.logprobs is not None and tokens:  # this pass's tokens end the output (in step with it)
+                records = seq.token_logprobs[len(seq.output) - len(tokens) : len(seq.output)]
             with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
-                loop.call_soon_threadsafe(q.put_nowait, (tokens, final))
+                loop.call_soon_threadsafe(q.put_nowait, (r.choice, tokens, final, records))
 
-        req.on_event = on_event
         try:
-            self.scheduler.submit(req)
+            for req in reqs:
+                req.on_event = on_event
+                self.scheduler.submit(req)
         except SchedulerClosed as e:
+            for r in reqs:
+                self.scheduler.cancel(r)
             raise APIError(503, str(e), code="server_shutting_down", type="server_error") from None
         except ValueError as e:
+            for r in reqs:
+                self.scheduler.cancel(r)
             raise APIError(400, str(e), "max_tokens", "context_length_exceeded") from None
         return q
 
