@@ -27,7 +27,8 @@ the model's continuation (heads: the path's probability; calibrated by `mtp tune
 of nodes with confidences p_1..p_n is expected to confirm 1 + sum(p) tokens per pass; of the drafted
 nodes, the most confident prefix whose expected tokens per second E / t(1 + n) is highest is kept (n = 0:
 a plain pass; t also pays the mask groups a pass of n nodes appends), per row and per pass (a Sequoia-style
-budgeted choice, greedy on confidences).
+budgeted choice, greedy on confidences). The confidences priced are the row's `trusted` ones: corrected per
+depth by what the row's earlier trees promised against what they delivered (`record_trust`).
 
 Mask groups (`with_groups`): a pass that also wants `<mtp_mask>` guesses (the mask proposer) appends
 g masks after chosen nodes ("anchors", -1 = the root), each group laid out as a chain of g extra nodes
@@ -251,6 +252,42 @@ def prune(
         [index[parents[j]] if parents[j] >= 0 else -1 for j in kept],
         [confidences[j] for j in kept],
     )
+
+
+TRUST_PRIOR = 2.0  # passes' worth of "the confidences are right" a row's trust starts with
+
+
+def trusted(parents: list[int], confidences: list[float], trust: list[list[float]]) -> list[float]:
+    """The confidences a row's own record says to believe (online correction): a node at depth d keeps
+    its confidence times f_d = (accepted_d + TRUST_PRIOR) / (promised_d + TRUST_PRIOR), where promised_d
+    sums the confidences of the depth-d nodes of the row's earlier trees and accepted_d counts the passes
+    whose accepted path reached depth d (`record_trust`); clipped to [0, 1] and to its parent's value, so
+    every prefix of `ranked` stays a tree. Raw merged scores (lookup's 1.0, a suffix match's share)
+    over-promise several-fold on text they do not fit; after a few passes this prices them at what
+    they deliver. With no record (`trust` empty) the confidences come back as they are, clipped."""
+    d = depths(parents)
+    out: list[float] = []
+    for j, c in enumerate(confidences):
+        f = 1.0
+        if d[j] <= len(trust):
+            promised, accepted = trust[d[j] - 1]
+            f = (accepted + TRUST_PRIOR) / (promised + TRUST_PRIOR)
+        v = min(max(float(c) * f, 0.0), 1.0)
+        out.append(min(v, out[parents[j]]) if parents[j] >= 0 else v)
+    return out
+
+
+def record_trust(trust: list[list[float]], parents: list[int], confidences: list[float], accepted: int) -> None:
+    """Add one pass to a row's record (in place): per depth d, the confidences its tree's depth-d nodes
+    promised, and whether the accepted path (`accepted` nodes long) reached depth d."""
+    for dj, c in zip(depths(parents), confidences):
+        while len(trust) < dj:
+            trust.append([0.0, 0.0])
+        trust[dj - 1][0] += min(max(float(c), 0.0), 1.0)
+    for dj in range(1, accepted + 1):
+        while len(trust) < dj:
+            trust.append([0.0, 0.0])
+        trust[dj - 1][1] += 1.0
 
 
 def ranked(parents: list[int], confidences: list[float]) -> list[int]:

@@ -134,6 +134,7 @@ def replay(
         P = len(prompt)
         chunks, blocks = [1], [P]  # the prompt's pass emits the first token
         e, state, start = 1, {}, 0  # start: the cache length before the pass that emitted seq[e - 1]
+        trust: list = []  # a tree row's record of promised against accepted nodes (tree.trusted), as decoding keeps
         with torch.inference_mode():
             while e < len(seq):
                 # that pass committed positions start .. P + e - 2 (the prompt's pass: the whole prompt)
@@ -151,11 +152,13 @@ def replay(
                 proposing_s += time.perf_counter() - t0
                 guesses += len(g)
                 if strategy.auto and g.tokens:
-                    t, p, c = tree.prune(g.tokens, g.parents, g.confidences, engine.pass_time())
-                    g = Guesses(t, c, None, p)
+                    believed = tree.trusted(g.parents, g.confidences, trust)
+                    g = g.select(tree.keep(g.parents, believed, engine.pass_time()))
                 elif not strategy.is_tree:
                     g = g.prefix(strategy.k - 1)
                 a = accepted(g, seq[e:], strategy.is_tree)
+                if strategy.is_tree:
+                    tree.record_trust(trust, g.parents, g.confidences[: len(g)], a)
                 n = min(a + 1, len(seq) - e)
                 chunks.append(n)
                 blocks.append(1 + len(g.tokens))
