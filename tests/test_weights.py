@@ -201,3 +201,23 @@ def test_smollm2_native_is_float32_arithmetic_and_int8_is_invariant(smollm2):
         )
     finally:
         weights.attach(model, "native", gguf)
+
+
+def test_adapters_added_after_attach_keep_the_kernel_path_and_its_bits():
+    """`mtp train` attaches first, then wraps projections in LoRA adapters: a pass without mask tokens
+    (the teacher's, self-generation) still runs the stacked kernels and gives the same logits; a pass
+    with masks goes through the adapters."""
+    from mtp.core.adapter import add_adapters
+
+    model = tiny_model(4)
+    weights.attach(model, "float32")
+    tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        before = model(tokens)
+    add_adapters(model, rank=4, alpha=8)
+    with torch.inference_mode():
+        # B starts at zero and no mask: the layers add nothing (the head grew a mask row: a new Linear)
+        torch.testing.assert_close(model(tokens)[..., :97], before, rtol=1e-5, atol=1e-5)
+        masked = tokens.clone()
+        masked[0, -2:] = model.config.mask_token_id
+        assert torch.isfinite(model(masked)).all()

@@ -138,7 +138,7 @@ class Linear(nn.Linear):
     """nn.Linear that accepts (and ignores) the adapter gate, so adapters can replace it in place.
 
     For CPU inference it can also hold a oneDNN-packed copy of its weight (`pack_weights`), faster
-    for matmuls over a few rows (a decoding block); measurements in benchmarks/results/profile_pack.md.
+    for matmuls over a few rows (a decoding block): `--weights torch`; the default runs on mtp.core.kernels.
     The packed copy is used only without autograd and only while the weight is unchanged (its
     version counter), and off the main thread only for calls of at least PACKED_MIN_ROWS_OFF_MAIN
     rows (oneDNN's per-call cost off the main thread outweighs the gain on smaller ones)."""
@@ -277,7 +277,8 @@ class Attention(nn.Module):
         hd = self.cfg.head_dim
         if self.fused is not None and gate is None and kernel_rows(x) and fused_current(self.fused_from):
             qkv = self.fused(x)  # [B, T, (H + 2 Hkv) hd]: the three outputs side by side
-            q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+            q, k, v = qkv.split([m.out_features for m in self.fused_from], -1)  # the stacked Linears (an adapter
+            # may wrap them since: without a gate it adds nothing, so their stacked weights still serve)
             q, k, v = q.view(B, T, -1, hd), k.view(B, T, -1, hd), v.view(B, T, -1, hd)
         else:
             q = self.q_proj(x, gate).view(B, T, -1, hd)
@@ -320,7 +321,7 @@ class MLP(nn.Module):
     def forward(self, x, gate):
         if self.fused is not None and gate is None and kernel_rows(x) and fused_current(self.fused_from):
             gu = self.fused(x)  # [B, T, 2 I]: gate's outputs, then up's
-            n = self.gate_proj.out_features
+            n = self.fused_from[0].out_features
             g, u = gu.reshape(-1, 2 * n).split([n, n], -1)
             return self.down_proj(torch.ops.mtp.silu_mul(g, u).view(*x.shape[:-1], n), gate)
         g, u = self.gate_proj(x, gate), self.up_proj(x, gate)
