@@ -19,6 +19,8 @@
 
 #include <immintrin.h>
 
+#include "isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -70,22 +72,7 @@ constexpr int kIsa = 2;
 
 namespace mtp_layer_ops {
 
-static int best_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
-    return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-  return 0;
-}
-
-static int pick(int64_t isa) {
-  const int best = best_isa();
-  if (isa < 0) return best;
-  TORCH_CHECK(isa <= 2, "mtp layer ops: unknown isa ", isa, " (0 scalar, 1 avx2, 2 avx512, -1 best)");
-  TORCH_CHECK(isa <= best, "mtp layer ops: isa ", isa, " is not supported by this CPU (best: ", best, ")");
-  return int(isa);
-}
+static int pick(int64_t isa) { return mtp_isa::pick_isa(isa); }  // isa.h: the matmuls' choice too
 
 static void check_float(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim, "mtp layer ops: ", name,

@@ -6,7 +6,7 @@
 //
 // The fixed orders:
 //   dot(a, b, n): 16 lanes, lane i accumulates the products of elements c + i for c = 0, 16, 32, ... with
-//     one fused multiply-add each from +0, then the lanes summed in the tree of matmul.cpp (tree16).
+//     one fused multiply-add each from +0, then the lanes summed in the tree of isa.h (tree16).
 //   attention, one query row (one batch row, one head, one position): the keys the mask lets it see, in
 //     increasing slot order, and only those (a hidden key is skipped, not added as a zero):
 //       s_j = dot(q, k_j, hd) * scale;  mx = max_j s_j;  p_j = exp_fixed(s_j - mx)
@@ -18,13 +18,7 @@
 //   rmsnorm, one row: ss = dot(x, x, n);  r = 1 / sqrtf(ss / n + eps);  y[i] = w[i] * (x[i] * r)
 //   silu_mul, one element: y = g / (1 + exp_fixed(-g)) * u
 
-static inline float tree16(const float* a) {
-  float s8[8], s4[4], s2[2];
-  for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
-  for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
-  return s2[0] + s2[1];
-}
+using mtp_isa::tree16;  // isa.h
 
 // e^x in a fixed sequence of float32 operations (range reduction by ln 2 in two parts, a degree-7
 // polynomial, scaling by 2^n through the exponent bits): the same bits in scalar and vector code, so the

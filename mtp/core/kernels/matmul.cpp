@@ -35,6 +35,8 @@
 
 #include <immintrin.h>
 
+#include "isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -74,13 +76,7 @@ static inline float half_to_float(uint16_t h) {
   return out;
 }
 
-static inline float tree16(const float* a) {
-  float s8[8], s4[4], s2[2];
-  for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
-  for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
-  return s2[0] + s2[1];
-}
+using mtp_isa::tree16;  // the fixed 16-lane tree (isa.h)
 
 // The arguments of one pass. w: the weight rows (row n at w + n * w_stride bytes).
 // software prefetch distance along each weight row (bytes): with several rows streamed at once the
@@ -402,22 +398,8 @@ constexpr int64_t PANEL_ABOVE_M = 2 * MT;  // up to two row tiles: dequantising 
 // ---------------------------------------------------------------------------------------------- dispatch
 namespace mtp_kernels {
 
-static int best_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
-    return AVX512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
-  return SCALAR;
-}
-
-static int pick_isa(int64_t isa) {
-  const int best = best_isa();
-  if (isa < 0) return best;
-  TORCH_CHECK(isa <= AVX512, "mtp kernels: unknown isa ", isa, " (0 scalar, 1 avx2, 2 avx512, -1 best)");
-  TORCH_CHECK(isa <= best, "mtp kernels: isa ", isa, " is not supported by this CPU (best: ", best, ")");
-  return int(isa);
-}
+using mtp_isa::best_isa;  // isa.h: shared with the layer ops
+using mtp_isa::pick_isa;
 
 int64_t cpu_isa() { return best_isa(); }
 
