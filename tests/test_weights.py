@@ -221,3 +221,128 @@ def test_adapters_added_after_attach_keep_the_kernel_path_and_its_bits():
         masked = tokens.clone()
         masked[0, -2:] = model.config.mask_token_id
         assert torch.isfinite(model(masked)).all()
+
+
+def per_op_layer(x, cos, sin, mask, kc, vc, rows, positions, ws, bias, H, Hkv, eps, int8):
+    """The per-op path of one decoder layer (Block.forward with the kernels attached), op by op."""
+    from mtp.core.kernels.qlinear import linear, linear_int8
+
+    ln1, qkv_w, o_w, ln2, gu_w, down_w = ws
+
+    def lin(a, w):
+        return linear_int8(a, w) if int8 and w.fmt != "f32" else linear(a, w)
+
+    ops = torch.ops.mtp
+    B, T, D = x.shape
+    hd = qkv_w.shape[0] // (H + 2 * Hkv)
+    x2 = x.reshape(-1, D)
+    qkv = lin(ops.rmsnorm(x2, ln1, eps), qkv_w)
+    if bias is not None:
+        qkv = qkv + bias
+    q = ops.rope(qkv[:, : H * hd].view(B, T, H, hd), cos, sin)
+    k = ops.rope(qkv[:, H * hd : (H + Hkv) * hd].view(B, T, Hkv, hd), cos, sin)
+    v = qkv[:, (H + Hkv) * hd :].view(B, T, Hkv, hd).transpose(1, 2)
+    ops.kv_write(kc, vc, rows, positions, k, v)
+    S = mask.shape[-1]
+    y = ops.attention(q, kc[rows, :, :S], vc[rows, :, :S], mask, 1.0 / math.sqrt(hd))
+    x1 = x2 + lin(y.view(B * T, -1), o_w)
+    gu = lin(ops.rmsnorm(x1, ln2, eps), gu_w)
+    n = gu.shape[1] // 2
+    return (x1 + lin(ops.silu_mul(gu[:, :n], gu[:, n:]), down_w)).view(B, T, D)
+
+
+@pytest.mark.parametrize(
+    "fmt,int8,bias",
+    [("f32", False, True), ("q8_0", False, False), ("q4_0", True, True), ("q4_1", False, False)]
+    + [("q4_1", True, False), ("q8_0", True, False)],
+)
+def test_whole_layer_call_has_the_per_op_bits(fmt, int8, bias):
+    """mtp::decoder_layer (one call) gives exactly the bits of the layer's ops run one by one, in every
+    weight format, with int8 activations, a q/k/v bias and cache rows other than the batch order."""
+    from mtp.core.kernels.layer import bind_layer
+    from mtp.core.kernels.qlinear import KernelWeight
+
+    g = torch.Generator().manual_seed(3)
+    B, T, D, H, Hkv, hd, inter, cap, eps = 2, 3, 64, 4, 2, 16, 96, 20, 1e-5
+
+    def w(n, k):
+        return KernelWeight.quantize(torch.randn(n, k, generator=g) * 0.2, fmt)
+
+    ws = [torch.rand(D, generator=g) + 0.5, w((H + 2 * Hkv) * hd, D), w(D, H * hd), torch.rand(D, generator=g) + 0.5]
+    ws += [w(2 * inter, D), w(D, inter)]
+    b = torch.randn((H + 2 * Hkv) * hd, generator=g) if bias else None
+    x = torch.randn(B, T, D, generator=g)
+    positions = torch.tensor([[5, 6, 7], [5, 6, 7]])
+    cos, sin = torch.rand(B, 1, T, hd, generator=g), torch.rand(B, 1, T, hd, generator=g)
+    mask = (torch.rand(B, 1, T, 8, generator=g) > 0.3) | (torch.arange(8) == 0)  # a tree-like layout
+    rows = torch.tensor([2, 0])
+    kc0, vc0 = torch.randn(3, Hkv, cap, hd, generator=g), torch.randn(3, Hkv, cap, hd, generator=g)
+    run = bind_layer(ws[0], ws[1], b, ws[2], ws[3], ws[4], ws[5], H, Hkv, eps, int8)
+    kc, vc = kc0.clone(), vc0.clone()
+    with torch.inference_mode():
+        got = run(x, cos, sin, mask, kc, vc, rows, positions)
+        kr, vr = kc0.clone(), vc0.clone()
+        ref = per_op_layer(x, cos, sin, mask, kr, vr, rows, positions, ws, b, H, Hkv, eps, int8)
+    assert torch.equal(got, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert not torch.equal(kc, kc0)  # the block's keys were written
+    with pytest.raises(ValueError, match="do not fit a qkv"):
+        bind_layer(ws[0], ws[1], b, ws[2], ws[3], ws[4], ws[5], 3, 2, eps, int8)
+
+
+def run_passes(model, blocks):
+    """Logits of a sequence of (tokens, positions, slots) passes over one 3-row cache."""
+    cache = KVCache.for_model(model, 3, 64)
+    with torch.inference_mode():
+        return [model(t, p, cache, slots=s) for t, p, s in blocks]
+
+
+def test_model_runs_whole_layers_with_the_per_op_bits(monkeypatch):
+    """A model with the kernels attached runs each layer as one call in cached passes (counted), with
+    the logits of the per-op path bit for bit, batch rows mapped to other cache rows included."""
+    model = tiny_model(6)
+    weights.attach(model, "float32")
+    assert all(layer.kernel_layer is not None for layer in model.layers)
+    g = torch.Generator().manual_seed(4)
+    blocks = [
+        (torch.randint(0, 97, (2, 6), generator=g), torch.arange(6).expand(2, 6), torch.tensor([2, 0])),
+        (torch.randint(0, 97, (2, 3), generator=g), torch.arange(6, 9).expand(2, 3), torch.tensor([2, 0])),
+        (torch.randint(0, 97, (1, 4), generator=g), torch.arange(9, 13).view(1, 4), torch.tensor([0])),
+    ]
+    calls = []
+    for layer in model.layers:
+        run = layer.kernel_layer
+        monkeypatch.setattr(layer, "kernel_layer", lambda *a, run=run: calls.append(1) or run(*a))
+    whole = run_passes(model, blocks)
+    assert len(calls) == 3 * len(model.layers)
+    for layer in model.layers:
+        monkeypatch.setattr(layer, "kernel_layer", None)
+    per_op = run_passes(model, blocks)
+    assert all(torch.equal(a, b) for a, b in zip(whole, per_op))
+
+
+def test_whole_layers_serve_plain_passes_of_an_adapter_model_and_step_aside_for_gated_ones():
+    """LoRA adapters add nothing without a gate: plain passes run whole layers on the base weights; a
+    pass with mask tokens (gate) takes the per-op path through the adapters."""
+    from mtp.core.adapter import add_adapters
+
+    model = tiny_model(7)
+    add_adapters(model, rank=4, alpha=8)
+    for name, p in model.named_parameters():
+        if "lora_b" in name:
+            torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(5))
+    weights.attach(model, "float32")
+    assert all(layer.kernel_layer is not None for layer in model.layers)
+    tokens = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(6))
+    masked = tokens.clone()
+    masked[0, -2:] = model.config.mask_token_id
+    pos = torch.arange(10).view(1, 10)
+    whole = run_passes(model, [(tokens, pos, None), (masked, pos, None)])
+    for layer in model.layers:
+        layer.kernel_layer = None
+    per_op = run_passes(model, [(tokens, pos, None), (masked, pos, None)])
+    assert torch.equal(whole[0], per_op[0]) and torch.equal(whole[1], per_op[1])
+    with torch.inference_mode():
+        gated = run_passes(model, [(masked, pos, None)])
+        model.adapters_enabled = False
+        base = run_passes(model, [(masked, pos, None)])
+    assert not torch.equal(gated[0], base[0])  # the gated pass did go through the adapters

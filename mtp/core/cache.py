@@ -71,6 +71,14 @@ class KVCache:
         self.k[:, row, :, dst] = self.k[:, row, :, idx]
         self.v[:, row, :, dst] = self.v[:, row, :, idx]
 
+    def prefix_length(self, positions: torch.Tensor) -> int:
+        """S = max(positions) + 1: the cache slots a pass writing `positions` [B, T] reads; refused
+        beyond the capacity."""
+        S = int(positions.max()) + 1
+        if S > self.capacity:
+            raise ValueError(f"position {S - 1} is beyond the KV cache capacity {self.capacity}")
+        return S
+
     def writer(self, layer: int, positions: torch.Tensor, slots: torch.Tensor | None):
         """A function (k, v) -> (keys, values) for one layer's attention.
 
@@ -78,9 +86,7 @@ class KVCache:
         batch's cache rows and returns that rows' cache prefix [B, kv_heads, S, head_dim] with
         S = max(positions) + 1.
         """
-        S = int(positions.max()) + 1
-        if S > self.capacity:
-            raise ValueError(f"position {S - 1} is beyond the KV cache capacity {self.capacity}")
+        S = self.prefix_length(positions)
         kc, vc = self.k[layer], self.v[layer]
         fast_writes = kernels.loaded()  # the kernel library's kv_write (same bytes, fewer calls)
 

@@ -339,6 +339,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
+    # the whole layer in one kernel call (mtp.core.weights.attach; mtp/core/kernels/layer.py):
+    # (x, cos, sin, mask, kc, vc, rows, positions) -> x, for passes with a KV cache and no adapter gate
+    kernel_layer: Callable | None = None
+    kernel_from: tuple = ()  # the Linears whose weights it holds (their versions say whether it is current)
+
     def forward(self, x, cos, sin, mask, kv=None, gate=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, gate)
         return x + self.mlp(self.post_attention_layernorm(x), gate)
@@ -462,14 +467,15 @@ class Transformer(nn.Module):
         else:
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, 1, T, T)
         taken = {}
+        writes = positions if cache_positions is None else cache_positions
+        whole = _whole_layers(x, cos, mask, cache, writes, slots, gate)  # (mask, rows) for kernel_layer, or None
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 taken[i] = x
-            kv = (
-                cache.writer(i, positions if cache_positions is None else cache_positions, slots)
-                if cache is not None
-                else None
-            )
+            if whole is not None and layer.kernel_layer is not None and fused_current(layer.kernel_from):
+                x = layer.kernel_layer(x, cos, sin, whole[0], cache.k[i], cache.v[i], whole[1], writes)
+                continue
+            kv = cache.writer(i, writes, slots) if cache is not None else None
             x = layer(x, cos, sin, mask, kv, gate)
         if not aux_layers:
             return x
@@ -486,6 +492,23 @@ class Transformer(nn.Module):
             x = x.gather(1, out_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         logits = self.lm_head(self.norm(x))
         return (logits, x) if return_hidden else logits
+
+
+def _whole_layers(x, cos, mask, cache, writes, slots, gate):
+    """(mask [B, 1, T, S], rows [B]) when this pass can run layers as one kernel call each (float32 CPU
+    rows without autograd or adapter gate, a float32 KV cache, a bool mask over exactly the slots the
+    cache writer would show: S = max(writes) + 1); else None (the per-op path)."""
+    if gate is not None or cache is None or not kernel_rows(x) or cos.dtype != torch.float32:
+        return None
+    k = getattr(cache, "k", None)
+    if not isinstance(k, torch.Tensor) or k.dtype != torch.float32 or not k.is_cpu or mask.dtype != torch.bool:
+        return None
+    B, T = x.shape[:2]
+    S = cache.prefix_length(writes)  # checks the capacity, as the writer does
+    if mask.shape[-1] != S:
+        return None
+    rows = torch.arange(B) if slots is None else slots
+    return mask.expand(B, 1, T, S), rows
 
 
 def add_mask_token(model: Transformer, n_used_tokens: int | None = None, seed: int = 0) -> int:

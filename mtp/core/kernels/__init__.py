@@ -50,9 +50,11 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("matmul.cpp", "layer_ops.cpp")]  # compiled into one library
+SOURCES = [
+    Path(__file__).with_name(n) for n in ("matmul.cpp", "layer_ops.cpp", "layer.cpp")
+]  # compiled into one library
 HEADERS = [
-    Path(__file__).with_name(n) for n in ("isa.h", "matmul_driver.h", "matmul_i8.h", "layer_ops.h")
+    Path(__file__).with_name(n) for n in ("isa.h", "ops.h", "matmul_driver.h", "matmul_i8.h", "layer_ops.h")
 ]  # included (hashed)
 CFLAGS = [
     "-O3",

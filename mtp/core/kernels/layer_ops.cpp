@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include "isa.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,20 +29,6 @@
 #include <vector>
 
 namespace mtp_layer_ops {
-
-struct Attn {
-  const float* q;
-  int64_t qs[3];  // strides of q's B, H, T
-  const float* k;
-  int64_t ks[3];  // strides of k's B, Hkv, S
-  const float* v;
-  int64_t vs[3];
-  const uint8_t* mask;
-  int64_t ms[4];  // strides of the mask's B, H (0 when broadcast), T, S
-  float* y;       // [B, T, H, hd]
-  int64_t B, H, Hkv, T, S, hd;
-  float scale;
-};
 
 namespace scalar {
 constexpr int kIsa = 0;
@@ -113,15 +100,20 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
          T,
          S,
          hd,
-         float(scale)};
-  const int64_t rows = B * H * T;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, S * hd));
+         float(scale),
+         nullptr};
+  attend_all(a, isa);
+  return y;
+}
+
+void attend_all(const Attn& a, int isa) {
+  const int64_t rows = a.B * a.H * a.T;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, a.S * a.hd));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     if (isa == 2) avx512::attend(a, r0, r1);
     else if (isa == 1) avx2::attend(a, r0, r1);
     else scalar::attend(a, r0, r1);
   });
-  return y;
 }
 
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa_arg) {

@@ -88,8 +88,9 @@ static void attend(const Attn& a, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; r++) {
     const int64_t b = r / (a.H * a.T), h = (r / a.T) % a.H, t = r % a.T, kvh = h / group;
     const float* q = a.q + b * a.qs[0] + h * a.qs[1] + t * a.qs[2];
-    const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
-    const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
+    const int64_t kr = a.krow ? a.krow[b] : b;  // the batch row's cache row
+    const float* kb = a.k + kr * a.ks[0] + kvh * a.ks[1];
+    const float* vb = a.v + kr * a.vs[0] + kvh * a.vs[1];
     const uint8_t* mrow = a.mask + b * a.ms[0] + h * a.ms[1] + t * a.ms[2];
     float* y = a.y + ((b * a.T + t) * a.H + h) * a.hd;
     int64_t n = 0;

@@ -36,6 +36,7 @@
 #include <immintrin.h>
 
 #include "isa.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -513,6 +514,11 @@ at::Tensor linear_q4_0_i8(const at::Tensor& x, const at::Tensor& w, int64_t n, i
 }
 at::Tensor linear_q4_1_i8(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t isa) {
   return linear_i8_impl(Q4_1, x, w, n, isa);
+}
+
+at::Tensor linear_any(int64_t fmt, bool int8, const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t isa) {
+  TORCH_CHECK(fmt >= F32 && fmt <= Q4_1 && !(int8 && fmt == F32), "mtp kernels: unknown weight format ", fmt);
+  return int8 ? linear_i8_impl(int(fmt), x, w, n, isa) : linear_impl(int(fmt), x, w, isa);
 }
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t isa) { return linear_impl(F32, x, w, isa); }

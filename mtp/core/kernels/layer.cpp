@@ -1,0 +1,109 @@
+// One decoder layer of a llama-style model in one call, as a torch custom op (the lean pass of issue 49):
+//
+//   mtp::decoder_layer(x [B, T, D], cos, sin [B, 1, T, hd], mask [B, 1, T, S] bool,
+//                      kc, vc [rows, Hkv, capacity, hd] (this layer's KV cache, written in place),
+//                      rows [B] int64 (the batch's cache rows), positions [B, T] int64 (the cache slots written),
+//                      weights [ln1 [D], qkv, o, ln2 [D], gate_up, down], qkv_bias [(H + 2 Hkv) hd] or None,
+//                      formats [4], sizes [4] (qkv, o, gate_up, down: format code + 4 when int8, output size),
+//                      n_heads, n_kv_heads, eps, scale, isa, isa_i8) -> [B, T, D]
+//
+// It runs the per-op path of mtp/core/model.py (Block.forward with the kernels attached) step for step, on the same
+// C++ functions, so its result has the same bits; only the dispatcher and Python between the steps are gone:
+//   h = rmsnorm(x);  qkv = h @ Wqkv (+ bias);  q, k = rope(q), rope(k);  write k, v at (rows, positions)
+//   a = attention(q over the cache rows' slots 0..S-1 the mask shows);  x1 = x + a @ Wo
+//   g, u = rmsnorm(x1) @ Wgate_up;  y = x1 + silu_mul(g, u) @ Wdown
+// Weights: a format code 0-3 is float32 / Q8_0 / Q4_0 / Q4_1 as the linear_* ops take it; 4 + code is the same
+// format in the i8 packing with int8 activations (linear_*_i8).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "isa.h"
+#include "ops.h"
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace mtp_layer {
+
+using at::Tensor;
+
+static Tensor linear(const Tensor& x, const Tensor& w, int64_t code, int64_t n, int64_t isa, int64_t isa_i8) {
+  const bool int8 = code >= 4;
+  return mtp_kernels::linear_any(int8 ? code - 4 : code, int8, x, w, n, int8 ? isa_i8 : isa);
+}
+
+Tensor decoder_layer(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& mask, Tensor kc, Tensor vc,
+                     const Tensor& rows, const Tensor& positions, at::TensorList w, const std::optional<Tensor>& qkv_bias,
+                     at::IntArrayRef formats, at::IntArrayRef sizes, int64_t n_heads, int64_t n_kv_heads, double eps,
+                     double scale, int64_t isa, int64_t isa_i8) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "mtp decoder_layer: x must be a float32 CPU [B, T, D] tensor");
+  TORCH_CHECK(w.size() == 6 && formats.size() == 4 && sizes.size() == 4,
+              "mtp decoder_layer: 6 weights (ln1, qkv, o, ln2, gate_up, down), 4 formats, 4 sizes");
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), H = n_heads, Hkv = n_kv_heads;
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && sizes[0] % (H + 2 * Hkv) == 0,
+              "mtp decoder_layer: ", H, " query heads, ", Hkv, " key heads and a qkv of ", sizes[0], " outputs disagree");
+  const int64_t hd = sizes[0] / (H + 2 * Hkv), I = sizes[2] / 2;
+  TORCH_CHECK(sizes[1] == D && sizes[3] == D && sizes[2] % 2 == 0, "mtp decoder_layer: o and down must give D = ", D,
+              " outputs, gate_up an even number");
+  TORCH_CHECK(kc.dim() == 4 && kc.size(1) == Hkv && kc.size(3) == hd, "mtp decoder_layer: the cache must be [rows, ",
+              Hkv, ", capacity, ", hd, "]");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == B && mask.size(1) == 1 &&
+                  mask.size(2) == T && mask.size(3) <= kc.size(2),
+              "mtp decoder_layer: mask must be bool [B, 1, T, S] with S within the cache capacity");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.size(0) == B && rows.is_contiguous(),
+              "mtp decoder_layer: rows must be a contiguous int64 [B] tensor");
+  const int64_t S = mask.size(3);
+  const Tensor x2 = x.reshape({B * T, D});
+
+  // attention half: x1 = x + attention(rmsnorm(x)) @ Wo
+  const Tensor h = mtp_layer_ops::rmsnorm(x2, w[0], eps, -1);
+  Tensor qkv = linear(h, w[1], formats[0], sizes[0], isa, isa_i8);  // [B T, (H + 2 Hkv) hd]
+  if (qkv_bias.has_value()) qkv = at::add(qkv, *qkv_bias);
+  const Tensor q = mtp_layer_ops::rope(qkv.narrow(1, 0, H * hd).view({B, T, H, hd}), cos, sin);           // [B, H, T, hd]
+  const Tensor k = mtp_layer_ops::rope(qkv.narrow(1, H * hd, Hkv * hd).view({B, T, Hkv, hd}), cos, sin);  // [B, Hkv, T, hd]
+  const Tensor v = qkv.narrow(1, (H + Hkv) * hd, Hkv * hd).view({B, T, Hkv, hd}).transpose(1, 2);
+  mtp_layer_ops::kv_write(kc, vc, rows, positions, k, v);  // checks rows and slots against the cache
+  Tensor a = at::empty({B, T, H, hd}, x.options());
+  if (a.numel()) {
+    mtp_layer_ops::Attn at{q.data_ptr<float>(),
+                           {q.stride(0), q.stride(1), q.stride(2)},
+                           kc.data_ptr<float>(),
+                           {kc.stride(0), kc.stride(1), kc.stride(2)},
+                           vc.data_ptr<float>(),
+                           {vc.stride(0), vc.stride(1), vc.stride(2)},
+                           reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()),
+                           {mask.stride(0), 0, mask.stride(2), mask.stride(3)},
+                           a.data_ptr<float>(),
+                           B,
+                           H,
+                           Hkv,
+                           T,
+                           S,
+                           hd,
+                           float(scale),
+                           rows.data_ptr<int64_t>()};
+    mtp_layer_ops::attend_all(at, mtp_isa::pick_isa(-1));
+  }
+  const Tensor x1 = at::add(x2, linear(a.view({B * T, H * hd}), w[2], formats[1], sizes[1], isa, isa_i8));
+
+  // MLP half: y = x1 + silu(g) u @ Wdown, [g, u] = rmsnorm(x1) @ Wgate_up
+  const Tensor gu = linear(mtp_layer_ops::rmsnorm(x1, w[3], eps, -1), w[4], formats[2], sizes[2], isa, isa_i8);
+  const Tensor s = mtp_layer_ops::silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I), -1);
+  return at::add(x1, linear(s, w[5], formats[3], sizes[3], isa, isa_i8)).view({B, T, D});
+}
+
+}  // namespace mtp_layer
+
+TORCH_LIBRARY_FRAGMENT(mtp, m) {
+  m.def(
+      "decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor mask, Tensor(a!) kc, Tensor(b!) vc, Tensor rows, "
+      "Tensor positions, Tensor[] weights, Tensor? qkv_bias, int[] formats, int[] sizes, int n_heads, int n_kv_heads, "
+      "float eps, float scale, int isa=-1, int isa_i8=-1) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtp, CPU, m) { m.impl("decoder_layer", &mtp_layer::decoder_layer); }
