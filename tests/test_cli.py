@@ -125,3 +125,11 @@ def test_console_script_exits_nonzero_without_traceback():
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "K must be >= 1" in proc.stderr
+
+
+def test_generate_quantize_runs_and_needs_pack(tiny_hf_dir, capsys):
+    args = ["generate", "Hello", "--model", str(tiny_hf_dir), "--adapter", "none", "--max-new-tokens", "5"]
+    code, out, _ = run_cli([*args, "--quantize", "q8_0", "--json"], capsys)
+    assert code == 0 and len(json.loads(out)["token_ids"]) == 5
+    code, _, err = run_cli([*args, "--quantize", "q4_1", "--no-pack"], capsys)
+    assert code == 2 and err.strip().endswith("drop --no-pack") and len(err.strip().splitlines()) == 1

@@ -346,3 +346,29 @@ def test_whole_layers_serve_plain_passes_of_an_adapter_model_and_step_aside_for_
         model.adapters_enabled = False
         base = run_passes(model, [(masked, pos, None)])
     assert not torch.equal(gated[0], base[0])  # the gated pass did go through the adapters
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_quantize_makes_a_float32_model_its_quantised_self_on_every_path(fmt):
+    """`--quantize`: the linears become blocks (run by `native`), the float32 weights their dequantised
+    values, so `native` and `float32` give the same bits, rows stay invariant, and the model moved."""
+    model = tiny_model(8)
+    tokens = torch.randint(0, 97, (25,), generator=torch.Generator().manual_seed(7)).tolist()
+    weights.attach(model, "float32")
+    before = passes(model, tokens, [24])
+    line = weights.attach(model, "native", quantize=fmt)
+    assert f"{fmt} linears" in line and f"quantised to {fmt} at load (" in line  # 14 projections + the head
+    q = model.layers[0].self_attn.o_proj.kernel[0]
+    assert q.fmt == fmt and torch.equal(q.dequantize(), model.layers[0].self_attn.o_proj.weight)
+    native = passes(model, tokens, [24])
+    assert torch.equal(passes(model, tokens, [1] * 24), native) and not torch.equal(native, before)
+    weights.attach(model, "float32")
+    assert torch.equal(passes(model, tokens, [5, 19]), native)
+
+
+def test_quantize_bad_input_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"^--quantize 'q5_k': expected one of q8_0, q4_0, q4_1$"):
+        weights.check_quantize("q5_k")
+    with pytest.raises(ValueError, match="whose weights are already blocks"):
+        weights.check_quantize("q4_1", tmp_path / "model.gguf")
+    assert weights.check_quantize(None, tmp_path / "model.gguf") is None

@@ -12,7 +12,7 @@ from mtp.core.engine import EngineConfig
 from mtp.core.proposers import AUTO, SHIPPED_DEFAULT, check_proposer, resolve_default
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
-from mtp.core.weights import check_weights
+from mtp.core.weights import QUANTIZE, check_weights
 
 
 def add_model_args(p: argparse.ArgumentParser, proposer_default: str = "mask") -> None:
@@ -45,6 +45,13 @@ def add_model_args(p: argparse.ArgumentParser, proposer_default: str = "mask") -
         "batch-invariant kernels, float32 where the model has no blocks; the float32 model's exact "
         "arithmetic), native-int8 (the same blocks with int8 activations: faster, other text), float32 (the "
         "kernels on float32 weights), torch (oneDNN-packed float32, not batch-invariant)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE,
+        default=None,
+        help="quantise a float32 (safetensors) checkpoint's linears to these GGUF blocks at load, so --weights "
+        "native runs them (the model becomes the quantised model on every path); GGUF models are blocks already",
     )
     p.add_argument(
         "--pack",
@@ -87,6 +94,7 @@ def engine_config(args) -> EngineConfig:
         device=check_device(args.device),
         pack=getattr(args, "pack", True),
         weights=check_weights(getattr(args, "weights", "native")),
+        quantize=getattr(args, "quantize", None),
     )
 
 

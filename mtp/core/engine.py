@@ -24,7 +24,7 @@ from mtp.core.metrics import DecodeStats, accepted_by_proposer
 from mtp.core.proposers import MergedProposer, Proposer, check_proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
-from mtp.core.weights import attach
+from mtp.core.weights import attach, check_quantize
 
 SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads per embedded model
 TREE_SUFFIX = "/tree"  # EngineConfig.calibration key of a proposer's tree-node calibration ("heads/tree")
@@ -42,6 +42,7 @@ class EngineConfig:
     device: str = "cpu"
     pack: bool = True  # prepare the weights for inference (False: training, which takes the torch path)
     weights: str = "native"  # native | float32 | torch: which arithmetic runs the model (mtp.core.weights)
+    quantize: str | None = None  # q8_0 | q4_0 | q4_1: quantise a float32 checkpoint's linears at load (weights.attach)
     calibration: dict = field(default_factory=dict)  # proposer name (chains) or name + '/tree' -> per-depth maps
 
 
@@ -83,7 +84,11 @@ class Engine:
         if config.threads:
             torch.set_num_threads(config.threads)
         spec = check_proposer(config.proposer)
+        check_quantize(config.quantize)
+        if config.quantize is not None and not config.pack:
+            raise ValueError(f"--quantize {config.quantize} prepares the weights for inference: drop --no-pack")
         engine = cls(loading.load(config.model, device=config.device), config)
+        check_quantize(config.quantize, engine.loaded.gguf)  # before any other work on the model
         adapter = engine._resolve_asset(config.adapter, "adapter")
         if adapter is not None:
             load_adapter(engine.model, adapter, n_tokenizer=len(engine.tokenizer))
@@ -92,7 +97,7 @@ class Engine:
             if check_proposer(part).asset is not None:
                 engine._load_asset_proposer(part)
         if config.pack:  # after every weight is final
-            engine.weights_line = attach(engine.model, config.weights, engine.loaded.gguf)
+            engine.weights_line = attach(engine.model, config.weights, engine.loaded.gguf, config.quantize)
         return engine
 
     @property

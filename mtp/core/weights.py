@@ -46,14 +46,67 @@ def check_weights(value: str) -> str:
     return value
 
 
-def attach(model: torch.nn.Module, weights: str = "native", gguf: Path | None = None) -> str:
+QUANTIZE = ("q8_0", "q4_0", "q4_1")
+
+
+def check_quantize(value: str | None, gguf: Path | None = None) -> str | None:
+    """`--quantize` checked: None, or a block format of QUANTIZE for a model that has no GGUF blocks."""
+    if value is None:
+        return None
+    if value not in QUANTIZE:
+        raise ValueError(f"--quantize {value!r}: expected one of {', '.join(QUANTIZE)}")
+    if gguf is not None:
+        raise ValueError(
+            f"--quantize {value}: the model comes from a GGUF file ({Path(gguf).name}) whose weights are already "
+            "blocks; --quantize is for float32 (safetensors) checkpoints"
+        )
+    return value
+
+
+def attach(
+    model: torch.nn.Module, weights: str = "native", gguf: Path | None = None, quantize: str | None = None
+) -> str:
     """Prepare `model` (weights final: adapter loaded, mask token added) for inference with `weights`;
-    `gguf`: the file the model was loaded from, if any (`native` reads its blocks). Returns one line
-    saying what runs, e.g. 'native (kernels, avx512): 210 q4_1, 1 q8_0, 1 f32 linears'."""
+    `gguf`: the file the model was loaded from, if any (`native` reads its blocks). `quantize`
+    (q8_0 / q4_0 / q4_1, models without a GGUF only): every Linear whose input size is a multiple of 32
+    is quantised to that format once, here, with the `gguf` package's quantiser, and its float32
+    weight replaced by the dequantised values, so every path (kernels, torch, training) computes the
+    quantised model; `native` then runs the blocks. Returns one line saying what runs, e.g. 'native
+    (kernels, avx512): 210 q4_1, 1 q8_0, 1 f32 linears'."""
     check_weights(weights)
+    check_quantize(quantize, gguf)
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32:
+        if quantize is not None:
+            raise ValueError(f"--quantize {quantize}: needs a float32 CPU model, this one is {p.dtype} on {p.device}")
         return f"torch ({p.dtype} on {p.device}: the kernels serve float32 CPU models)"
+    quantized = quantize_linears(model, quantize) if quantize is not None else {}
+    line = _attach(model, weights, gguf, quantized)
+    return line if quantize is None else f"{line}; quantised to {quantize} at load ({len(quantized)} linears)"
+
+
+def quantize_linears(model: torch.nn.Module, fmt: str) -> dict:
+    """Quantise every Linear of `model` whose input size is a multiple of 32 to `fmt` blocks (the
+    `gguf` package's quantiser) and write the dequantised values back into its weight (tied weights
+    once); returns parameter name -> KernelWeight."""
+    from mtp.core.kernels.qlinear import KernelWeight
+
+    out, done = {}, {}
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if not isinstance(mod, Linear) or mod.in_features % 32:
+                continue
+            key = name.replace(".base", "") + ".weight"
+            w = mod.weight
+            if id(w) not in done:
+                kw = KernelWeight.quantize(w.detach(), fmt, key)
+                w.copy_(kw.dequantize())
+                done[id(w)] = kw
+            out[key] = done[id(w)]
+    return out
+
+
+def _attach(model: torch.nn.Module, weights: str, gguf: Path | None, quantized: dict) -> str:
     if weights != "torch" and not kernels.load(quiet=True):
         pack_weights(model)
         line = (
@@ -68,7 +121,7 @@ def attach(model: torch.nn.Module, weights: str = "native", gguf: Path | None = 
     from mtp.core.kernels.qlinear import KernelWeight, gguf_weights
 
     native = weights.startswith("native")
-    blocks = gguf_weights(gguf) if native and gguf is not None else {}
+    blocks = (gguf_weights(gguf) if gguf is not None else quantized) if native else {}
     counts: dict[str, int] = {}
     with torch.no_grad():
         for name, mod in model.named_modules():
@@ -101,7 +154,7 @@ def attach(model: torch.nn.Module, weights: str = "native", gguf: Path | None = 
                 mod.kernel_layer, mod.kernel_from = _whole_layer(mod, stacked, int8)
     what = ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     isa = kernels.ISA_NAMES[kernels.resolve_isa(int8=weights == "native-int8")]
-    if native and gguf is None:
+    if native and gguf is None and not quantized:
         return f"{weights} = float32 (kernels, {isa}; the model has no GGUF blocks): {what} linears"
     return f"{weights} (kernels, {isa}): {what} linears"
 
