@@ -372,3 +372,54 @@ def test_quantize_bad_input_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="whose weights are already blocks"):
         weights.check_quantize("q4_1", tmp_path / "model.gguf")
     assert weights.check_quantize(None, tmp_path / "model.gguf") is None
+
+
+def test_proposer_modules_run_on_the_kernels_and_drafts_stay_lossless():
+    """`attach_proposer`: an EAGLE-3 drafter's Linears run on the float32 kernel (float32's values
+    within rounding) or as Q8_0 blocks with int8 activations; trees drafted either way equal `ntp`."""
+    from mtp.core.proposers.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
+
+    model = tiny_model(9)
+    weights.attach(model, "float32")
+    torch.manual_seed(2)
+    drafter = Eagle3Drafter(Eagle3Config.for_model(model.config, 48, (0, 1, 2)))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(std=0.3) if p.dim() == 2 else None
+    drafter.set_vocab(torch.arange(0, 96, 2))
+    proposer = Eagle3Proposer(model, drafter.eval().requires_grad_(False))
+    h = torch.randn(3, 1, model.config.dim, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        torch_logits = drafter.logits(h)
+    assert weights.attach_proposer(proposer, model, "torch") == 0
+    assert weights.attach_proposer(proposer, model, "float32") == 9  # fc, q, k, v, o, gate, up, down, head
+    with torch.inference_mode():
+        kernel_logits = drafter.logits(h)
+    torch.testing.assert_close(kernel_logits, torch_logits, rtol=1e-5, atol=1e-5)
+    prompt = torch.randint(0, 97, (7,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = generate(model, prompt, "ntp", SamplingParams(max_new_tokens=30))
+    assert generate(model, prompt, "tree:8", SamplingParams(max_new_tokens=30), proposer=proposer).output == ref.output
+    assert weights.attach_proposer(proposer, model, "native-int8") == 9
+    assert {m.kernel[0].fmt for m in drafter.modules() if isinstance(m, torch.nn.Linear)} == {"q8_0"}
+    with torch.inference_mode():
+        assert not torch.equal(drafter.logits(h), kernel_logits)  # int8 activations: other bits
+    assert generate(model, prompt, "tree:8", SamplingParams(max_new_tokens=30), proposer=proposer).output == ref.output
+
+
+def test_heads_read_out_through_the_trunks_head_kernel_rows():
+    """The heads' draft-vocabulary readout is the trunk's head kernel on those rows: the same bits as
+    the trunk's full readout at those columns."""
+    from mtp.core.proposers.heads import HeadsConfig, HeadsProposer, MTPHeads
+
+    model = tiny_model(10)
+    weights.attach(model, "float32")
+    heads = MTPHeads(HeadsConfig.for_model(model.config, 3, 0, 0)).eval().requires_grad_(False)
+    heads.draft_vocab = torch.arange(1, 97, 3)
+    proposer = HeadsProposer(model, heads, readout_dtype="float32")
+    assert weights.attach_proposer(proposer, model, "float32") == 3  # one projection per depth
+    h = torch.randn(5, model.config.dim, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        assert torch.equal(proposer.readout(h), model.lm_head(model.norm(h))[:, heads.draft_vocab])
+    prompt = torch.randint(0, 97, (7,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref = generate(model, prompt, "ntp", SamplingParams(max_new_tokens=30))
+    assert generate(model, prompt, "tree:8", SamplingParams(max_new_tokens=30), proposer=proposer).output == ref.output

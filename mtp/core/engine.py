@@ -24,7 +24,7 @@ from mtp.core.metrics import DecodeStats, accepted_by_proposer
 from mtp.core.proposers import MergedProposer, Proposer, check_proposer
 from mtp.core.sampling import SamplingParams
 from mtp.core.strategy import Strategy
-from mtp.core.weights import attach, check_quantize
+from mtp.core.weights import attach, attach_proposer, check_quantize
 
 SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads per embedded model
 TREE_SUFFIX = "/tree"  # EngineConfig.calibration key of a proposer's tree-node calibration ("heads/tree")
@@ -93,11 +93,11 @@ class Engine:
         if adapter is not None:
             load_adapter(engine.model, adapter, n_tokenizer=len(engine.tokenizer))
             engine.adapter_dir = adapter
+        if config.pack:  # after every weight is final (asset proposers never change the model's)
+            engine.weights_line = attach(engine.model, config.weights, engine.loaded.gguf, config.quantize)
         for part in spec.parts or (config.proposer,):
             if check_proposer(part).asset is not None:
                 engine._load_asset_proposer(part)
-        if config.pack:  # after every weight is final
-            engine.weights_line = attach(engine.model, config.weights, engine.loaded.gguf, config.quantize)
         return engine
 
     @property
@@ -133,6 +133,8 @@ class Engine:
             raise ValueError(f"--proposer {name} needs --{spec.asset} DIR (no shipped {spec.asset} for this model)")
         self._loaded_proposers[name] = spec.make(self.model, path)
         self.asset_dirs[spec.asset] = path
+        if self.config.pack:  # its modules on the kernels as the model's (--weights)
+            attach_proposer(self._loaded_proposers[name], self.model, self.config.weights)
         return self._loaded_proposers[name]
 
     def proposer(self, name: str | None = None, wrap=None) -> Proposer:

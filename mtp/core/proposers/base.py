@@ -137,6 +137,11 @@ class Proposer:
         """What `request` asks: at most request.n guesses, a tree (Guesses.parents) or a chain."""
         raise NotImplementedError
 
+    def modules(self) -> list:
+        """The torch modules this proposer runs beside the model (a drafter, heads): what
+        `mtp.core.weights.attach_proposer` puts on the kernels. Default: none."""
+        return []
+
 
 class WrappedProposer(Proposer):
     """A proposer around another one: same name, needs and appended tokens; subclasses change what

@@ -284,6 +284,9 @@ class Eagle3Proposer(Proposer):
         self.ids = drafter.draft_ids().cpu()  # [Vd] target ids
         self.draft_s, self.draft_calls = 0.0, 0
 
+    def modules(self) -> list:
+        return [self.drafter]
+
     def ingest(self, view: PassView) -> torch.Tensor | None:
         """Step (1): extend the sequence's drafter cache by the committed positions; return the
         drafter's hidden state at the last one ([1, 1, dim]), or None if nothing was committed."""

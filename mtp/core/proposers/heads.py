@@ -213,6 +213,15 @@ class HeadsProposer(Proposer):
     def depths(self) -> int:
         return self.heads.config.depths
 
+    def modules(self) -> list:
+        return [self.heads]
+
+    def set_readout(self, readout) -> None:
+        """Read drafts out with `readout` (h [N, dim] -> logits [N, V or Vd] float32, the final norm
+        included; rows `self.vocab` of the output head when there is a draft vocabulary):
+        `mtp.core.weights.attach_proposer` hands the trunk's own head kernel here."""
+        self.readout = readout
+
     def _nodes(self, request: DraftRequest) -> int:
         """Guesses `request` can get: its n (a chain: at most the depths)."""
         return request.n if request.tree else min(request.n, self.depths)
