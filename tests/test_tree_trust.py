@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mtp.core import tree
 
@@ -39,39 +38,3 @@ def test_keep_with_trusted_confidences_drafts_fewer_nodes():
 
     assert len(tree.keep(parents, conf, pass_time)) == 4  # raw: every node pays
     assert tree.keep(parents, tree.trusted(parents, conf, trust), pass_time) == []  # believed: none does
-
-
-def test_tree_auto_drafts_about_twice_what_its_trees_kept():
-    from conftest import tiny_model
-    from mtp.core.cache import KVCache
-    from mtp.core.decode import Sequence, block_slack, decode_step
-    from mtp.core.proposers import PromptLookupProposer
-    from mtp.core.sampling import SamplingParams
-    from mtp.core.strategy import Strategy
-
-    assert [tree.auto_budget(24, k) for k in (None, 0.0, 2.6, 11.0, 30.0)] == [24, 2, 8, 24, 24]
-    assert tree.mean_kept(None, 4) == 4.0 and tree.mean_kept(4.0, 0) == 3.0
-
-    asked = []
-
-    class Recording(PromptLookupProposer):
-        def propose(self, request):
-            asked.append(request.n)
-            return super().propose(request)
-
-    model = tiny_model(0)
-    prompt = [5, 17, 3, 44, 9, 5, 17, 3, 44, 9, 5, 17]
-
-    def run(strategy, proposer, pass_time=None):
-        seq = Sequence(
-            prompt, Strategy.parse(strategy), SamplingParams(max_new_tokens=30), proposer, pass_time=pass_time
-        )
-        cache = KVCache.for_model(model, 1, len(prompt) + 30 + block_slack(seq.strategy.k))
-        with torch.inference_mode():
-            while not seq.finished:
-                decode_step(model, cache, [seq], None)
-        return seq
-
-    auto = run("tree:auto", Recording(), pass_time=lambda q: 1 + 0.5 * q)  # rows dear: few nodes kept
-    assert auto.output == run("ntp", PromptLookupProposer()).output
-    assert asked[0] == 24 and len(asked) > 3 and max(asked[1:]) < 24

@@ -93,7 +93,6 @@ class Sequence:
     pass_time: Callable[[float], float] | None = None  # `tree:auto`: seconds per pass of q tokens (mtp.core.costmodel)
     missed_groups: int = 0  # passes whose acceptance stopped where no mask group followed (no guesses next pass)
     tree_trust: list = field(default_factory=list)  # a tree row's [promised, accepted] per depth (tree.trusted)
-    auto_kept: float | None = None  # `tree:auto`: running mean of the nodes its trees kept (tree.auto_budget)
     logprobs: int | None = None  # record each output token's log-probability and top N (None: nothing recorded)
     prompt_logprobs: bool = False  # with `logprobs`: the prompt tokens' too, from the prefill pass
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, in step with it
@@ -412,7 +411,6 @@ def _draft(seqs: list[Sequence], views: list[PassView]) -> list[_Drafted]:
             appended = lambda n: s.proposer.n_appended(s.strategy.guess_k(s.k), n)  # noqa: E731
             believed = tree.trusted(guesses.parents, guesses.confidences, s.tree_trust)
             guesses = guesses.select(tree.keep(guesses.parents, believed, s.pass_time, appended=appended))
-            s.auto_kept = tree.mean_kept(s.auto_kept, len(guesses))
         out.append(_Drafted(finite_prefix(guesses), seconds, count))
     return out
 
@@ -437,10 +435,10 @@ def _draft_together(seqs: list[Sequence], requests: list[DraftRequest | None]) -
 
 
 def _request(s: Sequence, view: PassView) -> DraftRequest:
-    """What row `s` asks its proposer after a pass: K - 1 guesses, a tree (`tree:N`, never sampled;
-    `tree:auto`: `tree.auto_budget`) or a chain drawn under the row's sampling."""
+    """What row `s` asks its proposer after a pass: K - 1 guesses, a tree (`tree:N`, never sampled)
+    or a chain drawn under the row's sampling."""
     if s.strategy.is_tree:
-        return DraftRequest(view, tree.auto_budget(s.k - 1, s.auto_kept) if s.strategy.auto else s.k - 1, True)
+        return DraftRequest(view, s.k - 1, True)
     return DraftRequest(view, s.k - 1, False, s.params, s.gen)
 
 

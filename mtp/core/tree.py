@@ -55,7 +55,6 @@ as usual.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -253,24 +252,6 @@ def prune(
         [index[parents[j]] if parents[j] >= 0 else -1 for j in kept],
         [confidences[j] for j in kept],
     )
-
-
-AUTO_KEPT_WEIGHT = 0.25  # `tree:auto`: weight of the latest pass in a row's running mean of nodes kept
-
-
-def auto_budget(limit: int, kept: float | None) -> int:
-    """How many nodes a `tree:auto` row drafts: twice the nodes its recent trees kept (`mean_kept`) plus
-    2, at most `limit` (all of it until a tree was kept). Drafting costs per node, and `keep` then keeps
-    only the nodes worth their rows: proposers grow trees best-first, so a smaller tree holds the most
-    confident nodes a larger one would (up to how a proposer spreads its budget over depths), and the
-    drafting saved is mostly of nodes that would have been pruned. It leaves room to grow: a row that
-    keeps all n nodes it drafted drafts 2n + 2 next."""
-    return limit if kept is None else max(1, min(limit, math.ceil(2 * kept) + 2))
-
-
-def mean_kept(mean: float | None, kept: int) -> float:
-    """The running mean of nodes kept after a tree that kept `kept` (`auto_budget`)."""
-    return float(kept) if mean is None else mean + AUTO_KEPT_WEIGHT * (kept - mean)
 
 
 TRUST_PRIOR = 2.0  # passes' worth of "the confidences are right" a row's trust starts with

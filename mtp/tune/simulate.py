@@ -135,7 +135,6 @@ def replay(
         chunks, blocks = [1], [P]  # the prompt's pass emits the first token
         e, state, start = 1, {}, 0  # start: the cache length before the pass that emitted seq[e - 1]
         trust: list = []  # a tree row's record of promised against accepted nodes (tree.trusted), as decoding keeps
-        kept = None  # `tree:auto`: the running mean of nodes kept (tree.auto_budget), as decoding keeps
         with torch.inference_mode():
             while e < len(seq):
                 # that pass committed positions start .. P + e - 2 (the prompt's pass: the whole prompt)
@@ -149,14 +148,12 @@ def replay(
                     state=state,
                 )
                 t0 = time.perf_counter()
-                budget = tree.auto_budget(strategy.k - 1, kept) if strategy.auto else strategy.k - 1
-                g = prop.propose(DraftRequest(view, budget, strategy.is_tree))
+                g = prop.propose(DraftRequest(view, strategy.k - 1, strategy.is_tree))
                 proposing_s += time.perf_counter() - t0
                 guesses += len(g)
                 if strategy.auto and g.tokens:
                     believed = tree.trusted(g.parents, g.confidences, trust)
                     g = g.select(tree.keep(g.parents, believed, engine.pass_time()))
-                    kept = tree.mean_kept(kept, len(g))
                 elif not strategy.is_tree:
                     g = g.prefix(strategy.k - 1)
                 a = accepted(g, seq[e:], strategy.is_tree)
