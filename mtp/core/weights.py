@@ -96,7 +96,7 @@ def quantize_linears(model: torch.nn.Module, fmt: str) -> dict:
         for name, mod in model.named_modules():
             if not isinstance(mod, Linear) or mod.in_features % 32:
                 continue
-            key = name.replace(".base", "") + ".weight"
+            key = _param_name(name)
             w = mod.weight
             if id(w) not in done:
                 kw = KernelWeight.quantize(w.detach(), fmt, key)
@@ -120,26 +120,21 @@ def _attach(model: torch.nn.Module, weights: str, gguf: Path | None, quantized: 
         return "torch (oneDNN-packed float32, not batch-invariant)"
     from mtp.core.kernels.qlinear import KernelWeight, gguf_weights
 
-    native = weights.startswith("native")
+    native, int8 = weights.startswith("native"), weights == "native-int8"
     blocks = (gguf_weights(gguf) if gguf is not None else quantized) if native else {}
     counts: dict[str, int] = {}
     with torch.no_grad():
         for name, mod in model.named_modules():
             if isinstance(mod, Linear):
-                w = mod.weight.detach()
-                key = name.replace(".base", "") + ".weight"  # an adapter's LoRALinear wraps the Linear as .base
+                w, key = mod.weight.detach(), _param_name(name)
                 parts = _native_parts(blocks.get(key), w) or [KernelWeight.from_float(w.contiguous(), key)]
-                int8 = weights == "native-int8"
-                mod.kernel, mod.kernel_version = parts, mod.weight._version
-                mod.kernel_call = kernel_call(parts, mod.bias, int8)
-                mod.packed = mod.packed_bias = None
+                _bind(mod, parts, int8)
                 for part in parts:
                     counts[part.fmt] = counts.get(part.fmt, 0) + 1
             elif isinstance(mod, (RMSNorm, Attention, MLP)):
                 mod.fast = True
             elif hasattr(mod, "unpack"):  # an adapter's fused oneDNN weights
                 mod.unpack()
-        int8 = weights == "native-int8"
         stacked = {}
         for mod in model.modules():  # projections read from one input: one call (output columns independent)
             if isinstance(mod, Attention):
@@ -153,7 +148,7 @@ def _attach(model: torch.nn.Module, weights: str, gguf: Path | None, quantized: 
             if isinstance(mod, Block):
                 mod.kernel_layer, mod.kernel_from = _whole_layer(mod, stacked, int8)
     what = ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-    isa = kernels.ISA_NAMES[kernels.resolve_isa(int8=weights == "native-int8")]
+    isa = kernels.ISA_NAMES[kernels.resolve_isa(int8=int8)]
     if native and gguf is None and not quantized:
         return f"{weights} = float32 (kernels, {isa}; the model has no GGUF blocks): {what} linears"
     return f"{weights} (kernels, {isa}): {what} linears"
@@ -182,8 +177,7 @@ def attach_proposer(proposer, model: torch.nn.Module, weights: str = "native") -
                         continue
                     q = int8 and mod.in_features % 32 == 0
                     kw = KernelWeight.quantize(w, "q8_0", name) if q else KernelWeight.from_float(w.contiguous(), name)
-                    mod.kernel, mod.kernel_version = [kw], mod.weight._version
-                    mod.kernel_call, mod.packed = kernel_call([kw], mod.bias, int8), None
+                    _bind(mod, [kw], int8)
                     n += 1
                 elif isinstance(mod, RMSNorm):
                     mod.fast = True
@@ -211,6 +205,18 @@ def _head_rows(model: torch.nn.Module, rows: torch.Tensor | None, int8: bool):
         return None
     call = kernel_call([KernelWeight(first.fmt, first.data[rows], first.name + "[draft vocab]")], None, int8)
     return lambda h: call(model.norm(h))
+
+
+def _param_name(module_name: str) -> str:
+    """A Linear's weight under the model's parameter names (an adapter's LoRALinear wraps it as `.base`)."""
+    return module_name.replace(".base", "") + ".weight"
+
+
+def _bind(mod: Linear, parts: list, int8: bool) -> None:
+    """Run Linear `mod` on these kernel parts from now on (while its weight is unchanged)."""
+    mod.kernel, mod.kernel_version = parts, mod.weight._version
+    mod.kernel_call = kernel_call(parts, mod.bias, int8)
+    mod.packed = mod.packed_bias = None
 
 
 def kernel_call(parts: list, bias: torch.Tensor | None, int8: bool):

@@ -69,26 +69,8 @@ Tensor decoder_layer(const Tensor& x, const Tensor& cos, const Tensor& sin, cons
   const Tensor v = qkv.narrow(1, (H + Hkv) * hd, Hkv * hd).view({B, T, Hkv, hd}).transpose(1, 2);
   mtp_layer_ops::kv_write(kc, vc, rows, positions, k, v);  // checks rows and slots against the cache
   Tensor a = at::empty({B, T, H, hd}, x.options());
-  if (a.numel()) {
-    mtp_layer_ops::Attn at{q.data_ptr<float>(),
-                           {q.stride(0), q.stride(1), q.stride(2)},
-                           kc.data_ptr<float>(),
-                           {kc.stride(0), kc.stride(1), kc.stride(2)},
-                           vc.data_ptr<float>(),
-                           {vc.stride(0), vc.stride(1), vc.stride(2)},
-                           reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()),
-                           {mask.stride(0), 0, mask.stride(2), mask.stride(3)},
-                           a.data_ptr<float>(),
-                           B,
-                           H,
-                           Hkv,
-                           T,
-                           S,
-                           hd,
-                           float(scale),
-                           rows.data_ptr<int64_t>()};
-    mtp_layer_ops::attend_all(at, mtp_isa::pick_isa(-1));
-  }
+  if (a.numel())  // over the cache rows of the batch, slots 0..S-1 as the mask shows
+    mtp_layer_ops::attend_into(q, kc, vc, mask, S, scale, rows.data_ptr<int64_t>(), a, mtp_isa::pick_isa(-1));
   const Tensor x1 = at::add(x2, linear(a.view({B * T, H * hd}), w[2], formats[1], sizes[1], isa, isa_i8));
 
   // MLP half: y = x1 + silu(g) u @ Wdown, [g, u] = rmsnorm(x1) @ Wgate_up

@@ -30,6 +30,21 @@
 
 namespace mtp_layer_ops {
 
+struct Attn {
+  const float* q;
+  int64_t qs[3];  // strides of q's B, H, T
+  const float* k;
+  int64_t ks[3];  // strides of k's row, Hkv, S
+  const float* v;
+  int64_t vs[3];
+  const uint8_t* mask;
+  int64_t ms[4];  // strides of the mask's B, H (0 when broadcast), T, S
+  float* y;       // [B, T, H, hd]
+  int64_t B, H, Hkv, T, S, hd;
+  float scale;
+  const int64_t* krow;  // batch row -> key/value row (nullptr: the same)
+};
+
 namespace scalar {
 constexpr int kIsa = 0;
 #include "layer_ops.h"
@@ -85,28 +100,29 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               "mtp layer ops: mask must be [B, 1 or H, T, S] = [", B, ", 1, ", T, ", ", S, "]");
   at::Tensor y = at::empty({B, T, H, hd}, q.options());
   if (y.numel() == 0) return y;
-  Attn a{q.data_ptr<float>(),
-         {q.stride(0), q.stride(1), q.stride(2)},
-         k.data_ptr<float>(),
-         {k.stride(0), k.stride(1), k.stride(2)},
-         v.data_ptr<float>(),
-         {v.stride(0), v.stride(1), v.stride(2)},
-         reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()),
-         {mask.stride(0), mask.size(1) == 1 ? 0 : mask.stride(1), mask.stride(2), mask.stride(3)},
-         y.data_ptr<float>(),
-         B,
-         H,
-         Hkv,
-         T,
-         S,
-         hd,
-         float(scale),
-         nullptr};
-  attend_all(a, isa);
+  attend_into(q, k, v, mask, S, scale, nullptr, y, isa);
   return y;
 }
 
-void attend_all(const Attn& a, int isa) {
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, int64_t S,
+                 double scale, const int64_t* krow, at::Tensor& y, int isa) {
+  const Attn a{q.data_ptr<float>(),
+               {q.stride(0), q.stride(1), q.stride(2)},
+               k.data_ptr<float>(),
+               {k.stride(0), k.stride(1), k.stride(2)},
+               v.data_ptr<float>(),
+               {v.stride(0), v.stride(1), v.stride(2)},
+               reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()),
+               {mask.stride(0), mask.size(1) == 1 ? 0 : mask.stride(1), mask.stride(2), mask.stride(3)},
+               y.data_ptr<float>(),
+               q.size(0),
+               q.size(1),
+               k.size(1),
+               q.size(2),
+               S,
+               q.size(3),
+               float(scale),
+               krow};
   const int64_t rows = a.B * a.H * a.T;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, a.S * a.hd));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {

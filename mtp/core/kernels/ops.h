@@ -17,24 +17,12 @@ at::Tensor linear_any(int64_t fmt, bool int8, const at::Tensor& x, const at::Ten
 
 namespace mtp_layer_ops {
 
-// one attention problem: query rows q [B, H, T, hd] (strided) over keys and values [*, Hkv, S, hd] (strided);
-// krow maps batch row b to the key/value row (nullptr: b itself; a KV cache's rows otherwise)
-struct Attn {
-  const float* q;
-  int64_t qs[3];  // strides of q's B, H, T
-  const float* k;
-  int64_t ks[3];  // strides of k's row, Hkv, S
-  const float* v;
-  int64_t vs[3];
-  const uint8_t* mask;
-  int64_t ms[4];  // strides of the mask's B, H (0 when broadcast), T, S
-  float* y;       // [B, T, H, hd]
-  int64_t B, H, Hkv, T, S, hd;
-  float scale;
-  const int64_t* krow;
-};
-
-void attend_all(const Attn& a, int isa);  // every query row, threads over rows (layer_ops.h: the fixed order)
+// softmax(q k^T * scale over the keys the mask shows) v into y [B, T, H, hd], one query row at a time
+// (layer_ops.h: the fixed order): q [B, H, T, hd], k and v [*, Hkv, >= S, hd], mask [B, 1 or H, T, S] bool, all
+// strided with the last dimension contiguous; krow maps batch row b to its key/value row (nullptr: b itself, else
+// a KV cache's rows). The caller checks the shapes.
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, int64_t S,
+                 double scale, const int64_t* krow, at::Tensor& y, int isa);
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa);
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u, int64_t isa);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
