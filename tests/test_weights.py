@@ -67,6 +67,29 @@ def test_attention_row_depends_on_its_visible_keys_only(isa, hd):
     assert torch.equal(torch.ops.mtp.attention(other, k, v, mask, scale, n)[:, 0], full[:, 0])
 
 
+@pytest.mark.parametrize("hd", [16, 64, 96, 128])
+@pytest.mark.parametrize("per_head_mask", [False, True])
+def test_attention_vector_paths_equal_the_plain_loops(hd, per_head_mask):
+    """The AVX2/AVX-512 paths (keys scored in groups, a KV group's heads sharing one pass over the values) give
+    the scalar loops' bits: 5 heads per KV head (groups of 4 + 1 on AVX-512), key counts off the group size."""
+    g = torch.Generator().manual_seed(hd)
+    B, H, Hkv, T, S = 2, 10, 2, 3, 37
+    q = torch.randn(B, H, T, hd, generator=g)
+    k, v = torch.randn(B, Hkv, S, hd, generator=g) * 2, torch.randn(B, Hkv, S, hd, generator=g)
+    mask = torch.rand(B, H if per_head_mask else 1, T, S, generator=g) < 0.7
+    mask[..., 0] = True
+    outs = [torch.ops.mtp.attention(q, k, v, mask, 0.125, kernels.ISAS[isa]) for isa in kernels.supported_isas()]
+    assert len(outs) > 1 or kernels.supported_isas() == ["scalar"]
+    for got in outs[1:]:
+        assert torch.equal(got, outs[0])
+    for b, t, h in ((0, 0, 0), (1, 2, 7), (1, 1, 9)):  # a row alone, its neighbours and other heads absent
+        m = mask[b : b + 1, (h if per_head_mask else 0) : (h if per_head_mask else 0) + 1, t : t + 1]
+        kv = slice(h // 5, h // 5 + 1)
+        qr = q[b : b + 1, h : h + 1, t : t + 1]
+        alone = torch.ops.mtp.attention(qr, k[b : b + 1, kv], v[b : b + 1, kv], m, 0.125)
+        assert torch.equal(alone[0, 0, 0], outs[0][b, t, h])
+
+
 def test_layer_ops_same_bits_on_every_isa_and_thread_count():
     q, k, v, mask = attention_inputs(T=9, S=40, seed=3)
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(4))

@@ -10,8 +10,9 @@
 //
 // attention, rmsnorm and silu_mul take an `isa` argument like the matmul ops (-1 = the best this CPU runs). Their fixed arithmetic is
 // stated in layer_ops.h; a row's bits depend on that row's inputs alone, never on the other rows, the thread
-// split (threads take whole rows) or the ISA path. Inputs may be strided views (the innermost dimension
-// contiguous): q is a transposed projection, k and v are slices of the KV cache, the mask may be expanded.
+// split (threads take whole rows; in attention, the query rows of one KV head at one position) or the ISA path.
+// Inputs may be strided views (the innermost dimension contiguous): q is a transposed projection, k and v are
+// slices of the KV cache, the mask may be expanded.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -123,9 +124,9 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                q.size(3),
                float(scale),
                krow};
-  const int64_t rows = a.B * a.H * a.T;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, a.S * a.hd));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  const int64_t units = a.B * a.Hkv * a.T;  // (batch row, KV head, position): its heads' query rows
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, a.S * a.hd * (a.H / a.Hkv)));
+  at::parallel_for(0, units, grain, [&](int64_t r0, int64_t r1) {
     if (isa == 2) avx512::attend(a, r0, r1);
     else if (isa == 1) avx2::attend(a, r0, r1);
     else scalar::attend(a, r0, r1);

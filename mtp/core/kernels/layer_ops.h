@@ -80,42 +80,328 @@ static inline float dot_isa(const float* a, const float* b, int64_t n) {
 
 static inline float dot(const float* a, const float* b, int64_t n) { return dot_isa<kIsa>(a, b, n); }
 
-static void attend(const Attn& a, int64_t r0, int64_t r1) {
-  std::vector<float> s(a.S);
-  std::vector<int64_t> idx(a.S);
+// The vector paths of `attend` (AVX2, AVX-512, hd a multiple of 16 up to 128): the same arithmetic as the
+// plain loops below, operation for operation, only arranged for registers:
+//   - scores for a group of keys at once (16 on AVX-512, 8 on AVX2): each key's 16 lanes by the fused
+//     multiply-adds of `dot`, then the lanes of all the group's keys summed by shuffles that pair exactly the
+//     lanes tree16 pairs (s8[i] = a[i] + a[i+8], s4[i] = s8[i] + s8[i+4], ...), the results put back in key order;
+//   - exp_fixed on a vector: the same clamps, rounding (to nearest even), fused multiply-adds and scaling;
+//   - the value sum with acc held in registers: acc[d] = fma(p_j, v_j[d], acc[d]) over the keys in order and
+//     l = ((p_1 + p_2) + p_3) + ... beside it.
+// A max over the lanes (the softmax's mx) can differ from the sequential max only in the sign of a zero,
+// which s - mx and exp_fixed do not see. So a row's bits are those of the plain loops on every path.
+template <int I>
+struct Lanes;
+
+template <int I>
+  requires(I == 2)
+struct Lanes<I> {  // AVX-512: one key's 16 lanes in one register; 16 keys a group
+  static constexpr int G = 16;
+  using V = __m512;
+  static inline V exp(V x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);  // (-87.3 > x) ? -87.3 : x, NaN stays NaN
+    x = _mm512_min_ps(_mm512_set1_ps(88.3f), x);   // (88.3 < x) ? 88.3 : x
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
+    V p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    const V e = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+  }
+  // scores of keys k[0..G) (rows of hd = 16 NC floats; a null key gives garbage in its lane) into out[0..G)
+  template <int NC>
+  static inline void scores(const V* qv, const float* const* k, float scale, float* out) {
+    V L[16];
+    for (int j = 0; j < 16; j++) {
+      V v = _mm512_setzero_ps();
+      if (k[j])
+        for (int c = 0; c < NC; c++) v = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k[j] + 16 * c), v);
+      L[j] = v;
+    }
+    V W[8], X[4], Y[2];
+    for (int p = 0; p < 8; p++)  // [s8(key 2p), s8(key 2p+1)]
+      W[p] = _mm512_add_ps(_mm512_shuffle_f32x4(L[2 * p], L[2 * p + 1], 0x44),
+                           _mm512_shuffle_f32x4(L[2 * p], L[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; p++)  // [s4(4p), s4(4p+1), s4(4p+2), s4(4p+3)]
+      X[p] = _mm512_add_ps(_mm512_shuffle_f32x4(W[2 * p], W[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(W[2 * p], W[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int p = 0; p < 2; p++)  // block b: [s2(8p+b), s2(8p+4+b)]
+      Y[p] = _mm512_add_ps(_mm512_shuffle_ps(X[2 * p], X[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(X[2 * p], X[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // block b, lane m: the sum of key 4m + b
+    const V Z = _mm512_add_ps(_mm512_shuffle_ps(Y[0], Y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_ps(Y[0], Y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutexvar_ps(order, Z), _mm512_set1_ps(scale)));
+  }
+  static inline float max(const float* s, int64_t n) {
+    V m = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(_mm512_loadu_ps(s + i), m);  // a NaN score is skipped
+    if (i < n) m = _mm512_mask_max_ps(m, __mmask16((1u << (n - i)) - 1u), _mm512_loadu_ps(s + i), m);
+    float lanes[16], mx = -INFINITY;
+    _mm512_storeu_ps(lanes, m);
+    for (int j = 0; j < 16; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    return mx;
+  }
+  static inline void exp_shift(float* s, int64_t n, float mx) {  // s[i] = exp_fixed(s[i] - mx), i < n (+ padding)
+    const V m = _mm512_set1_ps(mx);
+    for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(s + i, exp(_mm512_sub_ps(_mm512_loadu_ps(s + i), m)));
+  }
+  // R rows with the same visible keys: row r's weights s[r][0..n), its output y[r]; the rows' chains interleave
+  template <int NC, int R>
+  static inline void values(const float* const* s, const float* const* vrow, int64_t n, float* const* y) {
+    V acc[R][NC];
+    float l[R];
+    for (int r = 0; r < R; r++) {
+      l[r] = 0.0f;
+      for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < n; i++) {
+      V vv[NC];
+      for (int c = 0; c < NC; c++) vv[c] = _mm512_loadu_ps(vrow[i] + 16 * c);
+      for (int r = 0; r < R; r++) {
+        const float p = s[r][i];
+        const V pv = _mm512_set1_ps(p);
+        l[r] += p;
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(pv, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      const V lv = _mm512_set1_ps(l[r]);
+      for (int c = 0; c < NC; c++) _mm512_storeu_ps(y[r] + 16 * c, _mm512_div_ps(acc[r][c], lv));
+    }
+  }
+  template <int NC>
+  static inline void load_q(const float* q, V* qv) {
+    for (int c = 0; c < NC; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  }
+  static constexpr int QREGS = 1;  // registers per 16 lanes
+};
+
+template <int I>
+  requires(I == 1)
+struct Lanes<I> {  // AVX2: one key's 16 lanes in two registers (0-7, 8-15); 8 keys a group
+  static constexpr int G = 8;
+  using V = __m256;
+  static inline V exp(V x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
+    x = _mm256_min_ps(_mm256_set1_ps(88.3f), x);
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187e-06f), r);
+    V p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    const V e = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+  }
+  template <int NC>
+  static inline void scores(const V* qv, const float* const* k, float scale, float* out) {
+    V S8[8], X[4], Y[2];
+    for (int j = 0; j < 8; j++) {
+      V lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      if (k[j])
+        for (int c = 0; c < NC; c++) {
+          lo = _mm256_fmadd_ps(qv[2 * c], _mm256_loadu_ps(k[j] + 16 * c), lo);
+          hi = _mm256_fmadd_ps(qv[2 * c + 1], _mm256_loadu_ps(k[j] + 16 * c + 8), hi);
+        }
+      S8[j] = _mm256_add_ps(lo, hi);
+    }
+    for (int p = 0; p < 4; p++)  // [s4(2p), s4(2p+1)]
+      X[p] = _mm256_add_ps(_mm256_permute2f128_ps(S8[2 * p], S8[2 * p + 1], 0x20),
+                           _mm256_permute2f128_ps(S8[2 * p], S8[2 * p + 1], 0x31));
+    for (int p = 0; p < 2; p++)  // block b: [s2(4p+b), s2(4p+2+b)]
+      Y[p] = _mm256_add_ps(_mm256_shuffle_ps(X[2 * p], X[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(X[2 * p], X[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // block b, lane m: the sum of key 2m + b
+    const V Z = _mm256_add_ps(_mm256_shuffle_ps(Y[0], Y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm256_shuffle_ps(Y[0], Y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_permutevar8x32_ps(Z, order), _mm256_set1_ps(scale)));
+  }
+  static inline float max(const float* s, int64_t n) {
+    V m = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_loadu_ps(s + i), m);
+    float lanes[8], mx = -INFINITY;
+    _mm256_storeu_ps(lanes, m);
+    for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    for (; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    return mx;
+  }
+  static inline void exp_shift(float* s, int64_t n, float mx) {
+    const V m = _mm256_set1_ps(mx);
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(s + i, exp(_mm256_sub_ps(_mm256_loadu_ps(s + i), m)));
+  }
+  template <int NC, int R>
+  static inline void values(const float* const* s, const float* const* vrow, int64_t n, float* const* y) {
+    V acc[R][2 * NC];
+    float l[R];
+    for (int r = 0; r < R; r++) {
+      l[r] = 0.0f;
+      for (int c = 0; c < 2 * NC; c++) acc[r][c] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < n; i++) {
+      for (int r = 0; r < R; r++) {
+        const float p = s[r][i];
+        const V pv = _mm256_set1_ps(p);
+        l[r] += p;
+        for (int c = 0; c < 2 * NC; c++) acc[r][c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vrow[i] + 8 * c), acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      const V lv = _mm256_set1_ps(l[r]);
+      for (int c = 0; c < 2 * NC; c++) _mm256_storeu_ps(y[r] + 8 * c, _mm256_div_ps(acc[r][c], lv));
+    }
+  }
+  template <int NC>
+  static inline void load_q(const float* q, V* qv) {
+    for (int c = 0; c < 2 * NC; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  }
+  static constexpr int QREGS = 2;
+};
+
+// R query rows on the vector path that see the same keys (a KV group's heads at one position): their visible
+// keys' rows krow_[0..n) and value rows vrow_[0..n) in slot order; each row's scores s[r] (room for n rounded
+// up to the group plus a group) and output y[r]. Each row's arithmetic is the one-row arithmetic above: R only
+// interleaves independent rows.
+template <int I, int NC, int R>
+static void attend_rows_vec(const float* const* q, const float* const* krow_, const float* const* vrow_, int64_t n,
+                            float scale, float* const* s, float* const* y) {
+  using L = Lanes<I>;
+  const float* keys[L::G];
+  for (int r = 0; r < R; r++) {
+    typename L::V qv[NC * L::QREGS];
+    L::template load_q<NC>(q[r], qv);
+    for (int64_t i = 0; i < n; i += L::G) {
+      for (int j = 0; j < L::G; j++) keys[j] = i + j < n ? krow_[i + j] : nullptr;
+      L::template scores<NC>(qv, keys, scale, s[r] + i);
+    }
+    L::exp_shift(s[r], n, L::max(s[r], n));
+  }
+  L::template values<NC, R>(s, vrow_, n, y);
+}
+
+using RowsFn = void (*)(const float* const*, const float* const*, const float* const*, int64_t, float, float* const*,
+                        float* const*);
+
+// the vector path for hd = 16 NC and up to R_MAX rows at once, or nullptr (hd not a multiple of 16, beyond 128, or
+// the scalar path); rows[R - 1] takes R rows
+constexpr int R_MAX = 4;
+template <int I, int NC>
+static void rows_table(RowsFn* rows) {
+  constexpr int fit = (I == 2 ? 24 : 12) / (NC * (I == 2 ? 1 : 2));  // accumulators that stay in registers
+  rows[0] = &attend_rows_vec<I, NC, 1>;
+  rows[1] = fit >= 2 ? &attend_rows_vec<I, NC, 2> : nullptr;
+  rows[2] = fit >= 3 ? &attend_rows_vec<I, NC, 3> : nullptr;
+  rows[3] = fit >= 4 ? &attend_rows_vec<I, NC, 4> : nullptr;
+}
+
+template <int I>
+static bool vec_rows(int64_t hd, RowsFn* rows) {
+  for (int r = 0; r < R_MAX; r++) rows[r] = nullptr;
+  if constexpr (I >= 1) {
+    switch (hd) {
+      case 16: rows_table<I, 1>(rows); break;
+      case 32: rows_table<I, 2>(rows); break;
+      case 48: rows_table<I, 3>(rows); break;
+      case 64: rows_table<I, 4>(rows); break;
+      case 80: rows_table<I, 5>(rows); break;
+      case 96: rows_table<I, 6>(rows); break;
+      case 112: rows_table<I, 7>(rows); break;
+      case 128: rows_table<I, 8>(rows); break;
+      default: return false;
+    }
+    return true;
+  }
+  return false;
+}
+
+// units u0..u1 of the pass: unit u = (batch row b, KV head kvh, position t) takes the query rows of kvh's heads
+// at t (u = (b * Hkv + kvh) * T + t); which unit a thread takes changes no row's bits
+static void attend(const Attn& a, int64_t u0, int64_t u1) {
+  const int64_t group = a.H / a.Hkv, S = a.S;
+  RowsFn vec[R_MAX];
+  const bool fast = vec_rows<kIsa>(a.hd, vec);
+  std::vector<float> sbuf((fast ? R_MAX : 1) * (S + 32));
+  std::vector<const float*> krows(S), vrows(S);
+  std::vector<int64_t> idx(S);
   std::vector<float> acc(a.hd);
-  const int64_t group = a.H / a.Hkv;
-  for (int64_t r = r0; r < r1; r++) {
-    const int64_t b = r / (a.H * a.T), h = (r / a.T) % a.H, t = r % a.T, kvh = h / group;
-    const float* q = a.q + b * a.qs[0] + h * a.qs[1] + t * a.qs[2];
+  for (int64_t u = u0; u < u1; u++) {
+    const int64_t b = u / (a.Hkv * a.T), kvh = (u / a.T) % a.Hkv, t = u % a.T;
     const int64_t kr = a.krow ? a.krow[b] : b;  // the batch row's cache row
     const float* kb = a.k + kr * a.ks[0] + kvh * a.ks[1];
     const float* vb = a.v + kr * a.vs[0] + kvh * a.vs[1];
-    const uint8_t* mrow = a.mask + b * a.ms[0] + h * a.ms[1] + t * a.ms[2];
-    float* y = a.y + ((b * a.T + t) * a.H + h) * a.hd;
-    int64_t n = 0;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < a.S; j++) {
-      if (!mrow[j * a.ms[3]]) continue;
-      const float sc = dot(q, kb + j * a.ks[2], a.hd) * a.scale;
-      s[n] = sc;
-      idx[n++] = j;
-      mx = sc > mx ? sc : mx;
+    for (int64_t h = kvh * group; h < (kvh + 1) * group;) {
+      const uint8_t* mrow = a.mask + b * a.ms[0] + h * a.ms[1] + t * a.ms[2];
+      if (fast) {  // heads h .. h + R - 1 together when they share the mask
+        int64_t R = 1;
+        if (a.ms[1] == 0)
+          while (R < R_MAX && vec[R] && h + R < (kvh + 1) * group) R++;
+        const int64_t ms3 = a.ms[3], ks2 = a.ks[2], vs2 = a.vs[2];
+        int64_t n = 0;
+        for (int64_t j = 0; j < S; j++)
+          if (mrow[j * ms3]) krows[n] = kb + j * ks2, vrows[n++] = vb + j * vs2;
+        const float* qs[R_MAX];
+        float* ss[R_MAX];
+        float* ys[R_MAX];
+        for (int64_t i = 0; i < R; i++) {
+          qs[i] = a.q + b * a.qs[0] + (h + i) * a.qs[1] + t * a.qs[2];
+          ss[i] = sbuf.data() + i * (S + 32);
+          ys[i] = a.y + ((b * a.T + t) * a.H + h + i) * a.hd;
+        }
+        if (n == 0) {  // a row that sees no key (never in decoding): zeros
+          for (int64_t i = 0; i < R; i++)
+            for (int64_t d = 0; d < a.hd; d++) ys[i][d] = 0.0f;
+        } else {
+          vec[R - 1](qs, krows.data(), vrows.data(), n, a.scale, ss, ys);
+        }
+        h += R;
+        continue;
+      }
+      float* s = sbuf.data();
+      const float* q = a.q + b * a.qs[0] + h * a.qs[1] + t * a.qs[2];
+      float* y = a.y + ((b * a.T + t) * a.H + h) * a.hd;
+      h++;
+      int64_t n = 0;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < S; j++) {
+        if (!mrow[j * a.ms[3]]) continue;
+        const float sc = dot(q, kb + j * a.ks[2], a.hd) * a.scale;
+        s[n] = sc;
+        idx[n++] = j;
+        mx = sc > mx ? sc : mx;
+      }
+      if (n == 0) {  // a row that sees no key (never in decoding): zeros
+        for (int64_t d = 0; d < a.hd; d++) y[d] = 0.0f;
+        continue;
+      }
+      for (int64_t i = 0; i < n; i++) s[i] = exp_fixed(s[i] - mx);
+      float l = 0.0f;
+      for (int64_t d = 0; d < a.hd; d++) acc[d] = 0.0f;
+      for (int64_t i = 0; i < n; i++) {
+        const float p = s[i];
+        const float* v = vb + idx[i] * a.vs[2];
+        l += p;
+        for (int64_t d = 0; d < a.hd; d++) acc[d] = __builtin_fmaf(p, v[d], acc[d]);
+      }
+      for (int64_t d = 0; d < a.hd; d++) y[d] = acc[d] / l;
     }
-    if (n == 0) {  // a row that sees no key (never in decoding): zeros
-      for (int64_t d = 0; d < a.hd; d++) y[d] = 0.0f;
-      continue;
-    }
-    for (int64_t i = 0; i < n; i++) s[i] = exp_fixed(s[i] - mx);
-    float l = 0.0f;
-    for (int64_t d = 0; d < a.hd; d++) acc[d] = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-      const float p = s[i];
-      const float* v = vb + idx[i] * a.vs[2];
-      l += p;
-      for (int64_t d = 0; d < a.hd; d++) acc[d] = __builtin_fmaf(p, v[d], acc[d]);
-    }
-    for (int64_t d = 0; d < a.hd; d++) y[d] = acc[d] / l;
   }
 }
 
