@@ -293,7 +293,7 @@ def _forward(model, cache: KVCache, seqs: list[Sequence], batch: _Batch, mask_id
         prompt = [
             _score_prompt(s, head[i, :n], mask_id) if n else None for i, (s, n) in enumerate(zip(seqs, batch.lead))
         ]
-    finite = torch.isfinite(logits).all(-1)  # [B, N]
+    finite = torch.isfinite(logits.sum(-1))  # [B, N]: a NaN or an inf anywhere in a row's logits makes its sum one
     if any(not bool(finite[i, : len(s.drafts) + 1].all()) for i, s in enumerate(seqs)):
         raise NonFiniteError(
             "the model produced non-finite logits (NaN/inf) at ordinary positions: its "

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mtp.core import metrics, quality
-from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedup, predict_tokens_per_s
+from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedup
 from mtp.core.proposers import Proposer
 from mtp.eval import gsm8k, report
 from mtp.interop import llamacpp_env
@@ -331,6 +331,7 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
     ref = rows[0]
     assert ref.strategy is not None and ref.strategy.plain, "the first row must be ntp"
     golds = [it.get("gold") for it in items]
+    overhead = loop_overhead(cost, ref, repeats) if cost is not None and ref.runs else 0.0
     out = []
     for row in rows:
         rec = {
@@ -421,8 +422,8 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                     rec["steady_tokens_per_forward"] = metrics.tokens_per_forward(steady_chunks)
                     rec["predicted_tokens_per_forward"] = metrics.tokens_per_forward(expected)
                     if cost is not None:
-                        rec["predicted_tokens_per_s"] = predict_tokens_per_s(
-                            cost, rec["predicted_tokens_per_forward"], steady_blocks
+                        rec["predicted_tokens_per_s"] = predict_row_tokens_per_s(
+                            cost, runs, rec["predicted_tokens_per_forward"], overhead, row.proposing_s
                         )
         out.append(rec)
     return out
@@ -451,9 +452,9 @@ def _category(row: Row, ref: Row, items: list[dict], idx: list[int], common: lis
 def tree_lines(rows: list[Row], records: list[dict]) -> list[str]:
     """`--profile`: for each tree row, the tree it chose and, over its steady passes (the prompt's
     excluded, as for the predicted speedup), the tokens per pass its nodes' confidences promised and
-    the tokens/s the cost model gives for them (forward passes only), beside the measured tokens per
-    pass of the same passes and the row's measured tokens/s (which also pays the prompt, proposing
-    and the loop's overhead)."""
+    the tokens/s that gives (`predict_row_tokens_per_s`: the cost model's t(q), the row's drafting time
+    and the loop overhead calibrated on `ntp`), beside the measured tokens per pass of the same passes
+    and the row's measured tokens/s."""
     lines = []
     for row, rec in zip(rows, records):
         if row.is_peer or not row.strategy.is_tree or rec["predicted_tokens_per_forward"] is None:
@@ -467,6 +468,38 @@ def tree_lines(rows: list[Row], records: list[dict]) -> list[str]:
             f"{rec['steady_tokens_per_forward']:.2f} tokens/pass, {_f(rec['tokens_per_s'], 1)} tokens/s"
         )
     return lines
+
+
+def loop_overhead(cost, ref: Row, repeats: int) -> float:
+    """Seconds per pass the `ntp` row spent beyond the cost model's t(q) of its passes (sampling, the cache's
+    bookkeeping, Python): its measured wall time (as its tokens/s counts it) less t(q) of every pass it made,
+    over its passes; 0 when the cost model over-prices the passes."""
+    runs = list(ref.runs.values())
+    rate = metrics.median_spread(_tokens_per_s_by_repeat(runs, repeats))
+    passes = sum(len(r.blocks) for r in runs)
+    if rate is None or not rate[0] or not passes:
+        return 0.0
+    wall = sum(len(r.token_ids) for r in runs) / rate[0]
+    return max(0.0, (wall - sum(cost.pass_time(q) for r in runs for q in r.blocks)) / passes)
+
+
+def predict_row_tokens_per_s(cost, runs: list[Run], tokens_per_forward: float, overhead_s: float, proposing_s: float):
+    """The tokens/s a tree row should measure if its drafts deliver `tokens_per_forward` (what their confidences
+    promise): every prompt's first pass at t(its block); the steady tokens at `tokens_per_forward` per pass, each
+    pass at the mean t(q) of the row's steady blocks; every pass also paying the loop's overhead (`loop_overhead`,
+    calibrated on `ntp`) and the row's measured drafting time per pass."""
+    first = sum(cost.pass_time(r.blocks[0]) for r in runs if r.blocks)
+    steady_blocks = [q for r in runs for q in r.blocks[1:]]
+    steady_tokens = sum(sum(r.chunks[1:]) for r in runs)
+    made = sum(len(r.blocks) for r in runs)
+    if not steady_blocks or not tokens_per_forward or not made:
+        return None
+    passes = steady_tokens / tokens_per_forward  # steady passes the promise needs
+    mean_t = sum(cost.pass_time(q) for q in steady_blocks) / len(steady_blocks)
+    per_pass = overhead_s + proposing_s / made
+    wall = first + passes * mean_t + (len(runs) + passes) * per_pass
+    tokens = sum(len(r.token_ids) for r in runs)
+    return tokens / wall if wall > 0 else None
 
 
 def guess_seconds(row: Row) -> float:
