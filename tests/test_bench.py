@@ -679,18 +679,18 @@ def test_calibration_flag_applies_a_deploy_files_maps_and_checks_its_hashes(tmp_
     assert "truncated" in capsys.readouterr().err and len(built) == n  # refused before the model loaded
 
 
-def test_predicted_tokens_per_s_pays_the_loop_overhead_and_the_drafting():
-    """`--profile`'s tokens/s for a tree row: t(q) of its passes, the overhead per pass `ntp` showed beyond its
-    own t(q), and the row's drafting time per pass (worked by hand)."""
+def test_predicted_tokens_per_s_pays_the_time_outside_the_forward_pass():
+    """`--profile`'s tokens/s for a tree row: t(q) of its passes, the row's own time outside them per pass
+    (drafting included), and the loop around the steps that `ntp` showed (worked by hand)."""
     cost = CostModel({1: 0.010, 4: 0.016})
-    # ntp: 2 prompts, a 4-token prompt pass then 3 one-token passes, 2 ms of loop a pass beyond t(q)
+    # ntp: 2 prompts, a 4-token prompt pass then 3 one-token passes, 2 ms a pass beyond t(q), 1 ms of it in its steps
     wall = 0.016 + 3 * 0.010 + 4 * 0.002
     ntp_runs = {j: Run("", [1, 2, 3, 4], chunks=[1, 1, 1, 1], blocks=[4, 1, 1, 1], walls=[wall]) for j in (0, 1)}
-    ntp = Row("ntp", strategy=Strategy.parse("ntp"), runs=ntp_runs)
-    assert bench.loop_overhead(cost, ntp, 1) == pytest.approx(0.002)
+    ntp = Row("ntp", strategy=Strategy.parse("ntp"), runs=ntp_runs, outside_s=8 * 0.001, timed_passes=8)
+    assert bench.loop_overhead(cost, ntp, 1) == pytest.approx(0.001)
     # a tree row: 7 tokens a prompt (1 from the prompt pass, 6 steady), 4-token blocks; promised 2 a pass
     runs = [Run("", list(range(7)), chunks=[1, 3, 3], blocks=[4, 4, 4]) for _ in range(2)]
-    got = bench.predict_row_tokens_per_s(cost, runs, 2.0, 0.002, proposing_s=0.006)
-    # 12 steady tokens / 2 = 6 passes at t(4); 2 + 6 passes each pay 2 ms + 6 ms / 6 passes made
-    assert got == pytest.approx(14 / (2 * 0.016 + 6 * 0.016 + 8 * (0.002 + 0.001)))
-    assert bench.predict_row_tokens_per_s(cost, [Run("", [1], chunks=[1], blocks=[4])], 2.0, 0.0, 0.0) is None
+    got = bench.predict_row_tokens_per_s(cost, runs, 2.0, 0.003)
+    # 12 steady tokens / 2 = 6 passes at t(4); the 2 prompt passes and those 6 each pay 3 ms
+    assert got == pytest.approx(14 / (2 * 0.016 + 6 * 0.016 + 8 * 0.003))
+    assert bench.predict_row_tokens_per_s(cost, [Run("", [1], chunks=[1], blocks=[4])], 2.0, 0.0) is None

@@ -184,6 +184,19 @@ def test_auto_tree_sizes_itself_by_the_pass_time_and_stays_exact(cost, fewer_pas
         Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(30), StubTree(want, len(PROMPT)))
 
 
+def test_every_pass_times_itself_outside_the_forward_pass():
+    """`DecodeStats.outside_s`: one positive time per pass (what `mtp bench --profile` adds to t(q))."""
+    model = tiny_model(0)
+    want = generate(model, PROMPT, "ntp", params=params(20)).output
+    seq = Sequence(list(PROMPT), Strategy.parse("tree:5"), params(20), StubTree(want, len(PROMPT)))
+    cache = KVCache.for_model(model, 1, len(PROMPT) + 20 + block_slack(seq.strategy.k))
+    with torch.inference_mode():
+        while not seq.finished:
+            decode_step(model, cache, [seq], None)
+    assert seq.output == want
+    assert len(seq.stats.outside_s) == seq.stats.forward_passes and min(seq.stats.outside_s) > 0
+
+
 @pytest.mark.parametrize("which", ["lookup", "heads", "mask"])
 def test_auto_tree_equals_plain_greedy_for_every_tree_proposer(which):
     model, prop, prompt = model_and_proposer(which)

@@ -168,17 +168,24 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
       3. `_accept`: every row's drafts checked against the model's own predictions;
       4. `_draft`: every row's guesses for what follows, timed (rows sharing a proposer draft together);
       5-6. `_commit`: per row, emit by strategy, commit to the cache, record the pass."""
+    t0 = time.perf_counter()
     batch = _blocks(seqs, cache, mask_id)
+    t_fwd = time.perf_counter()
     out = _forward(model, cache, seqs, batch, mask_id)
+    t_fwd = time.perf_counter() - t_fwd
     for s, scored in zip(seqs, out.prompt or ()):
         if scored is not None:
             s.prompt_token_logprobs = scored
     accepted = [_accept(s, i, batch, out) for i, s in enumerate(seqs)]
     drafted = _draft(seqs, [a.view for a in accepted])
-    return [
+    emitted = [
         _commit(s, cache, batch.starts[i], len(batch.blocks[i]), a, d)
         for i, (s, a, d) in enumerate(zip(seqs, accepted, drafted))
     ]
+    outside = time.perf_counter() - t0 - t_fwd
+    for s in seqs:
+        s.stats.outside_s.append(outside)
+    return emitted
 
 
 @dataclass

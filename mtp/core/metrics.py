@@ -49,6 +49,9 @@ class DecodeStats:
     expected: list[float] = field(default_factory=list)  # tree rows, per pass: tree_expected_tokens of its drafts
     proposing_s: list[float] = field(default_factory=list)  # per pass: seconds the proposer spent drafting after it
     guesses: list[int] = field(default_factory=list)  # per pass: guesses the proposer returned
+    # per pass: seconds of its decoding step outside the forward pass (laying out the block, accepting, drafting,
+    # committing), the whole batch's step for a batched row
+    outside_s: list[float] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_end: float | None = None

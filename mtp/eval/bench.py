@@ -140,6 +140,8 @@ class Row:
     runs: dict[int, Run] = field(default_factory=dict)  # prompt index -> run
     proposing_s: float = 0.0  # seconds its proposer spent drafting in the measured runs (DecodeStats.proposing_s)
     guesses: int = 0  # guesses it made there
+    outside_s: float = 0.0  # seconds its decoding steps spent outside the forward pass there (DecodeStats.outside_s)
+    timed_passes: int = 0  # the passes those times cover
     error: str | None = None
     skipped: str | None = None
 
@@ -266,6 +268,8 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
         wall = time.perf_counter() - t0
         row.proposing_s += sum(seq.stats.proposing_s)
         row.guesses += sum(seq.stats.guesses)
+        row.outside_s += sum(seq.stats.outside_s)
+        row.timed_passes += len(seq.stats.outside_s)
         res = engine.result(seq)
         return Run(
             res.text,
@@ -288,6 +292,7 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
                 except Exception as e:
                     row.error = f"{type(e).__name__}: {e}"
                 row.proposing_s, row.guesses = 0.0, 0  # proposing is timed on measured runs only
+                row.outside_s, row.timed_passes = 0.0, 0
     step = 0
     for j, ids in enumerate(prompts):
         for r in range(cfg.repeats):
@@ -422,8 +427,9 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                     rec["steady_tokens_per_forward"] = metrics.tokens_per_forward(steady_chunks)
                     rec["predicted_tokens_per_forward"] = metrics.tokens_per_forward(expected)
                     if cost is not None:
+                        outside = row.outside_s / row.timed_passes if row.timed_passes else 0.0
                         rec["predicted_tokens_per_s"] = predict_row_tokens_per_s(
-                            cost, runs, rec["predicted_tokens_per_forward"], overhead, row.proposing_s
+                            cost, runs, rec["predicted_tokens_per_forward"], overhead + outside
                         )
         out.append(rec)
     return out
@@ -452,9 +458,9 @@ def _category(row: Row, ref: Row, items: list[dict], idx: list[int], common: lis
 def tree_lines(rows: list[Row], records: list[dict]) -> list[str]:
     """`--profile`: for each tree row, the tree it chose and, over its steady passes (the prompt's
     excluded, as for the predicted speedup), the tokens per pass its nodes' confidences promised and
-    the tokens/s that gives (`predict_row_tokens_per_s`: the cost model's t(q), the row's drafting time
-    and the loop overhead calibrated on `ntp`), beside the measured tokens per pass of the same passes
-    and the row's measured tokens/s."""
+    the tokens/s that gives (`predict_row_tokens_per_s`: the cost model's t(q), the row's measured time
+    outside the forward pass and the loop overhead calibrated on `ntp`), beside the measured tokens per
+    pass of the same passes and the row's measured tokens/s."""
     lines = []
     for row, rec in zip(rows, records):
         if row.is_peer or not row.strategy.is_tree or rec["predicted_tokens_per_forward"] is None:
@@ -471,33 +477,33 @@ def tree_lines(rows: list[Row], records: list[dict]) -> list[str]:
 
 
 def loop_overhead(cost, ref: Row, repeats: int) -> float:
-    """Seconds per pass the `ntp` row spent beyond the cost model's t(q) of its passes (sampling, the cache's
-    bookkeeping, Python): its measured wall time (as its tokens/s counts it) less t(q) of every pass it made,
-    over its passes; 0 when the cost model over-prices the passes."""
+    """Seconds per pass the `ntp` row spent beyond the cost model's t(q) of its passes and its decoding steps'
+    own time outside them (`Row.outside_s`): the loop around the steps (the caller, Python), per pass. Its
+    measured wall time (as its tokens/s counts it) less both, over its passes; 0 when negative."""
     runs = list(ref.runs.values())
     rate = metrics.median_spread(_tokens_per_s_by_repeat(runs, repeats))
     passes = sum(len(r.blocks) for r in runs)
     if rate is None or not rate[0] or not passes:
         return 0.0
     wall = sum(len(r.token_ids) for r in runs) / rate[0]
-    return max(0.0, (wall - sum(cost.pass_time(q) for r in runs for q in r.blocks)) / passes)
+    outside = ref.outside_s / ref.timed_passes if ref.timed_passes else 0.0
+    return max(0.0, (wall - sum(cost.pass_time(q) for r in runs for q in r.blocks)) / passes - outside)
 
 
-def predict_row_tokens_per_s(cost, runs: list[Run], tokens_per_forward: float, overhead_s: float, proposing_s: float):
+def predict_row_tokens_per_s(cost, runs: list[Run], tokens_per_forward: float, per_pass_s: float):
     """The tokens/s a tree row should measure if its drafts deliver `tokens_per_forward` (what their confidences
-    promise): every prompt's first pass at t(its block); the steady tokens at `tokens_per_forward` per pass, each
-    pass at the mean t(q) of the row's steady blocks; every pass also paying the loop's overhead (`loop_overhead`,
-    calibrated on `ntp`) and the row's measured drafting time per pass."""
+    promise) and a pass costs what `tree:auto` prices it at: every prompt's first pass at t(its block); the steady
+    tokens at `tokens_per_forward` per pass, each pass at the mean t(q) of the row's steady blocks; every pass
+    also paying `per_pass_s` (the row's measured time outside the forward pass, drafting included, and the loop
+    around the steps, `loop_overhead`)."""
     first = sum(cost.pass_time(r.blocks[0]) for r in runs if r.blocks)
     steady_blocks = [q for r in runs for q in r.blocks[1:]]
     steady_tokens = sum(sum(r.chunks[1:]) for r in runs)
-    made = sum(len(r.blocks) for r in runs)
-    if not steady_blocks or not tokens_per_forward or not made:
+    if not steady_blocks or not tokens_per_forward:
         return None
     passes = steady_tokens / tokens_per_forward  # steady passes the promise needs
     mean_t = sum(cost.pass_time(q) for q in steady_blocks) / len(steady_blocks)
-    per_pass = overhead_s + proposing_s / made
-    wall = first + passes * mean_t + (len(runs) + passes) * per_pass
+    wall = first + passes * mean_t + (len(runs) + passes) * per_pass_s
     tokens = sum(len(r.token_ids) for r in runs)
     return tokens / wall if wall > 0 else None
 
