@@ -427,9 +427,8 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                     rec["steady_tokens_per_forward"] = metrics.tokens_per_forward(steady_chunks)
                     rec["predicted_tokens_per_forward"] = metrics.tokens_per_forward(expected)
                     if cost is not None:
-                        outside = row.outside_s / row.timed_passes if row.timed_passes else 0.0
                         rec["predicted_tokens_per_s"] = predict_row_tokens_per_s(
-                            cost, runs, rec["predicted_tokens_per_forward"], overhead + outside
+                            cost, runs, rec["predicted_tokens_per_forward"], overhead + outside_seconds(row)
                         )
         out.append(rec)
     return out
@@ -486,16 +485,14 @@ def loop_overhead(cost, ref: Row, repeats: int) -> float:
     if rate is None or not rate[0] or not passes:
         return 0.0
     wall = sum(len(r.token_ids) for r in runs) / rate[0]
-    outside = ref.outside_s / ref.timed_passes if ref.timed_passes else 0.0
-    return max(0.0, (wall - sum(cost.pass_time(q) for r in runs for q in r.blocks)) / passes - outside)
+    return max(0.0, (wall - sum(cost.pass_time(q) for r in runs for q in r.blocks)) / passes - outside_seconds(ref))
 
 
 def predict_row_tokens_per_s(cost, runs: list[Run], tokens_per_forward: float, per_pass_s: float):
     """The tokens/s a tree row should measure if its drafts deliver `tokens_per_forward` (what their confidences
-    promise) and a pass costs what `tree:auto` prices it at: every prompt's first pass at t(its block); the steady
-    tokens at `tokens_per_forward` per pass, each pass at the mean t(q) of the row's steady blocks; every pass
-    also paying `per_pass_s` (the row's measured time outside the forward pass, drafting included, and the loop
-    around the steps, `loop_overhead`)."""
+    promise): every prompt's first pass at t(its block); the steady tokens at `tokens_per_forward` per pass, each
+    pass at the mean t(q) of the row's steady blocks; every pass also paying `per_pass_s` (the row's measured time
+    outside the forward pass, drafting included, and the loop around the steps, `loop_overhead`)."""
     first = sum(cost.pass_time(r.blocks[0]) for r in runs if r.blocks)
     steady_blocks = [q for r in runs for q in r.blocks[1:]]
     steady_tokens = sum(sum(r.chunks[1:]) for r in runs)
@@ -506,6 +503,11 @@ def predict_row_tokens_per_s(cost, runs: list[Run], tokens_per_forward: float, p
     wall = first + passes * mean_t + (len(runs) + passes) * per_pass_s
     tokens = sum(len(r.token_ids) for r in runs)
     return tokens / wall if wall > 0 else None
+
+
+def outside_seconds(row: Row) -> float:
+    """Seconds per pass the row's decoding steps spent outside the forward pass (0 when none was timed)."""
+    return row.outside_s / row.timed_passes if row.timed_passes else 0.0
 
 
 def guess_seconds(row: Row) -> float:

@@ -126,10 +126,10 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                krow};
   const int64_t units = a.B * a.Hkv * a.T;  // (batch row, KV head, position): its heads' query rows
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, a.S * a.hd * (a.H / a.Hkv)));
-  at::parallel_for(0, units, grain, [&](int64_t r0, int64_t r1) {
-    if (isa == 2) avx512::attend(a, r0, r1);
-    else if (isa == 1) avx2::attend(a, r0, r1);
-    else scalar::attend(a, r0, r1);
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    if (isa == 2) avx512::attend(a, u0, u1);
+    else if (isa == 1) avx2::attend(a, u0, u1);
+    else scalar::attend(a, u0, u1);
   });
 }
 
