@@ -416,6 +416,7 @@ def test_proposer_modules_run_on_the_kernels_and_drafts_stay_lossless():
         torch_logits = drafter.logits(h)
     assert weights.attach_proposer(proposer, model, "torch") == 0
     assert weights.attach_proposer(proposer, model, "float32") == 9  # fc, q, k, v, o, gate, up, down, head
+    assert drafter.layer_kernel is not None  # and its layer as one call (mtp::eagle3_layer)
     with torch.inference_mode():
         kernel_logits = drafter.logits(h)
     torch.testing.assert_close(kernel_logits, torch_logits, rtol=1e-5, atol=1e-5)
@@ -427,6 +428,49 @@ def test_proposer_modules_run_on_the_kernels_and_drafts_stay_lossless():
     with torch.inference_mode():
         assert not torch.equal(drafter.logits(h), kernel_logits)  # int8 activations: other bits
     assert generate(model, prompt, "tree:8", SamplingParams(max_new_tokens=30), proposer=proposer).output == ref.output
+
+
+def test_eagle3_layer_kernel_is_the_drafters_layer():
+    """`mtp::eagle3_layer` (the drafter's layer in one call, on its KV buffer) computes what the torch
+    ops compute within float32 rounding: the committed state after ingesting in one pass or in pieces,
+    and every node of a tree (token, parent, confidence) drafted on scratch slots, which leave the
+    committed slots as they were."""
+    from mtp.core.proposers.base import PassView
+    from mtp.core.proposers.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
+
+    model = tiny_model(11)
+    weights.attach(model, "float32")
+    torch.manual_seed(5)
+    drafter = Eagle3Drafter(Eagle3Config.for_model(model.config, 48, (0, 1, 2)))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(std=0.3) if p.dim() == 2 else None
+    drafter.set_vocab(torch.arange(1, 97, 2))
+    proposer = Eagle3Proposer(model, drafter.eval().requires_grad_(False))
+    weights.attach_proposer(proposer, model, "float32")
+    run = drafter.layer_kernel
+    assert run is not None
+    ctx = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.inference_mode():
+        _, _, aux = model(torch.tensor([ctx[:30]]), aux_layers=proposer.aux_layers)
+    got = {}
+    for name, kernel in (("kernel", run), ("torch", None)):
+        drafter.layer_kernel = kernel
+        st: dict = {}
+        with torch.inference_mode():
+            proposer.ingest(PassView(ctx[:18], torch.zeros(0), None, True, aux=aux[0, :17], start=0, state=st))
+            proposer.ingest(PassView(ctx[:31], torch.zeros(0), None, True, aux=aux[0, 17:30], start=17, state=st))
+            committed = st["kc"][:, :, :30].clone()
+            tree = proposer._tree(PassView(ctx[:31], torch.zeros(0), None, True, start=30, state=st), st["h"], 12)
+        assert st["len"] == 30 and torch.equal(st["kc"][:, :, :30], committed)  # scratch stayed scratch
+        got[name] = (st["h"], committed, tree)
+    drafter.layer_kernel = run
+    (hk, kk, tk), (ht, kt, tt) = got["kernel"], got["torch"]
+    torch.testing.assert_close(hk, ht, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kk, kt, rtol=1e-5, atol=1e-5)
+    assert len(tk.tokens) == 12 and max(tk.parents) >= 1  # a tree with nodes below depth 1
+    assert tk.tokens == tt.tokens and tk.parents == tt.parents
+    torch.testing.assert_close(torch.tensor(tk.confidences), torch.tensor(tt.confidences), rtol=1e-4, atol=1e-6)
 
 
 def test_heads_read_out_through_the_trunks_head_kernel_rows():

@@ -181,11 +181,33 @@ def attach_proposer(proposer, model: torch.nn.Module, weights: str = "native") -
                     n += 1
                 elif isinstance(mod, RMSNorm):
                     mod.fast = True
+            if hasattr(module, "layer_kernel"):  # an EAGLE-3 drafter: its layer as one call
+                module.layer_kernel = _drafter_layer(module, int8)
     if hasattr(proposer, "set_readout"):
         readout = _head_rows(model, getattr(proposer, "vocab", None), int8)
         if readout is not None:
             proposer.set_readout(readout)
     return n
+
+
+def _drafter_layer(drafter, int8: bool):
+    """The EAGLE-3 drafter's layer as one `mtp::eagle3_layer` call on the kernels its Linears were just
+    put on (q/k/v and gate/up stacked: each output column keeps its bits), or None where they are not
+    all single-part kernels of one format."""
+    from mtp.core.kernels.layer import bind_eagle3_layer
+
+    m, cfg = drafter.midlayer, drafter.config
+    attn, mlp = m.self_attn, m.mlp
+    qkv, gu = _stacked([attn.q_proj, attn.k_proj, attn.v_proj]), _stacked([mlp.gate_proj, mlp.up_proj])
+    o, down = attn.o_proj, mlp.down_proj
+    if qkv is None or gu is None or qkv[1] is not None or gu[1] is not None:
+        return None
+    if any(mod.kernel is None or len(mod.kernel) != 1 or mod.bias is not None for mod in (o, down)):
+        return None
+    return bind_eagle3_layer(
+        m.input_layernorm.weight, m.hidden_norm.weight, qkv[0], o.kernel[0], m.post_attention_layernorm.weight,
+        gu[0], down.kernel[0], cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps, int8,
+    )  # fmt: skip
 
 
 def _head_rows(model: torch.nn.Module, rows: torch.Tensor | None, int8: bool):

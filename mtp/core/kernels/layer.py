@@ -5,6 +5,9 @@ attention as separate kernel ops, without the dispatcher and Python between them
     run = bind_layer(ln1, qkv, qkv_bias, o, ln2, gate_up, down, n_heads=9, n_kv_heads=3, eps=1e-5)
     x = run(x, cos, sin, mask, kc, vc, rows, positions)   # x [B, T, D] -> [B, T, D]; writes kc, vc
 
+`bind_eagle3_layer` binds `mtp::eagle3_layer`, the EAGLE-3 drafter's layer on the same steps (its
+attention reads two normed inputs, its residual is the drafter's hidden state g).
+
 ln1, ln2: the RMSNorm weights [D] (read at each call: in-place updates count); qkv: q, k and v stacked
 along the output dimension; gate_up: gate and up stacked; all four projections `KernelWeight`s of one
 part each. cos, sin: [B, 1, T, head_dim]; mask: [B, 1, T, S] bool over the cache slots 0..S-1; kc, vc:
@@ -41,6 +44,58 @@ def bind_layer(
 ):
     """The layer's call with its weights, formats and ISA paths bound once (`MTP_KERNEL_ISA` read now);
     `int8`: quantised weights take int8 activations (as `qlinear.bind(..., int8=True)`)."""
+    dim = ln1.shape[0]
+    data, formats, sizes, scale, isa_f, isa_i8 = _bound(qkv, o, gate_up, down, dim, n_heads, n_kv_heads, int8, isa)
+    bias = None if qkv_bias is None else qkv_bias.detach()
+    op = torch.ops.mtp.decoder_layer.default
+
+    def call(x, cos, sin, mask, kc, vc, rows, positions):
+        weights = [ln1, data[0], data[1], ln2, data[2], data[3]]
+        return op(
+            x, cos, sin, mask, kc, vc, rows, positions, weights, bias, formats, sizes,
+            n_heads, n_kv_heads, eps, scale, isa_f, isa_i8,
+        )  # fmt: skip
+
+    return call
+
+
+def bind_eagle3_layer(
+    ln_in: torch.Tensor,
+    ln_hidden: torch.Tensor,
+    qkv: KernelWeight,
+    o: KernelWeight,
+    ln2: torch.Tensor,
+    gate_up: KernelWeight,
+    down: KernelWeight,
+    n_heads: int,
+    n_kv_heads: int,
+    eps: float,
+    int8: bool = False,
+    isa: str | int | None = None,
+):
+    """The EAGLE-3 drafter's layer (`mtp::eagle3_layer`) with its weights bound once, as `bind_layer`:
+
+        h = run(emb, g, cos, sin, mask, kc, vc, rows, positions)   # emb, g [B, T, D] -> h [B, T, D]
+
+    its attention reads [rmsnorm(emb, ln_in), rmsnorm(g, ln_hidden)] (qkv: [.., 2 D]) and its residual is g."""
+    dim = ln_in.shape[0]
+    if qkv.shape[1] != 2 * dim or ln_hidden.shape != ln_in.shape:
+        raise ValueError(f"bind_eagle3_layer: qkv reads {qkv.shape[1]} columns, the two norms give 2 x {dim}")
+    data, formats, sizes, scale, isa_f, isa_i8 = _bound(qkv, o, gate_up, down, dim, n_heads, n_kv_heads, int8, isa)
+    op = torch.ops.mtp.eagle3_layer.default
+
+    def call(emb, g, cos, sin, mask, kc, vc, rows, positions):
+        weights = [ln_in, ln_hidden, data[0], data[1], ln2, data[2], data[3]]
+        return op(
+            emb, g, cos, sin, mask, kc, vc, rows, positions, weights, formats, sizes,
+            n_heads, n_kv_heads, eps, scale, isa_f, isa_i8,
+        )  # fmt: skip
+
+    return call
+
+
+def _bound(qkv, o, gate_up, down, dim: int, n_heads: int, n_kv_heads: int, int8: bool, isa):
+    """The projections checked and packed for the layer ops: (data, formats, sizes, scale, isa, isa_i8)."""
     if not kernels.available():
         raise ValueError(f"bind_layer: the kernels are not available ({kernels.why_unavailable()})")
     projections = (qkv, o, gate_up, down)
@@ -52,7 +107,6 @@ def bind_layer(
         raise ValueError(
             f"bind_layer: {n_heads} query and {n_kv_heads} key heads do not fit a qkv of {qkv.shape[0]} outputs"
         )
-    dim = ln1.shape[0]
     if o.shape != (dim, n_heads * hd) or down.shape[0] != dim or gate_up.shape != (2 * down.shape[1], dim):
         raise ValueError(
             f"bind_layer: shapes disagree: qkv {list(qkv.shape)}, o {list(o.shape)}, "
@@ -63,15 +117,4 @@ def bind_layer(
     formats = [FORMAT_CODES[w.fmt] + 4 * q for w, q in zip(projections, quant)]
     sizes = [w.shape[0] for w in projections]
     isa_f, isa_i8 = kernels.resolve_isa(isa), kernels.resolve_isa(isa, int8=True) if any(quant) else -1
-    bias = None if qkv_bias is None else qkv_bias.detach()
-    scale = 1.0 / math.sqrt(hd)
-    op = torch.ops.mtp.decoder_layer.default
-
-    def call(x, cos, sin, mask, kc, vc, rows, positions):
-        weights = [ln1, data[0], data[1], ln2, data[2], data[3]]
-        return op(
-            x, cos, sin, mask, kc, vc, rows, positions, weights, bias, formats, sizes,
-            n_heads, n_kv_heads, eps, scale, isa_f, isa_i8,
-        )  # fmt: skip
-
-    return call
+    return data, formats, sizes, 1.0 / math.sqrt(hd), isa_f, isa_i8

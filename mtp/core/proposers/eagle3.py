@@ -205,6 +205,8 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self._inv_freq = rope_inv_freq(cfg.rope_config())
+        # the layer as one kernel call (mtp.core.weights.attach_proposer: `mtp::eagle3_layer`), or None: torch ops
+        self.layer_kernel = None
 
     # ---- vocabulary ---------------------------------------------------------------------------
     def set_vocab(self, ids: torch.Tensor) -> None:
@@ -263,6 +265,29 @@ class Eagle3Drafter(nn.Module):
         )
         return self.finish(g, y), k, v
 
+    def step_cached(self, emb, g, positions, kc, vc, slots, mask):
+        """One pass of the layer over T new positions (inference, batch 1) on a KV buffer: their keys and
+        values go to `slots` [1, T] of kc, vc [1, kv, capacity, hd], and row j attends to the slots
+        0..S-1 that mask [T, S] bool shows (its own slot included). emb, g [1, T, dim]; positions [1, T]
+        the RoPE positions. Returns h [1, T, dim]. On the kernels (`layer_kernel`) one call, else the
+        torch ops of `step`: the same computation (other rounding)."""
+        T, S = mask.shape
+        if self.layer_kernel is not None:
+            cos, sin = self.rope(positions, torch.float32)
+            rows = torch.zeros(1, dtype=torch.long)
+            return self.layer_kernel(emb.float(), g.float(), cos, sin, mask.view(1, 1, T, S), kc, vc, rows, slots)
+        q, k, v = self.qkv(emb, g, positions)
+        kc[0, :, slots[0]] = k[0].to(kc.dtype)
+        vc[0, :, slots[0]] = v[0].to(vc.dtype)
+        y = F.scaled_dot_product_attention(
+            q,
+            kc[:, :, :S].to(q.dtype),
+            vc[:, :, :S].to(q.dtype),
+            attn_mask=mask,
+            enable_gqa=self.config.n_heads != self.config.n_kv_heads,
+        )
+        return self.finish(g, y)
+
 
 class Eagle3Proposer(Proposer):
     """Drafts a chain of n tokens per pass, or a tree of n nodes (`_tree`, `tree:N`), with an EAGLE-3
@@ -282,6 +307,7 @@ class Eagle3Proposer(Proposer):
         self.model, self.drafter = model, drafter.eval().requires_grad_(False)
         self.aux_layers = tuple(drafter.config.aux_layers)
         self.ids = drafter.draft_ids().cpu()  # [Vd] target ids
+        self.id_list = self.ids.tolist()
         self.draft_s, self.draft_calls = 0.0, 0
 
     def modules(self) -> list:
@@ -289,27 +315,48 @@ class Eagle3Proposer(Proposer):
 
     def ingest(self, view: PassView) -> torch.Tensor | None:
         """Step (1): extend the sequence's drafter cache by the committed positions; return the
-        drafter's hidden state at the last one ([1, 1, dim]), or None if nothing was committed."""
+        drafter's hidden state at the last one ([1, 1, dim]), or None if nothing was committed.
+
+        The state (`view.state`): "len" committed entries, their KV in slots 0..len-1 of the buffers
+        "kc", "vc" [1, kv, capacity, hd] ("k", "v": views of those slots), "h". Drafted positions write
+        scratch slots from len on, which the next ingest overwrites (rollback = length)."""
         st = view.state if view.state is not None else {}
         if view.start == 0 or st.get("len") != view.start:  # a new sequence (or a reset row)
             st.clear()
             if view.start != 0:  # positions were committed without us: no features to rebuild from
                 raise RuntimeError("EAGLE-3 drafter state lost track of its sequence")
-            st["len"], st["k"], st["v"] = 0, None, None
+            st["len"], st["kc"], st["vc"] = 0, None, None
         n = 0 if view.aux is None else view.aux.shape[0]
         if n == 0:
             return st.get("h")
         dev = self.drafter.d2t.device
         d = self.drafter
+        S = view.start + n
+        self._reserve(st, S)
         aux = view.aux.to(dev, d.fc.weight.dtype).unsqueeze(0)  # [1, n, A*dim]
-        nxt = torch.tensor(view.context[view.start + 1 : view.start + n + 1], device=dev).view(1, n)
-        pos = torch.arange(view.start, view.start + n, device=dev).view(1, n)
-        h, k, v = d.step(self.model.embed_tokens(nxt), d.fc(aux), pos, st["k"], st["v"])
-        st["k"] = k if st["k"] is None else torch.cat([st["k"], k], 2)
-        st["v"] = v if st["v"] is None else torch.cat([st["v"], v], 2)
-        st["len"] = view.start + n
+        nxt = torch.tensor(view.context[view.start + 1 : S + 1], device=dev).view(1, n)
+        pos = torch.arange(view.start, S, device=dev).view(1, n)
+        mask = torch.ones(n, S, dtype=torch.bool, device=dev).tril(view.start)  # new row j sees start + j
+        h = d.step_cached(self.model.embed_tokens(nxt), d.fc(aux), pos, st["kc"], st["vc"], pos, mask)
+        st["len"] = S
+        st["k"], st["v"] = st["kc"][:, :, :S], st["vc"][:, :, :S]
         st["h"] = h[:, -1:]
         return st["h"]
+
+    def _reserve(self, st: dict, need: int) -> None:
+        """Grow the state's KV buffers to hold `need` slots (doubling; the committed slots are kept)."""
+        kc = st["kc"]
+        if kc is not None and kc.shape[2] >= need:
+            return
+        cfg, dev = self.drafter.config, self.drafter.d2t.device
+        cap = max(256, 2 * (0 if kc is None else kc.shape[2]), need)
+        new_k = torch.zeros(1, cfg.n_kv_heads, cap, cfg.head_dim, device=dev, dtype=self.drafter.fc.weight.dtype)
+        new_v = torch.zeros_like(new_k)
+        if kc is not None:
+            new_k[:, :, : st["len"]] = kc[:, :, : st["len"]]
+            new_v[:, :, : st["len"]] = st["vc"][:, :, : st["len"]]
+        st["kc"], st["vc"] = new_k, new_v
+        st["k"], st["v"] = new_k[:, :, : st["len"]], new_v[:, :, : st["len"]]
 
     def propose(self, request: DraftRequest) -> Guesses:
         """Step (1) (`ingest`, every pass, whatever is asked), then step (2): a chain (`_chain`) or a
@@ -328,17 +375,19 @@ class Eagle3Proposer(Proposer):
         return out
 
     def _chain(self, view: PassView, h: torch.Tensor, n: int, params, gen) -> Guesses:
-        """n tokens from the last committed state h [1, 1, dim], each picked under `params` with `gen`."""
+        """n tokens from the last committed state h [1, 1, dim], each picked under `params` with `gen`;
+        step j's KV goes to scratch slot len + j - 1."""
         st, d = view.state, self.drafter
         dev = d.d2t.device
-        pk, pv = st["k"], st["v"]
+        S0 = st["len"]
+        self._reserve(st, S0 + n)
         tokens, confs, dists = [], [], []
         for j in range(n):
             if j > 0:  # step 2..: the drafted token and the previous step's hidden state
-                pos = torch.tensor([[st["len"] - 1 + j]], device=dev)
+                pos = torch.tensor([[S0 - 1 + j]], device=dev)
                 emb = self.model.embed_tokens(torch.tensor([[tokens[-1]]], device=dev))
-                h, kk, vv = d.step(emb, h, pos, pk, pv)
-                pk, pv = torch.cat([pk, kk], 2), torch.cat([pv, vv], 2)
+                mask = torch.ones(1, S0 + j, dtype=torch.bool, device=dev)
+                h = d.step_cached(emb, h, pos, st["kc"], st["vc"], pos, mask)
             logits = d.logits(h).view(1, -1).float().cpu()  # [1, Vd]
             t, probs = pick(logits, params, gen)
             tokens.append(int(self.ids[t[0]]))
@@ -363,31 +412,33 @@ class Eagle3Proposer(Proposer):
         likely as any unexpanded node, and the n best (ties: shallower first) always include their
         ancestors.
 
-        The scratch KV lives in this call only: `view.state` keeps the committed entries alone, and the
-        next pass's `ingest` adds the accepted path's from the trunk's features (decode gathers them)."""
+        The scratch KV lives in this call only: `view.state` keeps the committed entries alone (slots
+        0..len-1), and the expanded candidates write scratch slots after them, which the next pass's
+        `ingest` overwrites with the accepted path's from the trunk's features (decode gathers them)."""
         st, d = view.state, self.drafter
         dev = d.d2t.device
+        S0 = st["len"]  # committed drafter entries
+        self._reserve(st, S0 + TOP_K * n)  # at most TOP_K expanded per depth, depth at most n
         # every candidate c: its draft id, parent candidate (-1 = root), cumulative log-probability, depth
         tok: list[int] = []
         par: list[int] = []
         cum: list[float] = []
         depth: list[int] = []
         hid: dict[int, torch.Tensor] = {-1: h[0, 0]}  # candidate -> drafter state after its step [dim]
-        col: dict[int, int] = {}  # expanded candidate -> its column in the scratch KV
-        sk, sv = st["k"][:, :, :0], st["v"][:, :, :0]  # scratch KV [1, kv, M, hd]
-        S0 = st["k"].shape[2]  # committed drafter entries
+        seen: dict[int, list[int]] = {-1: []}  # expanded candidate -> the scratch slots of its path (after S0)
+        M = 0  # scratch slots written
         frontier, logits = [-1], d.logits(h).view(1, -1)  # logits [F, Vd]: row f gives frontier[f]'s children
         level = 0
         while True:
             logp = torch.log_softmax(logits.float().cpu(), -1)  # [F, Vd]
             val, idx = logp.topk(min(TOP_K, logp.shape[-1]), -1)  # [F, TOP_K]
             level += 1
-            for f, p in enumerate(frontier):
+            for p, vals, ids in zip(frontier, val.tolist(), idx.tolist()):
                 base = cum[p] if p >= 0 else 0.0
-                for r in range(val.shape[1]):
-                    tok.append(int(idx[f, r]))
+                for t, lp in zip(ids, vals):
+                    tok.append(t)
                     par.append(p)
-                    cum.append(base + float(val[f, r]))
+                    cum.append(base + lp)
                     depth.append(level)
             nth = sorted(cum, reverse=True)[n - 1] if len(cum) >= n else float("-inf")
             new = sorted((c for c in range(len(cum)) if depth[c] == level and cum[c] > nth), key=lambda c: -cum[c])[
@@ -395,37 +446,28 @@ class Eagle3Proposer(Proposer):
             ]
             if not new:
                 break
-            # one drafter step for the F = w candidates in `new`, tree-masked
+            # one drafter step for the F = w candidates in `new`, tree-masked, into scratch slots S0 + M + i
             w = len(new)
-            M = sk.shape[2]
-            mask = torch.zeros(w, S0 + M + w, dtype=torch.bool, device=dev)  # [F, committed|scratch|new]
-            mask[:, :S0] = True
+            scratch = [[False] * (M + w) for _ in new]  # [F, scratch|new]: its ancestors' slots and its own
             for i, c in enumerate(new):
-                a = par[c]
-                while a >= 0:
-                    mask[i, S0 + col[a]] = True
-                    a = par[a]
-                mask[i, S0 + M + i] = True
-            ids = self.ids[torch.tensor([tok[c] for c in new])].to(dev).view(1, w)
+                for j in seen[par[c]]:
+                    scratch[i][j] = True
+                scratch[i][M + i] = True
+            mask = torch.cat([torch.ones(w, S0, dtype=torch.bool), torch.tensor(scratch)], 1)  # [F, S0 + M + w]
+            ids = self.ids[[tok[c] for c in new]].to(dev).view(1, w)
             g = torch.stack([hid[par[c]] for c in new]).unsqueeze(0)  # [1, F, dim]
-            pos = torch.full((1, w), st["len"] - 1 + level, device=dev)
-            hh, kk, vv = d.step(
-                self.model.embed_tokens(ids),
-                g,
-                pos,
-                torch.cat([st["k"], sk], 2),
-                torch.cat([st["v"], sv], 2),
-                mask=mask,
-            )
-            sk, sv = torch.cat([sk, kk], 2), torch.cat([sv, vv], 2)
-            for i, c in enumerate(new):
-                hid[c], col[c] = hh[0, i], M + i
-            frontier, logits = new, d.logits(hh)[0]  # [F, Vd]
+            pos = torch.full((1, w), S0 - 1 + level, device=dev)
+            slots = torch.arange(S0 + M, S0 + M + w, device=dev).view(1, w)
+            hh = d.step_cached(self.model.embed_tokens(ids), g, pos, st["kc"], st["vc"], slots, mask.to(dev))[0]
+            for i, (c, row) in enumerate(zip(new, hh.unbind(0))):
+                hid[c], seen[c] = row, seen[par[c]] + [M + i]
+            M += w
+            frontier, logits = new, d.logits(hh)  # [F, Vd]
         best = sorted(range(len(cum)), key=lambda c: (-cum[c], depth[c], c))[:n]
         keep = sorted(best)  # candidates are numbered after their parents: parents first
         index = {c: i for i, c in enumerate(keep)}
         return Guesses(
-            [int(self.ids[tok[c]]) for c in keep],
+            [self.id_list[tok[c]] for c in keep],
             [math.exp(cum[c]) for c in keep],
             None,
             [index[par[c]] if par[c] >= 0 else -1 for c in keep],
