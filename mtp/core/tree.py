@@ -202,16 +202,18 @@ class Grower:
         val, idx = logp.topk(min(self.top_k, logp.shape[-1]), -1)  # [F, top_k]
         cum = self.score.view(-1, 1) + val  # [F, top_k]
         order = cum.flatten().argsort(descending=True)[:room].tolist()
+        k = val.shape[1]
+        ids = (idx if self.vocab is None else self.vocab[idx]).flatten().tolist()  # Python lists from here
+        probs = cum.exp().flatten().tolist()  # the paths' probabilities (what a merge compares)
         nxt, rows, toks = [], [], []
         for o in order:
-            f, r = divmod(o, val.shape[1])
-            tok = int(idx[f, r]) if self.vocab is None else int(self.vocab[idx[f, r]])
+            f = o // k
             nxt.append(len(self.tokens))
             rows.append(f)
-            toks.append(tok)
-            self.tokens.append(tok)
+            toks.append(ids[o])
+            self.tokens.append(ids[o])
             self.parents.append(self.frontier[f])
-            self.confs.append(float(cum[f, r].exp()))  # the path's probability (what a merge compares)
+            self.confs.append(probs[o])
         self.frontier, self.rows, self.toks, self.score = nxt, rows, toks, cum.flatten()[order]
         self.depth += 1
 
