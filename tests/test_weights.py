@@ -158,6 +158,21 @@ def passes(model, tokens: list[int], split: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
+def test_a_weight_changed_in_place_leaves_the_one_call_layer():
+    """A layer whose weight changed after `attach` stops running on the kernel's copy of it
+    (`fused_current` sees the weight's version): Q8_0 blocks are a copy, so a stale call would give
+    the logits of before bit for bit."""
+    model = tiny_model(12)
+    weights.attach(model, "native", quantize="q8_0")
+    assert all(layer.kernel_layer is not None for layer in model.layers)
+    tokens = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(7)).tolist()
+    before = passes(model, tokens, [8])
+    assert torch.equal(passes(model, tokens, [8]), before)
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(2.0)
+    assert not torch.allclose(passes(model, tokens, [8]), before, atol=1e-3)
+
+
 def test_tiny_model_rows_are_bit_identical_in_any_pass():
     model = tiny_model(5)
     line = weights.attach(model, "float32")
