@@ -63,10 +63,11 @@ REGISTRY: dict[str, ProposerSpec] = {
 
 AUTO = "auto"  # `--proposer auto`: SHIPPED_DEFAULT's merge for a model that ships its drafters, else FALLBACK
 FALLBACK = "mask"
-# per shipped model, the merge that measured fastest on the diverse held-out prompts (issue 50, greedy, 256
-# tokens, identical to ntp; benchmarks/results/trees/eagle3-merge.md): tree:8@heads+suffix+lookup 2.89
-# tokens/pass at 2.5 ms of drafting per node, tree:8@eagle3+suffix+lookup 3.04 at 9.5 ms per node: EAGLE-3's
-# 5 % more tokens per pass do not pay for its drafting on this CPU
+# per shipped model, the merge that measured fastest on the diverse held-out prompts (issue 50; greedy, every
+# output identical to ntp; benchmarks/RESULTS.md section 1): tree:auto@heads+suffix+lookup 158.8 tokens/s
+# (2.11 tokens/pass), tree:auto@eagle3+suffix+lookup 141.7 (2.29) with the drafter on one kernel call a step
+# (diverse 60, 128 tokens, native-int8, 2 threads): EAGLE-3's 8 % more tokens per pass do not pay for its
+# drafting on a 2-core CPU
 SHIPPED_DEFAULT = {"smollm2-135m": "heads+suffix+lookup"}
 
 
