@@ -261,10 +261,16 @@ def test_merged_tree_credits_each_accepted_token_to_every_part_that_drafted_it(s
     assert seq.stats.accepted_from == [[]] + [[("heads", "lookup"), ("heads",)]] * 10
     assert metrics.accepted_by_proposer(seq.stats.accepted_from) == {"heads": 20, "lookup": 10}
     assert metrics.accepted_share(seq.stats.accepted_from) == {"heads": 1.0, "lookup": 0.5}
-    if strategy.startswith("tree"):  # t0: heads 0.9 and lookup 0.3 (1 x its weight) agree: 1 - 0.1 x 0.7 = 0.93;
-        # t1 0.8 (heads); lookup's wrong child and sibling 0.3 each. Believed as the row's record says
-        # (tree.trusted): after n passes, depth 1 promised 1.23 n and delivered n, depth 2 1.1 n and n
-        believed = [1 + 1.23 * (n + 2) / (1.23 * n + 2) + 1.1 * (n + 2) / (1.1 * n + 2) for n in range(10)]
+    if strategy.startswith("tree"):  # t0: heads 0.9 and lookup 1 (x their weights, at most 1 each) agree:
+        # 1 - (1 - c_heads)(1 - c_lookup); t1 0.8 x heads' weight; lookup's wrong child and sibling its weight
+        # each. Believed as the row's record says (tree.trusted): after n passes, depth d promised p_d n and
+        # delivered n (with weights 1.0 and 0.3: p_1 = 0.93 + 0.3, p_2 = 0.8 + 0.3)
+        from mtp.core.proposers.merged import WEIGHTS
+
+        wh, wl = WEIGHTS["heads"], WEIGHTS["lookup"]
+        p1 = 1 - (1 - min(wh * 0.9, 1.0)) * (1 - min(wl, 1.0)) + wl
+        p2 = min(wh * 0.8, 1.0) + wl
+        believed = [1 + p1 * (n + 2) / (p1 * n + 2) + p2 * (n + 2) / (p2 * n + 2) for n in range(10)]
         assert seq.stats.expected == pytest.approx([1.0] + believed)
     else:
         assert seq.stats.expected == []
