@@ -186,7 +186,7 @@ def test_training_time_test_matches_drafting():
             PassView(seq[: p + 2], torch.zeros(0), None, True, aux=aux[0, : p + 1], start=0, state=state)
         )
         assert torch.allclose(d.logits(h)[0, 0], ttt[0][0, p], atol=1e-4)
-        pk, pv = state["k"], state["v"]
+        pk, pv = committed_kv(state)
         for j in range(1, steps):
             if p + j + 1 >= len(seq):
                 break
@@ -675,6 +675,11 @@ def branching_copy_target(scale=0.5):
     return model, d
 
 
+def committed_kv(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's committed keys and values in a sequence's state: slots 0..len-1 of its buffers."""
+    return state["kc"][:, :, : state["len"]], state["vc"][:, :, : state["len"]]
+
+
 def committed_state(model, proposer, tokens, n):
     """The drafter state of a sequence whose first n tokens were all fed in one pass (token n known)."""
     _, _, aux = model(torch.tensor([tokens[:n]]), aux_layers=proposer.aux_layers)
@@ -686,9 +691,9 @@ def committed_state(model, proposer, tokens, n):
 def assert_state_is_the_committed_prefix(model, proposer, seq, n):
     want = committed_state(model, proposer, seq.prompt_ids + seq.output, n)
     got = seq.proposer_state
-    assert got["len"] == want["len"] == n and got["k"].shape == want["k"].shape, (got["k"].shape, n)
-    torch.testing.assert_close(got["k"], want["k"], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got["v"], want["v"], rtol=1e-4, atol=1e-4)
+    assert got["len"] == want["len"] == n
+    for a, b in zip(committed_kv(got), committed_kv(want)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got["h"], want["h"], rtol=1e-4, atol=1e-4)
 
 
@@ -697,7 +702,7 @@ def test_eagle3_tree_is_the_most_probable_paths_and_leaves_the_state_alone():
     proposer = Eagle3Proposer(model, d)
     prompt = [3, 14, 15]
     committed = committed_state(model, proposer, prompt + [16], 3)
-    state = dict(committed)
+    state, kept = dict(committed), committed_kv(committed)[0].clone()
     t = proposer.propose(
         DraftRequest(PassView(prompt + [16], torch.zeros(0), None, True, start=3, state=state), 8, True)
     )
@@ -707,7 +712,7 @@ def test_eagle3_tree_is_the_most_probable_paths_and_leaves_the_state_alone():
     assert all(c <= t.confidences[p] + 1e-9 for c, p in zip(t.confidences, t.parents) if p >= 0)
     chain = [t.tokens[j] for j in tree.ancestors(t.parents, max(range(8), key=lambda j: tree.depths(t.parents)[j]))]
     assert chain == list(range(17, 17 + len(chain))) and len(chain) >= 3
-    assert state["len"] == 3 and torch.equal(state["k"], committed["k"])  # the scratch KV stayed scratch
+    assert state["len"] == 3 and torch.equal(committed_kv(state)[0], kept)  # the scratch KV stayed scratch
 
 
 def test_eagle3_tree_node_confidence_is_its_path_drafted_as_a_chain():
@@ -724,7 +729,7 @@ def test_eagle3_tree_node_confidence_is_its_path_drafted_as_a_chain():
     )
     assert len(t.tokens) == 12 and max(tree.depths(t.parents)) >= 3
     for j in range(12):
-        h, pk, pv, p = committed["h"], committed["k"], committed["v"], 1.0
+        (pk, pv), h, p = committed_kv(committed), committed["h"], 1.0
         for depth, node in enumerate(tree.ancestors(t.parents, j), 1):
             tok = t.tokens[node]
             p *= float(torch.softmax(d.logits(h)[0, 0], -1)[int((d.draft_ids() == tok).nonzero())])

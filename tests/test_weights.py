@@ -412,20 +412,26 @@ def test_quantize_bad_input_is_one_line(tmp_path):
     assert weights.check_quantize(None, tmp_path / "model.gguf") is None
 
 
-def test_proposer_modules_run_on_the_kernels_and_drafts_stay_lossless():
-    """`attach_proposer`: an EAGLE-3 drafter's Linears run on the float32 kernel (float32's values
-    within rounding) or as Q8_0 blocks with int8 activations; trees drafted either way equal `ntp`."""
+def random_eagle3(model, seed: int, vocab: torch.Tensor):
+    """An EAGLE-3 proposer for `model` with a random drafter over trunk layers 0-2 and draft vocabulary `vocab`."""
     from mtp.core.proposers.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
 
-    model = tiny_model(9)
-    weights.attach(model, "float32")
-    torch.manual_seed(2)
-    drafter = Eagle3Drafter(Eagle3Config.for_model(model.config, 48, (0, 1, 2)))
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(Eagle3Config.for_model(model.config, len(vocab), (0, 1, 2)))
     with torch.no_grad():
         for p in drafter.parameters():
             p.normal_(std=0.3) if p.dim() == 2 else None
-    drafter.set_vocab(torch.arange(0, 96, 2))
-    proposer = Eagle3Proposer(model, drafter.eval().requires_grad_(False))
+    drafter.set_vocab(vocab)
+    return Eagle3Proposer(model, drafter.eval().requires_grad_(False))
+
+
+def test_proposer_modules_run_on_the_kernels_and_drafts_stay_lossless():
+    """`attach_proposer`: an EAGLE-3 drafter's Linears run on the float32 kernel (float32's values
+    within rounding) or as Q8_0 blocks with int8 activations; trees drafted either way equal `ntp`."""
+    model = tiny_model(9)
+    weights.attach(model, "float32")
+    proposer = random_eagle3(model, seed=2, vocab=torch.arange(0, 96, 2))
+    drafter = proposer.drafter
     h = torch.randn(3, 1, model.config.dim, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         torch_logits = drafter.logits(h)
@@ -451,17 +457,11 @@ def test_eagle3_layer_kernel_is_the_drafters_layer():
     and every node of a tree (token, parent, confidence) drafted on scratch slots, which leave the
     committed slots as they were."""
     from mtp.core.proposers.base import PassView
-    from mtp.core.proposers.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
 
     model = tiny_model(11)
     weights.attach(model, "float32")
-    torch.manual_seed(5)
-    drafter = Eagle3Drafter(Eagle3Config.for_model(model.config, 48, (0, 1, 2)))
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(std=0.3) if p.dim() == 2 else None
-    drafter.set_vocab(torch.arange(1, 97, 2))
-    proposer = Eagle3Proposer(model, drafter.eval().requires_grad_(False))
+    proposer = random_eagle3(model, seed=5, vocab=torch.arange(1, 97, 2))
+    drafter = proposer.drafter
     weights.attach_proposer(proposer, model, "float32")
     run = drafter.layer_kernel
     assert run is not None

@@ -194,7 +194,7 @@ def _drafter_layer(drafter, int8: bool):
     """The EAGLE-3 drafter's layer as one `mtp::eagle3_layer` call on the kernels its Linears were just
     put on (q/k/v and gate/up stacked: each output column keeps its bits), or None where they are not
     all single-part kernels of one format."""
-    from mtp.core.kernels.layer import bind_eagle3_layer
+    from mtp.core.kernels.layer import bind_layer
 
     m, cfg = drafter.midlayer, drafter.config
     attn, mlp = m.self_attn, m.mlp
@@ -204,9 +204,9 @@ def _drafter_layer(drafter, int8: bool):
         return None
     if any(mod.kernel is None or len(mod.kernel) != 1 or mod.bias is not None for mod in (o, down)):
         return None
-    return bind_eagle3_layer(
-        m.input_layernorm.weight, m.hidden_norm.weight, qkv[0], o.kernel[0], m.post_attention_layernorm.weight,
-        gu[0], down.kernel[0], cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps, int8,
+    return bind_layer(
+        m.input_layernorm.weight, qkv[0], None, o.kernel[0], m.post_attention_layernorm.weight, gu[0],
+        down.kernel[0], cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps, int8, ln_hidden=m.hidden_norm.weight,
     )  # fmt: skip
 
 

@@ -5,8 +5,8 @@ attention as separate kernel ops, without the dispatcher and Python between them
     run = bind_layer(ln1, qkv, qkv_bias, o, ln2, gate_up, down, n_heads=9, n_kv_heads=3, eps=1e-5)
     x = run(x, cos, sin, mask, kc, vc, rows, positions)   # x [B, T, D] -> [B, T, D]; writes kc, vc
 
-`bind_eagle3_layer` binds `mtp::eagle3_layer`, the EAGLE-3 drafter's layer on the same steps (its
-attention reads two normed inputs, its residual is the drafter's hidden state g).
+With `ln_hidden` it binds `mtp::eagle3_layer`, the EAGLE-3 drafter's layer on the same steps, called
+`run(emb, cos, ..., positions, g)`: its attention reads two normed inputs, its residual is g.
 
 ln1, ln2: the RMSNorm weights [D] (read at each call: in-place updates count); qkv: q, k and v stacked
 along the output dimension; gate_up: gate and up stacked; all four projections `KernelWeight`s of one
@@ -41,53 +41,33 @@ def bind_layer(
     eps: float,
     int8: bool = False,
     isa: str | int | None = None,
+    ln_hidden: torch.Tensor | None = None,
 ):
     """The layer's call with its weights, formats and ISA paths bound once (`MTP_KERNEL_ISA` read now);
-    `int8`: quantised weights take int8 activations (as `qlinear.bind(..., int8=True)`)."""
+    `int8`: quantised weights take int8 activations (as `qlinear.bind(..., int8=True)`).
+
+    `ln_hidden` given: the EAGLE-3 drafter's layer (`mtp::eagle3_layer`), called with a second input g
+    [B, T, D]: its attention reads [rmsnorm(x, ln1), rmsnorm(g, ln_hidden)] (qkv over 2 D columns, no
+    bias) and its residual is g."""
     dim = ln1.shape[0]
+    if ln_hidden is not None and (qkv.shape[1] != 2 * dim or ln_hidden.shape != ln1.shape or qkv_bias is not None):
+        raise ValueError(f"bind_layer: qkv reads {qkv.shape[1]} columns, the two norms give 2 x {dim} (no bias)")
     data, formats, sizes, scale, isa_f, isa_i8 = _bound(qkv, o, gate_up, down, dim, n_heads, n_kv_heads, int8, isa)
     bias = None if qkv_bias is None else qkv_bias.detach()
-    op = torch.ops.mtp.decoder_layer.default
+    decoder, eagle3 = torch.ops.mtp.decoder_layer.default, torch.ops.mtp.eagle3_layer.default
 
-    def call(x, cos, sin, mask, kc, vc, rows, positions):
-        weights = [ln1, data[0], data[1], ln2, data[2], data[3]]
-        return op(
-            x, cos, sin, mask, kc, vc, rows, positions, weights, bias, formats, sizes,
-            n_heads, n_kv_heads, eps, scale, isa_f, isa_i8,
-        )  # fmt: skip
-
-    return call
-
-
-def bind_eagle3_layer(
-    ln_in: torch.Tensor,
-    ln_hidden: torch.Tensor,
-    qkv: KernelWeight,
-    o: KernelWeight,
-    ln2: torch.Tensor,
-    gate_up: KernelWeight,
-    down: KernelWeight,
-    n_heads: int,
-    n_kv_heads: int,
-    eps: float,
-    int8: bool = False,
-    isa: str | int | None = None,
-):
-    """The EAGLE-3 drafter's layer (`mtp::eagle3_layer`) with its weights bound once, as `bind_layer`:
-
-        h = run(emb, g, cos, sin, mask, kc, vc, rows, positions)   # emb, g [B, T, D] -> h [B, T, D]
-
-    its attention reads [rmsnorm(emb, ln_in), rmsnorm(g, ln_hidden)] (qkv: [.., 2 D]) and its residual is g."""
-    dim = ln_in.shape[0]
-    if qkv.shape[1] != 2 * dim or ln_hidden.shape != ln_in.shape:
-        raise ValueError(f"bind_eagle3_layer: qkv reads {qkv.shape[1]} columns, the two norms give 2 x {dim}")
-    data, formats, sizes, scale, isa_f, isa_i8 = _bound(qkv, o, gate_up, down, dim, n_heads, n_kv_heads, int8, isa)
-    op = torch.ops.mtp.eagle3_layer.default
-
-    def call(emb, g, cos, sin, mask, kc, vc, rows, positions):
-        weights = [ln_in, ln_hidden, data[0], data[1], ln2, data[2], data[3]]
-        return op(
-            emb, g, cos, sin, mask, kc, vc, rows, positions, weights, formats, sizes,
+    def call(x, cos, sin, mask, kc, vc, rows, positions, g=None):
+        if (g is None) != (ln_hidden is None):
+            raise ValueError("bind_layer: a second input g goes with ln_hidden, and only with it")
+        if g is None:
+            weights = [ln1, data[0], data[1], ln2, data[2], data[3]]
+            return decoder(
+                x, cos, sin, mask, kc, vc, rows, positions, weights, bias, formats, sizes,
+                n_heads, n_kv_heads, eps, scale, isa_f, isa_i8,
+            )  # fmt: skip
+        weights = [ln1, ln_hidden, data[0], data[1], ln2, data[2], data[3]]
+        return eagle3(
+            x, g, cos, sin, mask, kc, vc, rows, positions, weights, formats, sizes,
             n_heads, n_kv_heads, eps, scale, isa_f, isa_i8,
         )  # fmt: skip
 

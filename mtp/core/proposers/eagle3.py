@@ -275,7 +275,7 @@ class Eagle3Drafter(nn.Module):
         if self.layer_kernel is not None:
             cos, sin = self.rope(positions, torch.float32)
             rows = torch.zeros(1, dtype=torch.long)
-            return self.layer_kernel(emb.float(), g.float(), cos, sin, mask.view(1, 1, T, S), kc, vc, rows, slots)
+            return self.layer_kernel(emb.float(), cos, sin, mask.view(1, 1, T, S), kc, vc, rows, slots, g.float())
         q, k, v = self.qkv(emb, g, positions)
         kc[0, :, slots[0]] = k[0].to(kc.dtype)
         vc[0, :, slots[0]] = v[0].to(vc.dtype)
@@ -318,8 +318,8 @@ class Eagle3Proposer(Proposer):
         drafter's hidden state at the last one ([1, 1, dim]), or None if nothing was committed.
 
         The state (`view.state`): "len" committed entries, their KV in slots 0..len-1 of the buffers
-        "kc", "vc" [1, kv, capacity, hd] ("k", "v": views of those slots), "h". Drafted positions write
-        scratch slots from len on, which the next ingest overwrites (rollback = length)."""
+        "kc", "vc" [1, kv, capacity, hd], "h". Drafted positions write scratch slots from len on, which
+        the next ingest overwrites (rollback = length)."""
         st = view.state if view.state is not None else {}
         if view.start == 0 or st.get("len") != view.start:  # a new sequence (or a reset row)
             st.clear()
@@ -339,7 +339,6 @@ class Eagle3Proposer(Proposer):
         mask = torch.ones(n, S, dtype=torch.bool, device=dev).tril(view.start)  # new row j sees start + j
         h = d.step_cached(self.model.embed_tokens(nxt), d.fc(aux), pos, st["kc"], st["vc"], pos, mask)
         st["len"] = S
-        st["k"], st["v"] = st["kc"][:, :, :S], st["vc"][:, :, :S]
         st["h"] = h[:, -1:]
         return st["h"]
 
@@ -356,7 +355,6 @@ class Eagle3Proposer(Proposer):
             new_k[:, :, : st["len"]] = kc[:, :, : st["len"]]
             new_v[:, :, : st["len"]] = st["vc"][:, :, : st["len"]]
         st["kc"], st["vc"] = new_k, new_v
-        st["k"], st["v"] = new_k[:, :, : st["len"]], new_v[:, :, : st["len"]]
 
     def propose(self, request: DraftRequest) -> Guesses:
         """Step (1) (`ingest`, every pass, whatever is asked), then step (2): a chain (`_chain`) or a
