@@ -9,7 +9,8 @@ on them (`mtp.tune.simulate.replay`: one teacher-forced pass per prompt, then th
 pass, the same drafts and acceptances a decode makes up to float near-ties). Tokens per pass comes
 from `mtp.core.metrics.tokens_per_forward` over all passes of all prompts, as `mtp bench` reports it.
 `--eagle3 auto,DIR` replays EAGLE-3 drafters the same way (the teacher-forced pass also returns the
-trunk streams they read), beside or instead of heads.
+trunk streams they read), beside or instead of heads. `--merge suffix+lookup` replays each set as part
+of that merge (`eagle3+suffix+lookup`), as `--proposer` names it.
 
     python benchmarks/heads_compare.py --data gsm8k:$MTP_DATA_DIR/gsm8k/test.jsonl --limit 100 \\
         --heads auto,runs/heads6-1600/heads-5000 --strategies verify:4,tree:16 --out runs/heads_compare/gsm8k100
@@ -116,6 +117,7 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--heads", default="", help="comma list of heads directories; 'auto' = the shipped heads")
     ap.add_argument("--eagle3", default="", help="comma list of EAGLE-3 drafter directories; 'auto' = the shipped one")
+    ap.add_argument("--merge", default="", help="parts to merge each set with, e.g. suffix+lookup")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -128,8 +130,9 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     hidden: dict = {}  # teacher-forced hidden states per prompt: the trunk's, shared by every set of heads
     ref, rows = None, []
-    for proposer, h in heads:
-        engine = Engine.load(EngineConfig(adapter="none", proposer=proposer, threads=args.threads, **{proposer: h}))
+    for part, h in heads:
+        proposer = f"{part}+{args.merge}" if args.merge else part
+        engine = Engine.load(EngineConfig(adapter="none", proposer=proposer, threads=args.threads, **{part: h}))
         prompts = [engine.encode(it["prompt"], chat=True) for it in items]
         if ref is None:
             ref = reference(engine, prompts, args)
@@ -141,11 +144,11 @@ def main(argv=None) -> None:
         for s in strategies:
             stats = replay(engine, prompts, ref, s, proposer, hidden_cache=hidden, memo={})
             chunks = [c for o in stats.outputs for c in o.chunks]
-            where = engine.asset_dirs.get(proposer)
+            where = engine.asset_dirs.get(part)
             row = {
                 "proposer": proposer,
-                proposer: h,
-                f"{proposer}_dir": portable(where),
+                part: h,
+                f"{part}_dir": portable(where),
                 "strategy": str(s),
                 "data": portable(args.data),
                 "n_prompts": len(prompts),
