@@ -369,11 +369,28 @@ static void dequant_rows(const uint8_t* w, int64_t ws, int64_t rows, int64_t K, 
 
 constexpr int NT = 4, MT = 4;
 
+// 5..8 rows against a 4-column tile in one pass, as two 2-column halves of all the rows (at most 16
+// accumulators): each weight block is dequantised once, not once per row tile of 4. (One column of 9..16
+// rows was tried: slower than the panel at 16 rows, register pressure.)
+template <int F, int M>
+static void halves(const uint8_t* w, int64_t ws, const Pass& p, float* y) {
+  for (int h = 0; h < NT; h += 2) tile<F, M, 2>(w + h * ws, ws, p.x, p.x_stride, p.K, y + h, p.N);
+}
+
 template <int F, int NTC>
 static void rows(const uint8_t* w, int64_t ws, const Pass& p, int64_t n) {
   int64_t m = 0;
   const float* x = p.x;
   float* y = p.y + n;
+  if constexpr (NTC == NT) {
+    switch (p.M) {
+      case 5: return halves<F, 5>(w, ws, p, y);
+      case 6: return halves<F, 6>(w, ws, p, y);
+      case 7: return halves<F, 7>(w, ws, p, y);
+      case 8: return halves<F, 8>(w, ws, p, y);
+      default: break;
+    }
+  }
   const int64_t tiles = (p.M + MT - 1) / MT;
   for (int64_t t = 0; t < tiles; t++) {
     const int64_t mt = std::min<int64_t>(MT, p.M - m);
@@ -387,7 +404,7 @@ static void rows(const uint8_t* w, int64_t ws, const Pass& p, int64_t n) {
   }
 }
 
-constexpr int64_t PANEL_ABOVE_M = 2 * MT;  // up to two row tiles: dequantising twice beats the panel
+constexpr int64_t PANEL_ABOVE_M = 2 * MT;  // up to 8 rows one pass (`halves`) beats the panel
 #include "matmul_driver.h"
 
 }  // namespace avx512
