@@ -305,16 +305,19 @@ static inline __m512 chunk(const uint8_t* row, int64_t b) {
       __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * HALF));
       return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
     } else {
+      // the 16 values a nibble can stand for, computed as the scalar path does (Q4_0: float(i - 8) * d;
+      // Q4_1: float(i) * d + m), then looked up: vpermps reads the low 4 bits of each index lane
       const int off = F == Q4_0 ? 2 : 4;
-      __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off));
-      if (HALF) q = _mm_srli_epi16(q, 4);
-      __m512i v = _mm512_cvtepu8_epi32(_mm_and_si128(q, _mm_set1_epi8(0x0F)));
+      __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
+      if (HALF) v = _mm512_srli_epi32(v, 4);
+      __m512 table;
       if constexpr (F == Q4_0) {
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(8))), d);
+        table = _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), d);
       } else {
         const __m512 m = _mm512_set1_ps(_cvtsh_ss(load_u16(blk + 2)));
-        return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), d), m);
+        table = _mm512_add_ps(_mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), d), m);
       }
+      return _mm512_permutexvar_ps(v, table);
     }
   }
 }
