@@ -118,7 +118,7 @@ def test_f32_any_k(k, isa):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_same_bits_on_every_isa_and_thread_count(fmt):
     w = weight(fmt, n=67, k=224, seed=5, kind="random" if fmt != "f32" else "quantized")
-    for m in (6, 21):  # 6: AVX-512's one-pass tile of 5-8 rows; 21: row tiles over a dequantised panel
+    for m in (5, 6, 21):  # one-pass tiles: AVX2 4-5 rows, AVX-512 5-8; 21: row tiles over a float32 panel
         x = torch.randn(m, 224, generator=torch.Generator().manual_seed(6))
         outs = [linear(x, w, isa=isa) for isa in kernels.supported_isas()]
         threads = torch.get_num_threads()
