@@ -16,7 +16,7 @@ The contract:
   `mtp.core.gguf.read_gguf` uses): `q*d` (Q8_0), `(q-8)*d` (Q4_0), `q*d + m` (Q4_1), each operation
   rounded on its own (the source is compiled with `-ffp-contract=off`).
 * **Dequantise once, FMA many**: each weight block is dequantised once per pass of a register tile
-  over the rows (on AVX-512 up to 8 rows in one pass, as two 2-column halves), or, for more rows, once
+  over the rows (one pass for up to 8 rows on AVX-512, as 2-column halves, and 5 on AVX2), or, for more rows, once
   into a float32 panel that every row tile then reads. AVX-512 dequantises a Q4 half-block by looking
   its nibbles up in the 16 values they can stand for (`vpermps`), computed with the same operations.
 * **One build serves every x86-64 CPU**: the ISA code sits in `#pragma GCC target` regions and the
