@@ -264,7 +264,7 @@ def test_merged_tree_credits_each_accepted_token_to_every_part_that_drafted_it(s
     if strategy.startswith("tree"):  # t0: heads 0.9 and lookup 1 (x their weights, at most 1 each) agree:
         # 1 - (1 - c_heads)(1 - c_lookup); t1 0.8 x heads' weight; lookup's wrong child and sibling its weight
         # each. Believed as the row's record says (tree.trusted): after n passes, depth d promised p_d n and
-        # delivered n (with weights 1.0 and 0.3: p_1 = 0.93 + 0.3, p_2 = 0.8 + 0.3)
+        # delivered n: p_1 = the agreed t0 plus lookup's sibling, p_2 = t1 plus lookup's child
         from mtp.core.proposers.merged import WEIGHTS
 
         wh, wl = WEIGHTS["heads"], WEIGHTS["lookup"]

@@ -54,24 +54,25 @@ def bind_layer(
         raise ValueError(f"bind_layer: qkv reads {qkv.shape[1]} columns, the two norms give 2 x {dim} (no bias)")
     data, formats, sizes, scale, isa_f, isa_i8 = _bound(qkv, o, gate_up, down, dim, n_heads, n_kv_heads, int8, isa)
     bias = None if qkv_bias is None else qkv_bias.detach()
-    decoder, eagle3 = torch.ops.mtp.decoder_layer.default, torch.ops.mtp.eagle3_layer.default
+    if ln_hidden is None:
+        op, weights = torch.ops.mtp.decoder_layer.default, [ln1, data[0], data[1], ln2, data[2], data[3]]
 
-    def call(x, cos, sin, mask, kc, vc, rows, positions, g=None):
-        if (g is None) != (ln_hidden is None):
-            raise ValueError("bind_layer: a second input g goes with ln_hidden, and only with it")
-        if g is None:
-            weights = [ln1, data[0], data[1], ln2, data[2], data[3]]
-            return decoder(
+        def call(x, cos, sin, mask, kc, vc, rows, positions):
+            return op(
                 x, cos, sin, mask, kc, vc, rows, positions, weights, bias, formats, sizes,
                 n_heads, n_kv_heads, eps, scale, isa_f, isa_i8,
             )  # fmt: skip
-        weights = [ln1, ln_hidden, data[0], data[1], ln2, data[2], data[3]]
-        return eagle3(
+
+        return call
+    op, weights = torch.ops.mtp.eagle3_layer.default, [ln1, ln_hidden, data[0], data[1], ln2, data[2], data[3]]
+
+    def call_eagle3(x, cos, sin, mask, kc, vc, rows, positions, g):
+        return op(
             x, g, cos, sin, mask, kc, vc, rows, positions, weights, formats, sizes,
             n_heads, n_kv_heads, eps, scale, isa_f, isa_i8,
         )  # fmt: skip
 
-    return call
+    return call_eagle3
 
 
 def _bound(qkv, o, gate_up, down, dim: int, n_heads: int, n_kv_heads: int, int8: bool, isa):

@@ -64,10 +64,9 @@ REGISTRY: dict[str, ProposerSpec] = {
 AUTO = "auto"  # `--proposer auto`: SHIPPED_DEFAULT's merge for a model that ships its drafters, else FALLBACK
 FALLBACK = "mask"
 # per shipped model, the merge that measured fastest on the diverse held-out prompts (issue 50; greedy, every
-# output identical to ntp; benchmarks/RESULTS.md section 1): tree:auto@heads+suffix+lookup 158.8 tokens/s
-# (2.11 tokens/pass), tree:auto@eagle3+suffix+lookup 141.7 (2.29) with the drafter on one kernel call a step
-# (diverse 60, 128 tokens, native-int8, 2 threads): EAGLE-3's 8 % more tokens per pass do not pay for its
-# drafting on a 2-core CPU
+# output identical to ntp; benchmarks/RESULTS.md section 1, 128 tokens, native-int8, 2 threads):
+# tree:auto@heads+suffix+lookup 183.8 tokens/s (2.13 tokens/pass), tree:auto@eagle3+suffix+lookup 165.6
+# (2.35): EAGLE-3's 10 % more tokens per pass do not pay for its drafting on a 2-core CPU
 SHIPPED_DEFAULT = {"smollm2-135m": "heads+suffix+lookup"}
 
 
