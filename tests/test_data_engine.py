@@ -181,6 +181,36 @@ def test_clean_and_deduplicate_written_tasks():
     assert d.seen("write a short poem about rain!") and not d.seen("Summarise this email for a manager")
 
 
+def _scan_seen(sets: list[frozenset], exact: set[str], text: str) -> bool:
+    """The definition `Deduplicator.seen` must keep: an exact match, or Jaccard >= t with any added set."""
+    norm = E.normalise(text)
+    words = frozenset(norm.split())
+    return norm in exact or any(len(words & s) >= E.DUPLICATE_JACCARD * len(words | s) for s in sets)
+
+
+def test_deduplicator_index_agrees_with_the_scan_over_every_pair():
+    # small vocabularies and lengths 0..12 make many pairs sit right at the threshold (7 of 10, 7 of 9 ...)
+    import random
+
+    rng = random.Random(3)
+    vocab = [f"w{i}" for i in range(14)]
+    human = [" ".join(rng.sample(vocab, rng.randint(1, 10))) for _ in range(30)]
+    d = E.Deduplicator(human)
+    sets = [frozenset(E.normalise(t).split()) for t in human]
+    exact = {E.normalise(t) for t in human}
+    verdicts = []
+    for _ in range(3000):
+        text = " ".join(rng.choice(vocab + ["new", "x", "y"]) for _ in range(rng.randint(0, 12))) or "!!"
+        want = _scan_seen(sets, exact, text)
+        assert d.seen(text) == want, text
+        verdicts.append(want)
+        if not want:
+            d.add(text)
+            sets.append(frozenset(E.normalise(text).split()))
+            exact.add(E.normalise(text))
+    assert 100 < sum(verdicts) < 2900  # both answers were exercised
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -198,3 +228,18 @@ def test_bad_sources_one_line(tmp_path, capsys, args, words):
     code = main(["data", "--out", str(tmp_path / "o"), "--model", str(model), *args])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("mtp: error:") and err.count("\n") == 1 and words in err, err
+
+
+def test_card_counts_prompts_skipped_as_too_long_and_a_resume_says_what_it_replays(tiny_engine, tmp_path):
+    _, tasks = sources(tmp_path)
+    long = " ".join(f"w{i % 90}" for i in range(300))
+    gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"question": q, "answer": "w1"} for q in ("w1 w2 w3", long)])
+    logged = []
+    cfg = config(tmp_path, gsm, tasks, max_prompt_tokens=128)
+    card = E.run(tiny_engine, cfg, progress=False, log=logged.append)
+    assert card["skipped_prompts_too_long"] == {"gsm8k": 1}, card  # the long question only
+    on_disk = json.loads((tmp_path / "out" / "card.json").read_text())
+    assert on_disk["skipped_prompts_too_long"] == card["skipped_prompts_too_long"]
+    logged.clear()
+    E.run(tiny_engine, cfg, progress=False, log=logged.append)  # a resume: the written requests are replayed
+    assert any(m.startswith("data: replaying 4 self-written requests") for m in logged), logged

@@ -29,6 +29,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -155,25 +156,57 @@ def clean_instruction(text: str) -> str | None:
 
 
 class Deduplicator:
-    """Near-duplicate test over word sets (Jaccard >= DUPLICATE_JACCARD)."""
+    """Near-duplicate test over word sets: `seen(t)` is True when t's normalised text was added, or
+    when its word set has Jaccard >= DUPLICATE_JACCARD with an added one (the same float comparison
+    for every pair as a scan over all of them would make).
 
-    def __init__(self, texts=()):
-        self.sets: list[frozenset] = []
+    An added set is indexed by the first words of its prefix in one fixed order of words (rarest in
+    `texts` and `vocabulary` first; `vocabulary` is only counted for that order). Two sets of
+    Jaccard >= t share at least ceil(t * max(|A|, |B|)) words, so they share a word among the first
+    |A| - ceil(t |A|) + 1 of A and the first |B| - ceil(t |B|) + 1 of B (prefix filtering): only the
+    sets met there are compared. A resume replays ~10^4 written tasks in seconds, where the scan
+    over every pair took minutes."""
+
+    def __init__(self, texts=(), vocabulary=()):
+        texts = list(texts)
         self.exact: set[str] = set()
+        self.sets: list[frozenset] = []
+        self._index: dict[str, list[int]] = collections.defaultdict(list)
+        self._empty = False  # an added text with no words (only an empty set is its near-duplicate)
+        freq = collections.Counter(w for t in (*texts, *vocabulary) for w in set(normalise(t).split()))
+        self._rank = lambda w: (freq.get(w, 0), w)  # fixed for the index's life: new words rank rarest
         for t in texts:
             self.add(t)
+
+    def _prefix(self, words: frozenset) -> list[str]:
+        # o >= fl(t * |A u B|) >= fl(t * |A|) (rounding is monotone), so o >= ceil(fl(t * |A|))
+        need = math.ceil(DUPLICATE_JACCARD * len(words))
+        return sorted(words, key=self._rank)[: len(words) - need + 1]
 
     def seen(self, text: str) -> bool:
         norm = normalise(text)
         if norm in self.exact:
             return True
         words = frozenset(norm.split())
-        return any(len(words & s) >= DUPLICATE_JACCARD * len(words | s) for s in self.sets)
+        if not words:
+            return self._empty
+        n, t = len(words), DUPLICATE_JACCARD
+        candidates = {i for w in self._prefix(words) for i in self._index.get(w, ())}
+        # o <= min(|A|, |B|) and fl(t * |A u B|) >= fl(t * max(|A|, |B|)): a size outside that skips the pair
+        return any(
+            n >= t * len(s) and len(s) >= t * n and len(words & s) >= t * len(words | s)
+            for s in (self.sets[i] for i in sorted(candidates))
+        )
 
     def add(self, text: str) -> None:
         norm = normalise(text)
         self.exact.add(norm)
-        self.sets.append(frozenset(norm.split()))
+        words = frozenset(norm.split())
+        self.sets.append(words)
+        if not words:
+            self._empty = True
+        for w in self._prefix(words):
+            self._index[w].append(len(self.sets) - 1)
 
 
 def content_id(prefix: str, text: str) -> str:
@@ -316,16 +349,18 @@ def run(engine, cfg: DataConfig, progress: bool | None = None, log=None) -> dict
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     out = Path(cfg.out)
     open_folder(out, manifest(cfg, engine))
+    skipped: collections.Counter = collections.Counter()  # prompts over --max-prompt-tokens, per source
     with locked(out):
         try:
-            return _run(engine, cfg, out, progress, log)
+            _run(engine, cfg, out, progress, log, skipped)
         finally:
             for e in shards.seal(out):
                 log(f"data: sealed {e['lines']:,} lines into {out / e['file']}")
-            write_card(out, cfg)
+            card = write_card(out, cfg, skipped)  # once, also after Ctrl-C or a failure
+    return card
 
 
-def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
+def _run(engine, cfg: DataConfig, out: Path, progress, log, skipped: collections.Counter) -> None:
     prompts = file_prompts(cfg)
     train = [p for p in prompts if not is_heldout(p, cfg)]
     heldout = [p for p in prompts if is_heldout(p, cfg)]
@@ -342,7 +377,8 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
             f"--self-written needs at least 3 self-instruct training tasks to imitate, found "
             f"{len(examples)} (raise --limit or lower --heldout-fraction)"
         )
-    dedup = Deduplicator(human)
+    log(f"data: replaying {len(written):,} self-written requests on disk") if written else None
+    dedup = Deduplicator(human, vocabulary=[rec.get("text", "") for rec in written.values()])
     written_kept: list[Prompt] = []
 
     def judge(key: str, text: str) -> Prompt | None:
@@ -360,7 +396,6 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
 
     chat = lambda text: engine.encode(text, chat=True)  # noqa: E731
     greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens)
-    skipped = collections.Counter()
 
     def answer_job(p: Prompt) -> Job | None:
         ids = chat(p.text)
@@ -390,6 +425,9 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
                 )
             )
     queue = interleave(answers, writes)
+    # a row holds an answer (prompt <= --max-prompt-tokens) or a written request (few-shot prompt + 64 tokens)
+    longest_write = max((len(j.prompt_ids) + j.params.max_new_tokens for j in writes), default=0)
+    capacity = max(cfg.max_prompt_tokens + cfg.max_new_tokens, longest_write) + 1
     write_heldout(out, heldout)
     total = len(done) + len(answers)
     log(
@@ -397,7 +435,7 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
         f"to write; held out: {len(heldout)} prompts -> {out / HELDOUT}"
     )
     if not queue:
-        return write_card(out, cfg, skipped)
+        return
     kept = {"requests": 0, "kept": 0}
 
     tokens = {"n": 0}
@@ -466,7 +504,7 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
             tokens["n"] += n
 
         try:
-            generate(engine, queue, cfg.batch_size, finish, cfg.max_prompt_tokens + cfg.max_new_tokens + 1, on_pass)
+            generate(engine, queue, cfg.batch_size, finish, capacity, on_pass)
         finally:
             if bar is not None:
                 bar.stop()
@@ -475,7 +513,6 @@ def _run(engine, cfg: DataConfig, out: Path, progress, log) -> dict:
                     f"data: the model wrote {kept['requests']:,} requests, {kept['kept']:,} kept "
                     f"(the rest unusable or near-duplicates)"
                 )
-    return write_card(out, cfg, skipped)
 
 
 def first_word(text: str) -> str:

@@ -68,6 +68,7 @@ def shard_entries(manifest: dict, log: str) -> list[dict]:
 
 
 ID_LISTS = ("prompt_ids", "response_ids")
+_INT = {int}  # a token list's element types must be exactly int (not bool, not float)
 
 
 def parse_line(line: bytes | str, key: str = "id") -> dict | None:
@@ -80,7 +81,7 @@ def parse_line(line: bytes | str, key: str = "id") -> dict | None:
     ok = (
         isinstance(rec, dict)
         and key in rec
-        and all(isinstance(rec.get(f), list) and all(type(t) is int for t in rec[f]) for f in ID_LISTS)
+        and all(isinstance(rec.get(f), list) and set(map(type, rec[f])) <= _INT for f in ID_LISTS)
     )
     if ok and key not in ID_LISTS:
         ok = type(rec[key]) in (str, int)  # e.g. {"id": [1]} is unhashable: a corrupt line, not a crash
