@@ -12,7 +12,7 @@ from conftest import tiny_model
 from mtp.core.cache import KVCache
 from mtp.core.decode import Sequence, decode_step, generate, _branch_layout
 from mtp.core.model import add_mask_token
-from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer
+from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
 from mtp.core.sampling import SamplingParams, verify_drafts
 from mtp.core.strategy import Strategy, StrategyError, expand_sweep
 
@@ -356,3 +356,93 @@ def test_branched_mask_groups_equal_separate_passes(weights):
         # the draft rows are the plain causal pass's rows
         ref = model(torch.tensor([prompt + pending + drafts]))[0, 5:]
         torch.testing.assert_close(got[:4], ref, **tol)
+
+
+# --- seeded sampling: lossless strategies draw ntp's samples, draw for draw (issue 64, S1) -----------
+
+
+def _capped(model, prompt, strategy, params, proposer, caps):
+    """Decode alone with the block size capped pass by pass from `caps` (None: uncapped), as the
+    server's adaptive policy caps K."""
+    seq = Sequence(prompt, Strategy.parse(strategy), params, proposer)
+    cache = KVCache.for_model(model, 1, len(prompt) + params.max_new_tokens + 64)
+    with torch.inference_mode():
+        for cap in caps:
+            if seq.finished:
+                break
+            seq.k_override = cap
+            decode_step(model, cache, [seq], model.config.mask_token_id)
+    return seq
+
+
+class _Knows(Proposer):
+    """Drafts the continuation it is told (`truth`, after a prompt of `prompt_len` tokens), every third
+    pass with its second guess wrong: under sampling, drafts that match the model's samples."""
+
+    name = "knows"
+
+    def __init__(self, truth: list[int], prompt_len: int):
+        self.truth, self.prompt_len, self.calls = truth, prompt_len, 0
+
+    def propose(self, request):
+        done = len(request.view.context) - self.prompt_len
+        want = list(self.truth[done : done + request.n])
+        self.calls += 1
+        if self.calls % 3 == 0 and len(want) > 1:
+            want[1] = (want[1] + 1) % 97
+        return Guesses(want, [0.9] * len(want))
+
+
+@pytest.mark.parametrize("proposer", ["mask", "lookup", "knows"])
+def test_seeded_lossless_sampling_equals_ntp_draw_for_draw(proposer):
+    """Under a seed, `verify:K` and `tree:N` emit exactly ntp's sampled tokens whatever K, and also when
+    K changes from pass to pass (the server's adaptive caps), alone or batched with other rows: a draft
+    is accepted iff it equals the model's own sample at its position, drawn as ntp draws it."""
+    model = tiny_with_mask()
+    caps = [None, 1, 3, 2, None, 1, 4, 2] * 10
+    multi = 0  # passes that emitted more than one token: drafts were really accepted
+    for seed in range(2):
+        prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+        params = SamplingParams(temperature=0.8, top_k=40, seed=5 + seed, max_new_tokens=30)
+        ref = generate(model, prompt, "ntp", params).output
+        make = {"mask": MaskProposer, "lookup": PromptLookupProposer, "knows": lambda: _Knows(ref, len(prompt))}
+        for strategy in ("verify:3", "verify:6", "tree:5"):
+            out = generate(model, prompt, strategy, params, proposer=make[proposer]())
+            assert out.output == ref, (seed, strategy)
+            multi += sum(c > 1 for c in out.stats.chunks)
+            capped = _capped(model, prompt, strategy, params, make[proposer](), caps)
+            assert capped.output == ref, (seed, strategy, "capped")
+    assert multi > 0 or proposer != "knows"
+    # batched: the same seeded request beside other rows (another seed, other strategies) in one cache
+    prompt = [5, 6, 7, 5, 6, 7, 5]
+    params = [SamplingParams(temperature=0.8, seed=s, max_new_tokens=30) for s in (5, 6, 5)]
+    refs = [generate(model, prompt, "ntp", p).output for p in params]
+    cache = KVCache.for_model(model, 3, 128)
+    make = {"mask": MaskProposer, "lookup": PromptLookupProposer}.get(proposer)
+    seqs = [
+        Sequence(prompt, Strategy.parse(s), p, make() if make else _Knows(ref, len(prompt)), slot=i)
+        for i, (s, p, ref) in enumerate(zip(["verify:4", "verify:3", "tree:4"], params, refs))
+    ]
+    with torch.inference_mode():
+        while not all(s.finished for s in seqs):
+            decode_step(model, cache, [s for s in seqs if not s.finished], model.config.mask_token_id)
+    assert [s.output for s in seqs] == refs
+    assert refs[0] != refs[1]  # the seed is used: the check can fail
+
+
+def test_matched_verification_accepts_a_draft_with_its_probability():
+    """Deterministic drafts are matched against the model's own sample: accepted with probability
+    p(d) (rejection sampling's min(1, p/q) for a one-hot q), and the emitted token is distributed as p."""
+    g = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(2, 6, generator=g) * 2
+    params = SamplingParams(temperature=1.0)
+    p = torch.softmax(p_logits[0], -1)
+    d = int(p.argmax())
+    n, hits = 10000, 0
+    counts = torch.zeros(6)
+    for _ in range(n):
+        a, own = verify_drafts(p_logits, [d], None, params, g)
+        hits += a
+        counts[d if a == 1 else own] += 1
+    assert abs(hits / n - float(p[d])) < 0.02
+    assert (counts / n - p).abs().max() < 0.02

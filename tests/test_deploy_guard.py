@@ -265,3 +265,55 @@ def test_missing_asset_names_its_own_flag(tiny, kind, flag, noun):
     assert not any(o in msg for o in others)
     args = build_parser().parse_args(["serve", flag, "/some/dir"])  # the flag `mtp serve` really has
     assert getattr(args, flag[2:]) == "/some/dir"
+
+
+# ---- issue 64: S3, a deploy file tuned with other --weights; U5, a folder, a byte-order mark ----------------
+def hardware(weights: str) -> dict:
+    return {"cpu": "x", "weights": weights, "t_q_ms": {"1": 10.0}}
+
+
+@pytest.mark.parametrize(
+    "line, flags",
+    [
+        ("native (kernels, avx2): 210 q4_1, 1 q8_0 linears", ["--weights", "native-int8"]),
+        ("native (kernels, avx2): 210 q4_1, 1 q8_0 linears", ["--weights", "torch"]),
+        ("native (kernels, avx2): 210 q4_1, 1 q8_0 linears", ["--no-pack"]),
+        ("native-int8 (kernels, avx2): 211 q8_0 linears", []),
+        ("torch (oneDNN-packed float32, not batch-invariant)", ["--weights", "float32"]),
+    ],
+)
+def test_s3_deploy_file_tuned_with_other_weights_is_refused(tmp_path, capsys, line, flags):
+    """`mtp serve --deploy` refuses a file whose `hardware.weights` (what `mtp tune` ran) is not the
+    --weights this server runs, naming both, before any model loads (it used to start and roll out
+    "loss within the tolerance" measured on other arithmetic)."""
+    from mtp.cli import main
+
+    path = deploy_file(tmp_path, hardware=hardware(line))
+    D.read(path)  # the file itself is fine
+    assert main(["serve", "--deploy", str(path), "--model", "/nowhere", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtp: error:") and len(err.strip().splitlines()) == 1, err
+    tuned = line.split()[0]
+    here = flags[1] if flags[:1] == ["--weights"] else ("torch" if flags == ["--no-pack"] else "native")
+    assert f"--weights {tuned}" in err and f"--weights {here}" in err and "/nowhere" not in err
+
+
+def test_s3_the_same_weights_or_no_record_pass():
+    d = D.read(REPO / "benchmarks/results/tune/gsm8k100-full/deploy.json")  # written before mtp recorded them
+    assert D.tuned_weights(d) is None
+    D.check_weights(d, "native-int8")
+    d.extra["hardware"] = hardware("native-int8 (kernels, avx2): 211 q8_0 linears")
+    D.check_weights(d, "native-int8")
+    with pytest.raises(ValueError, match="tuned with --weights native-int8, but this server runs --weights native"):
+        D.check_weights(d, "native")
+
+
+def test_u5_a_folder_or_a_byte_order_mark(tmp_path, capsys):
+    """`--deploy DIR` says it is a folder (and which file inside it was meant); a UTF-8 byte-order mark
+    is read past instead of reported as a truncated file."""
+    path = deploy_file(tmp_path)
+    err = refused(tmp_path, capsys, "is a directory")
+    assert "not found" not in err and "deploy.json?" in err
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert str(D.read(bom).tuned) == "conf_adapt:0.95:4@mask"

@@ -201,7 +201,8 @@ def test_deploy_file_refusals(tmp_path, capsys):
         (["--rollout-step", "2"], "--rollout-step must be in [0, 1]"),
         (["--rollout", "0.5", "--shadow-rate", "0"], "needs --shadow-rate > 0"),
     ):
-        assert run_cli(["serve", "--deploy", str(good), *flags]) == 2
+        log = ["--shadow-log", str(tmp_path / "shadow.jsonl")]  # checking the flags touches the log: not in the cwd
+        assert run_cli(["serve", "--deploy", str(good), *log, *flags]) == 2
         assert words in capsys.readouterr().err
     assert run_cli(["serve", "--rollout", "0.5"]) == 2
     assert "need --deploy" in capsys.readouterr().err

@@ -348,3 +348,69 @@ def test_stop_strings_with_lone_surrogates_are_400(engine, stop):
             srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 4, "stop": ["zz"]}
         )
         assert ok.status_code == 200  # the server goes on
+
+
+# ---- issue 64, U3 / U4: fields mtp does not implement are refused; type errors name the type given ----
+UNSUPPORTED = [
+    ("/v1/completions", {"logit_bias": {"7042": -100}}, "logit_bias", "not supported"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 3}}, "logit_bias", "not supported"),
+    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+    ("/v1/completions", {"presence_penalty": -1}, "presence_penalty", "not supported"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "not supported"),
+    ("/v1/completions", {"suffix": "end"}, "suffix", "not supported"),
+    ("/v1/completions", {"best_of": 3}, "best_of", "not supported"),
+    ("/v1/completions", {"repetition_penalty": 1.3}, "repetition_penalty", "not supported"),
+    ("/v1/completions", {"guided_regex": "a+"}, "guided_regex", "not supported"),
+    # wrong types: the field, what it takes and the JSON type given
+    ("/v1/chat/completions", {"frequency_penalty": "lots"}, "frequency_penalty", "expected a number, got a string"),
+    ("/v1/completions", {"logit_bias": {"5": "x"}}, "logit_bias", "logit_bias.5: expected a number, got a string"),
+    ("/v1/completions", {"logprobs": "5"}, "logprobs", "logprobs: expected a boolean or an integer, got a string"),
+    (
+        "/v1/completions",
+        {"prompt": [1.5]},
+        "prompt",
+        "prompt.0: expected a string, an integer or an array, got a number",
+    ),
+    ("/v1/completions", {"prompt": [[1, "a"]]}, "prompt", "prompt.0.1: expected an integer, got a string"),
+    ("/v1/completions", {"stop": [1]}, "stop", "stop.0: expected a string, got an integer"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages", "messages: expected an array, got a string"),
+    ("/v1/chat/completions", {"user": 5}, "user", "user: expected a string, got an integer"),
+]
+
+
+def test_u3_u4_unsupported_fields_and_wrong_types_are_400_naming_them(engine):
+    """A field that would change the output but that mtp does not implement is a 400 naming it (it
+    used to be ignored: a 200 with the biased token still emitted); its no-op value, and `user`, are
+    accepted; a wrong type is named as the type given, not as a union member pydantic tried."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(make_app(engine)) as c:
+        for path, extra, param, words in UNSUPPORTED:
+            base = {"model": "tiny", "max_tokens": 2}
+            base.update({"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": "Hello"})
+            r = c.post(path, json={**base, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and words in err["message"], (extra, err)
+            assert "\n" not in err["message"] and ".bool" not in err["message"] and "list[" not in err["message"]
+        no_ops = {
+            "logit_bias": {},
+            "frequency_penalty": 0,
+            "presence_penalty": 0.0,
+            "response_format": {"type": "text"},
+            "tools": [],
+            "tool_choice": "none",
+            "user": "someone",
+            "best_of": 1,
+        }
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2, **no_ops})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("value", ["0", "1", "-5"])
+def test_u5_max_model_len_below_2_is_refused_whatever_it_is(capsys, value):
+    """`--max-model-len 0` used to mean the default silently; every value below 2 is now one line."""
+    err = serve_error(capsys, "--max-model-len", value, "--model", "/nowhere")
+    assert f"--max-model-len must be >= 2, got {value}" in err and "/nowhere" not in err

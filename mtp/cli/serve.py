@@ -19,6 +19,7 @@ from mtp.cli.options import add_model_args, add_sampling_args, check_decoding_ar
 from mtp.core import deploy as deploy_file
 from mtp.core.costmodel import CostModel, measured_cost
 from mtp.core.engine import Engine
+from mtp.core.weights import check_weights
 from mtp.serving.config import MAX_MESSAGES, ServeConfig, check_shutdown_timeout
 from mtp.serving.scheduler import SchedulerConfig
 
@@ -53,15 +54,15 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--max-model-len",
         type=int,
-        default=0,
-        help="prompt + max_tokens per request (default: min(context window, 1024))",
+        default=None,
+        help="prompt + max_tokens per request, at least 2 (default: min(context window, 1024))",
     )
     p.add_argument(
         "--max-cache-tokens",
         type=int,
         default=0,
         help="admission budget: sum of prompt + max_tokens + K over running requests "
-        "(default max-batch x max-model-len)",
+        "(default, or 0: max-batch x max-model-len)",
     )
     p.add_argument(
         "--adaptive",
@@ -82,7 +83,7 @@ def add_parser(sub) -> None:
         "--max-prompt-chars",
         type=int,
         default=0,
-        help="largest prompt in characters, checked before tokenising (default 32 x max-model-len)",
+        help="largest prompt in characters, checked before tokenising (default, or 0: 32 x max-model-len)",
     )
     p.add_argument(
         "--max-messages",
@@ -149,12 +150,18 @@ def api_key(args) -> str | None:
 
 
 def read_deploy(args):
-    """The --deploy file, checked (before any model loads), or None; the --rollout flags need it."""
+    """The --deploy file, checked (before any model loads), or None; the --rollout flags need it. A file
+    tuned with other --weights than this server's is refused (`deploy.check_weights`): other arithmetic,
+    other text, so its measured loss would not hold."""
     if args.deploy is None:
         if args.rollout != 1.0 or args.rollout_step or args.rollout_window != 20:
             raise ValueError("--rollout, --rollout-step and --rollout-window need --deploy DEPLOY.json")
         return None
     deploy = deploy_file.read(args.deploy)
+    # what will run the model: --weights, or torch with --no-pack or off the CPU (mtp.core.weights.attach)
+    on_cpu = str(getattr(args, "device", "cpu")) == "cpu"
+    here = check_weights(args.weights) if getattr(args, "pack", True) and on_cpu else "torch"
+    deploy_file.check_weights(deploy, here, args.deploy)
     if deploy.metric == "rougeL":
         try:
             import rouge_score  # noqa: F401
@@ -166,7 +173,9 @@ def read_deploy(args):
 
 
 def build_config(args, context_window: int, deploy=None) -> ServeConfig:
-    max_len = args.max_model_len or min(context_window, 1024)
+    max_len = args.max_model_len if args.max_model_len is not None else min(context_window, 1024)
+    if max_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {max_len}")
     if max_len > context_window:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's context window {context_window}")
     shadow_rate = args.shadow_rate if args.shadow_rate is not None else (1.0 if deploy is not None else 0.0)

@@ -13,7 +13,9 @@ One step, for a batch of sequences (ragged rows, right-padded):
      the groups follow its root and likeliest nodes; see `_branch_layout`)
   2. one forward pass over the batch; logits at the last pending position and every later one
   3. accept: check the drafts against the model's own predictions (sampling.verify_drafts) ->
-     a accepted drafts and the model's own token after them
+     a accepted drafts and the model's own token after them (a draft is accepted iff it equals the
+     model's own token there, sampled as plain decoding samples it: lossless strategies emit ntp's
+     tokens, draw for draw under a seed)
   4. propose: the proposer's guesses for the tokens after that one (heads, lookup; mask logits: the
      group that followed where acceptance stopped, if one did), one `DraftRequest` per row (K - 1
      guesses, a tree or a chain); every row is accepted first and announces its request
@@ -338,9 +340,11 @@ class _Accepted:
 
 
 def _accept(s: Sequence, i: int, batch: _Batch, out: _Output) -> _Accepted:
-    """Phase 3, row i: its drafts checked against the model's own predictions (`verify_drafts`; a
-    tree: `tree.accept`, the path of the model's own tokens; both draw from the row's generator as
-    plain decoding does), and the view of the pass its proposer drafts from: the context with the
+    """Phase 3, row i: its drafts checked against the model's own predictions (`verify_drafts`, a
+    chain; a tree: `tree.accept`, the path of the model's own tokens; both accept a draft iff it equals
+    the model's own token at its position, drawn from the row's generator as plain decoding draws it:
+    one draw per emitted token, in order, so a seeded row's output is ntp's whatever its K, cap or
+    batch), and the view of the pass its proposer drafts from: the context with the
     model's own token, the hidden state at the last accepted position, the trunk streams of the
     positions that become the prefix, and the mask group that followed the last accepted draft (the
     root: none accepted), if it had one. E.g. D=3 nodes, g=2, anchors [-1, 0, 2, 1] (mask_anchors):
@@ -353,7 +357,8 @@ def _accept(s: Sequence, i: int, batch: _Batch, out: _Output) -> _Accepted:
         a, row = len(path), (1 + path[-1] if path else 0)
         accepted = [drafts.tokens[j] for j in path]
     else:
-        a, own = verify_drafts(lg[: D + 1], drafts.tokens, drafts.probs, s.params, s.gen)
+        # matched, not rejection-sampled (draft distributions ignored): the model's own samples, drawn as ntp draws them
+        a, own = verify_drafts(lg[: D + 1], drafts.tokens, None, s.params, s.gen)
         row, path, accepted = a, None, drafts.tokens[:a]
     drafted_by = [
         drafts.sources[j] if drafts.sources is not None else (s.proposer.name,)
@@ -442,10 +447,15 @@ def _draft_together(seqs: list[Sequence], requests: list[DraftRequest | None]) -
 
 
 def _request(s: Sequence, view: PassView) -> DraftRequest:
-    """What row `s` asks its proposer after a pass: K - 1 guesses, a tree (`tree:N`, never sampled)
-    or a chain drawn under the row's sampling."""
+    """What row `s` asks its proposer after a pass: K - 1 guesses, a tree (`tree:N`) or a chain. Drafts
+    to be verified (`tree`, `verify`) are never sampled (each guess the proposer's likeliest, the row's
+    generator untouched), so verification draws exactly plain decoding's samples (`verify_drafts`);
+    the guesses a lossy strategy emits unverified (`static`, `conf_adapt`) are drawn under the row's
+    sampling, from its generator."""
     if s.strategy.is_tree:
         return DraftRequest(view, s.k - 1, True)
+    if s.strategy.verifies:
+        return DraftRequest(view, s.k - 1, False)
     return DraftRequest(view, s.k - 1, False, s.params, s.gen)
 
 

@@ -27,6 +27,7 @@ from mtp.core.artifacts import base_hash, file_digest, write_text_atomic
 from mtp.core.calibration import Calibration
 from mtp.core.proposers import check_proposer
 from mtp.core.strategy import Strategy
+from mtp.core.weights import CHOICES as WEIGHTS
 
 FORMAT = "mtp-deploy"
 VERSION = 1
@@ -230,12 +231,17 @@ def check_hashes(hashes, proposers: list[str]) -> dict:
 
 
 def read(path: str | Path) -> Deploy:
-    """A deploy file, checked; every problem is one ValueError line naming the file."""
+    """A deploy file, checked; every problem is one ValueError line naming the file. A UTF-8 byte-order
+    mark (some editors write one) is read past."""
     path = Path(path)
+    if path.is_dir():
+        inside = path / "deploy.json"
+        hint = f"; did you mean {inside}?" if inside.is_file() else " (mtp tune writes OUT/deploy.json)"
+        raise ValueError(f"{path} is a directory, not a deploy file{hint}")
     if not path.is_file():
         raise ValueError(f"deploy file not found: {path}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a complete JSON deploy file (truncated?): {e}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -262,6 +268,35 @@ def read(path: str | Path) -> Deploy:
         return deploy
     except ValueError as e:
         raise ValueError(f"{path}: {str(e).splitlines()[0]}") from None
+
+
+def tuned_weights(deploy: Deploy) -> str | None:
+    """The --weights the deploy file was tuned with: the first word of its `hardware.weights` (the line
+    `mtp.core.weights.attach` printed for the engine `mtp tune` measured, e.g. 'native (kernels, avx2):
+    ...', or 'torch (...)' when torch ran the model). None when the file records no such line (files
+    written before mtp recorded it): then nothing can be checked."""
+    hardware = deploy.extra.get("hardware")
+    line = hardware.get("weights") if isinstance(hardware, dict) else None
+    if not isinstance(line, str) or not line.strip():
+        return None
+    return line.split()[0]
+
+
+def check_weights(deploy: Deploy, weights: str, path: str | Path = "the deploy file") -> None:
+    """Refuse (one ValueError line, before any model loads) a deploy file tuned with other --weights
+    than `weights`, the server's: other arithmetic gives other text, so neither the measured speed nor
+    the loss within the tolerance would hold."""
+    tuned = tuned_weights(deploy)
+    if tuned is None or tuned == weights:
+        return
+    if tuned not in WEIGHTS:
+        raise ValueError(
+            f"{path}: its hardware.weights names weights {tuned!r} this mtp does not know ({', '.join(WEIGHTS)})"
+        )
+    raise ValueError(
+        f"{path} was tuned with --weights {tuned}, but this server runs --weights {weights} (other arithmetic, "
+        f"other text): serve with --weights {tuned}, or rerun mtp tune with --weights {weights}"
+    )
 
 
 def write(deploy: Deploy, path: str | Path) -> None:

@@ -1,13 +1,23 @@
-"""Turning logits into tokens: greedy, temperature/top-k/top-p, and lossless rejection sampling.
+"""Turning logits into tokens: greedy, temperature/top-k/top-p, and lossless draft verification.
 
-Rejection sampling (Leviathan et al. 2023; Chen et al. 2023), for a draft token d proposed with
-probability q(d) where the target model gives p(d):
+Deterministic drafts (what the decoding loop sends: `verify` and `tree` drafts never depend on the
+random state) are verified by matching: at each position the model's own token is drawn from p exactly
+as plain decoding draws it (one sample, from the sequence's generator, in output order), and the draft
+is accepted iff it equals that token; the first mismatch ends the block with the model's token. A draft
+d is then accepted with probability p(d), which is rejection sampling's min(1, p(d) / q(d)) for a
+one-hot q, and every emitted token is the sample plain decoding would have drawn at that position:
+the output equals plain decoding's draw for draw under a seed, whatever K, cap or batch.
+
+Sampled drafts (a distribution q per draft; `verify_drafts` with `draft_probs`) use rejection sampling
+(Leviathan et al. 2023; Chen et al. 2023), for a draft token d proposed with probability q(d) where
+the target model gives p(d):
 - accepted: d is kept with probability min(1, p(d) / q(d));
 - recovered: at the first rejection a token is drawn from norm(max(0, p - q)) and the block ends;
 - bonus: when every draft is accepted, one more token is drawn from p at the position after them.
-The emitted sequence is then distributed exactly as plain sampling from p. With greedy decoding
-(temperature 0) this reduces to "accept while the draft equals the argmax", and the bonus or
-recovered token is the argmax itself.
+The emitted sequence is then distributed exactly as plain sampling from p (equal in distribution, not
+draw for draw: the number of random draws depends on the drafts). With greedy decoding (temperature 0)
+both reduce to "accept while the draft equals the argmax", and the bonus or recovered token is the
+argmax itself.
 """
 
 from __future__ import annotations
@@ -89,7 +99,10 @@ def verify_drafts(
     params: SamplingParams,
     gen: torch.Generator | None,
 ) -> tuple[int, int]:
-    """Return (number of drafts accepted a, the model's own token after them: bonus or recovered)."""
+    """Return (number of drafts accepted a, the model's own token after them: bonus or recovered).
+    Deterministic drafts (`draft_probs` None) are matched against the model's own sample at each
+    position, drawn in order from `gen` (one draw per returned token: plain decoding's draws); sampled
+    drafts go through rejection sampling (the module docstring)."""
     D = len(drafts)
     if params.greedy:
         model_tokens = target_logits.argmax(-1).tolist()  # [D+1]
@@ -97,19 +110,18 @@ def verify_drafts(
         while a < D and drafts[a] == model_tokens[a]:
             a += 1
         return a, model_tokens[a]
+    if draft_probs is None:
+        for a in range(D + 1):
+            own = int(sample(probs_from_logits(target_logits[a : a + 1], params), gen)[0])
+            if a == D or own != drafts[a]:
+                return a, own
     p = probs_from_logits(target_logits, params)  # [D+1, V]
     for i, d in enumerate(drafts):
-        q = draft_probs[i] if draft_probs is not None else None
-        qd = float(q[d]) if q is not None else 1.0
-        pd = float(p[i, d])
+        q = draft_probs[i]
         u = float(torch.rand((), generator=gen))
-        if u < min(1.0, pd / max(qd, 1e-20)):
+        if u < min(1.0, float(p[i, d]) / max(float(q[d]), 1e-20)):
             continue
-        if q is not None:
-            residual = torch.clamp(p[i] - q, min=0.0)
-        else:
-            residual = p[i].clone()
-            residual[d] = 0.0
+        residual = torch.clamp(p[i] - q, min=0.0)
         s = residual.sum()
         residual = residual / s if s > 0 else p[i]
         return i, int(sample(residual.unsqueeze(0), gen))

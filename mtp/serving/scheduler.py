@@ -3,11 +3,15 @@ and go between passes.
 
 One iteration of the engine thread:
   1. drop cancelled rows (client gone) and compact the rows;
-  2. admit from the FIFO queue while a row is free and the token budget holds (sum over rows of
-     prompt + max_tokens + K <= max_cache_tokens); background (shadow) work only when no live
-     request waits; nobody is dropped, the rest wait; a request's further choices (`n > 1`,
-     `Request.follows`) wait until the first one had its prefill pass, then start from it
-     (`share_prefill`: the prompt's keys and values copied, all but the last token's);
+  2. admit waiting requests while a row is free and the token budget holds (sum over rows of
+     prompt + max_tokens + K <= max_cache_tokens), fairly (`_admit`): the next row goes to the waiting
+     choice whose HTTP request holds the fewest rows (ties: first come, first served), and one HTTP
+     request's choices (`n > 1`) hold at most `row_share` = ceil(max_batch / 2) rows at a time, the
+     rest waiting their turn, so a request arriving behind an `n = 8` one gets a row within a pass or
+     two instead of after a whole choice's decode. Background (shadow) work only when no live request
+     waits; nobody is dropped, the rest wait. A request's further choices (`Request.follows`) wait
+     until the first one had its prefill pass, then start from it (`share_prefill`: the prompt's keys
+     and values copied, all but the last token's);
   3. `Batch.step`: newcomers are prefilled in a pass of their own (FIFO, up to PREFILL_TOKENS padded
      tokens), then one `decode_step` over every active row; before each pass the adaptive policy
      (`mtp.serving.adaptive.AdaptiveK`) caps K for it (a token tree keeps its K - 1 most confident
@@ -108,6 +112,11 @@ class Request:
     t_finish: float | None = None
     capped_passes: int = 0
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def owner(self) -> "Request":
+        """The HTTP request's first choice, which stands for all its choices (`Scheduler.row_share`)."""
+        return self.follows if self.follows is not None else self
 
     @property
     def budget(self) -> int:
@@ -251,32 +260,63 @@ class Scheduler:
             else:
                 self._finish(r, "cancelled")
 
+    @property
+    def row_share(self) -> int:
+        """The most rows one HTTP request's choices hold at once: ceil(max_batch / 2)."""
+        return -(-self.config.max_batch // 2)
+
     def _admit(self) -> list[Request]:
-        """Pop requests FIFO while a row is free and the budget holds (called with the lock)."""
+        """Admit waiting requests while a row is free and the budget holds (called with the lock).
+        Live requests first, fairly: the next one is, of the choices that may start now, the one whose
+        HTTP request (`Request.owner`) holds the fewest rows, ties first come first served. A choice may
+        start unless its request already holds `row_share` rows, or it shares the prefill of a first
+        choice that has not had its prefill pass yet. When the one picked does not fit (no free row, or
+        over the token budget) admission stops there: nothing overtakes it for good. Background
+        (shadow) work only when no live request waits, FIFO."""
+        for r in [r for r in self.queue if r.cancelled]:
+            self.queue.remove(r)
+            self._finish(r, "cancelled")
         used = sum(r.budget for r in self.active)
         newcomers = []
-        for q in (self.queue, self.background):
-            if q is self.background and self.queue:
-                break  # live requests first
-            while q:
-                r = q[0]
-                if r.cancelled:
-                    q.popleft()
-                    self._finish(r, "cancelled")
-                    continue
-                if len(self.active) >= self.config.max_batch or used + r.budget > self.config.max_cache_tokens:
-                    break
-                if r.follows is not None and self._prefilling(r.follows):
-                    break  # the choice it shares a prefill with has its prefill pass this iteration
-                q.popleft()
-                used += r.budget
-                self.batch.add(r.seq)
-                self.requests[id(r.seq)] = r
-                if r.follows is not None:
-                    self.share_prefill(r)
-                r.t_admitted = time.perf_counter()
-                newcomers.append(r)
+        while self.queue:
+            held = collections.Counter(id(a.owner) for a in self.active)
+            ready = [
+                r
+                for r in self.queue
+                if held[id(r.owner)] < self.row_share and not (r.follows is not None and self._prefilling(r.follows))
+            ]
+            if not ready:
+                break
+            r = min(ready, key=lambda r: held[id(r.owner)])  # the first of the fewest: FIFO among equals
+            if not self._fits(r, used):
+                break
+            self.queue.remove(r)
+            used += self._start(r, newcomers)
+        while self.background and not self.queue:
+            r = self.background[0]
+            if r.cancelled:
+                self.background.popleft()
+                self._finish(r, "cancelled")
+                continue
+            if not self._fits(r, used):
+                break
+            self.background.popleft()
+            used += self._start(r, newcomers)
         return newcomers
+
+    def _fits(self, r: Request, used: int) -> bool:
+        """A row is free and `r`'s budget fits beside the `used` tokens."""
+        return len(self.active) < self.config.max_batch and used + r.budget <= self.config.max_cache_tokens
+
+    def _start(self, r: Request, newcomers: list[Request]) -> int:
+        """Give `r` a row (its prefill comes with the next step); returns its budget."""
+        self.batch.add(r.seq)
+        self.requests[id(r.seq)] = r
+        if r.follows is not None:
+            self.share_prefill(r)
+        r.t_admitted = time.perf_counter()
+        newcomers.append(r)
+        return r.budget
 
     def _prefilling(self, r: Request) -> bool:
         """`r` is admitted and waits for its prefill pass (called with the lock)."""

@@ -15,9 +15,11 @@ What a request asks beyond its text (`Asked`, checked by `asked`):
   the prefill pass (the first token's is null); `max_tokens: 0` only with `echo` (prompt scoring: one
   token is decoded in the prefill pass and not returned).
 - `n` (at most --max-n, ServeConfig.max_n): n choices. Sampled, each is a `Request` of its own (a batch
-  row, admitted like any request; choice i seeded with seed + i when a seed is given), the choices after
-  the first starting from its prefill (`Scheduler.share_prefill`). Greedy, the n choices are identical:
-  decoded once, answered n times.
+  row, admitted like any request but at most `Scheduler.row_share` at a time; choice i seeded with seed + i
+  when a seed is given: for a lossless strategy the text of a separate request seeded seed + i, as the
+  decoding loop draws ntp's samples whatever the batch and caps), the choices after the first starting
+  from its prefill (`Scheduler.share_prefill`). Greedy, the n choices are identical: decoded once,
+  answered n times.
 """
 
 from __future__ import annotations
