@@ -301,6 +301,8 @@ def run_pipeline(nodes: int, args, prompts: list[dict], out: Path) -> list[dict]
         "partial": str(partial),
     }
     rc = launch_local(nodes, _pipeline_stage, (cfg,))
+    if rc == 130:  # Ctrl-C: launch_local stopped the stages
+        raise KeyboardInterrupt
     if rc:
         raise RuntimeError(f"mtp pipeline with {nodes} stages failed (exit {rc})")
     return [{"set": args.set, **json.loads(line)} for line in partial.read_text().splitlines() if line.strip()]
@@ -501,7 +503,17 @@ def parse(argv):
 
 
 def main(argv=None) -> int:
+    """The benchmark; Ctrl-C ends it with one line and status 130, every worker, llama-server and pipeline
+    stage it started stopped first (their `with` blocks and `launch_local`); SIGTERM likewise, status 143."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups (`with` blocks) on SIGTERM too
+    try:
+        return run(argv)
+    except KeyboardInterrupt:
+        print("llamacpp_rpc: interrupted (Ctrl-C); every process it started is stopped", file=sys.stderr)
+        return 130
+
+
+def run(argv=None) -> int:
     try:
         args = parse(argv)
         out = Path(args.out)

@@ -394,6 +394,98 @@ def test_benchmark_refuses_a_drafter_for_another_model(tmp_path):
     one_line(e.value, f"trained for base weights 0123456789abcdef, tiny has {base_hash(Engine.model)}")
 
 
+def stub_benchmark_inputs(mod, monkeypatch) -> None:
+    """The benchmark's inputs without llama-server or a model: the build counts as present, one prompt."""
+
+    class Loaded:
+        eos_ids = [2]
+
+    class StubEngine:
+        loaded = Loaded()
+
+        @staticmethod
+        def load(config):
+            return StubEngine()
+
+        def encode(self, text):
+            return [1, 2, 3]
+
+    monkeypatch.setattr(mod.llamacpp_env, "missing", lambda *a: None)
+    monkeypatch.setattr(mod, "Engine", StubEngine)
+    monkeypatch.setattr(mod, "load_prompts", lambda engine, data, limits: [{"source": "s", "index": 0, "ids": [1]}])
+    monkeypatch.setattr(mod, "ensure_export", lambda path, engine: {"target": "t.gguf", "drafter": "d.gguf"})
+
+
+def test_benchmark_ctrl_c_is_one_line_and_stops_the_workers(fake_prefix, tmp_path, monkeypatch, capsys):
+    """Issue 64, U5: Ctrl-C while a llama-server starts on the cluster: one line, status 130, no worker left."""
+    mod = bench_module()
+    stub_benchmark_inputs(mod, monkeypatch)
+    seen = []
+
+    def ctrl_c(cluster, export, mode, draft):
+        seen.extend(cluster.pids())
+        assert all(alive(p) for p in seen)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mod, "server_for", ctrl_c)
+    argv = ["--nodes", "2", "--delays", "0", "--modes", "plain", "--pipeline-strategies", "", "--data", "prompts:p"]
+    try:
+        rc = mod.main([*argv, "--out", str(tmp_path / "o")])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the benchmark as a traceback")
+    err = capsys.readouterr().err.strip()
+    assert rc == 130 and err.count("\n") == 0 and "interrupted" in err and "Traceback" not in err, err
+    assert len(seen) == 2 and not any(alive(p) for p in seen)
+
+
+def test_benchmark_ctrl_c_in_the_pipeline_is_an_interruption_not_a_failure(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the `mtp pipeline` stages run: `launch_local` stops them and returns 130, and the benchmark
+    says it was interrupted (before: "mtp pipeline with 2 stages failed (exit 130)", status 1)."""
+    mod = bench_module()
+    stub_benchmark_inputs(mod, monkeypatch)
+    monkeypatch.setattr(mod, "run_llamacpp", lambda *a: {})
+    monkeypatch.setattr(mod, "launch_local", lambda *a, **k: 130)
+    argv = ["--nodes", "2", "--delays", "0", "--modes", "plain", "--data", "prompts:p", "--out", str(tmp_path / "o")]
+    assert mod.main(argv) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "interrupted" in err and "failed" not in err, err
+
+
+# ---- the draft advice on a cluster (issue 64, A1) ---------------------------------------------------------------
+def geometric_timings(t: dict, a: float, drafts: int, draft_s: float, steps: int = 10_000) -> list[dict]:
+    """llama-server timings of a drafter accepting each draft with probability a, `drafts` per step."""
+    from mtp.core.costmodel import CostModel
+
+    accepted = round(steps * sum(a**d for d in range(1, drafts + 1)))
+    ms = 1e3 * steps * (CostModel(t).pass_time(1 + drafts) + drafts * draft_s)
+    half = {"predicted_n": (steps + accepted) // 2, "predicted_ms": ms / 2, "draft_n": steps * drafts // 2}
+    return [{**half, "draft_n_accepted": accepted // 2}] * 2
+
+
+def test_the_cluster_advice_never_turns_drafting_off_while_promising_a_gain():
+    """A cluster's t(q): flat to 6 tokens (the link delay dominates), then a step (an 8-token graph): a 6th draft
+    costs far more than a token is worth, so `rate x cost` exceeds 1. Before the fix that became
+    `--spec-draft-p-min 1.00` (llama.cpp then drafts nothing: 1.01x measured) beside "expected 3.3x plain"."""
+    from mtp.interop.llamacpp_profile import P_MIN_MAX, advice_line, advise
+
+    t = {1: 0.100, 2: 0.102, 3: 0.104, 4: 0.106, 5: 0.108, 6: 0.110, 8: 0.400}
+    adv = advise(t, geometric_timings(t, 0.85, 3, 0.003))
+    assert adv["n_max"] == 5 and adv["speedup"] > 3
+    assert adv["p_min"] <= min(P_MIN_MAX, adv["acceptance"]) < 1  # the drafter's typical draft still passes
+    line = advice_line("eagle3", adv)
+    assert "--spec-draft-n-max 5" in line and f"--spec-draft-p-min {adv['p_min']:.2f} " in line
+    assert float(line.split("--spec-draft-p-min ")[1].split()[0]) < 1
+    draft = bench_module().fixed_or_advised("auto", adv)  # what the benchmark then runs
+    assert draft[0] == 5 and 0 <= draft[1] < 1
+    # a near-perfect drafter: the cap alone keeps p-min printable below 1
+    sure = advise(t, geometric_timings(t, 0.9999, 3, 0.003))
+    assert sure["n_max"] >= 1 and f"--spec-draft-p-min {P_MIN_MAX:.2f} " in advice_line("eagle3", sure)
+    # a drafter that cannot pay: plain decoding at 1.00x, no draft setting
+    slow = advise(t, geometric_timings(t, 0.3, 3, 0.080))
+    assert slow["n_max"] == 0 and slow["speedup"] == pytest.approx(1.0)
+    assert "serve it plain" in advice_line("eagle3", slow) and "--spec-draft" not in advice_line("eagle3", slow)
+
+
 # ---- with the llama.cpp build --------------------------------------------------------------------------------
 needs_build = pytest.mark.skipif(
     llamacpp_env.missing() is not None or llamacpp_env.missing(llamacpp_env.RPC_SERVER) is not None,

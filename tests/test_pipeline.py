@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,6 +307,103 @@ def test_dead_or_hung_stage_fails_cleanly(tmp_path, capfd, sig, what):
     lines = [ln for ln in err.splitlines() if ln.startswith("mtp: error:")]
     assert lines and "stage 1" in lines[0] and what in lines[0], err
     assert "Traceback" not in err
+
+
+def _children(pid: int) -> dict[int, str]:
+    """{pid: command line} of the live (not zombie) children of `pid`, from /proc."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if d.name.isdigit() and int(stat[1]) == pid and stat[0] != "Z":
+                out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc; the stages die with the launcher on Linux"
+)
+def test_stages_die_with_a_launcher_killed_by_sigkill(tiny_hf_dir, tiny_engine, tmp_path):
+    """Issue 64, P1: `mtp pipeline --stages 2` SIGKILLed while its stages start: both stage processes and the
+    resource tracker go within a bounded wait (before the fix they outlived it by 2 x --timeout-s, retrying the
+    vanished rendezvous store with C++ stack frames on stderr), and nothing is printed. `tiny_engine` has built
+    the kernels the stages load, so no compiler runs under them."""
+    cmd = [sys.executable, "-m", "mtp.cli", "pipeline", "--stages", "2", "hello there", "--model", str(tiny_hf_dir)]
+    cmd += ["--adapter", "none", "--max-new-tokens", "400", "--link-delay-ms", "50", "--threads", "1"]
+    cmd += ["--timeout-s", "120"]
+    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+    kids: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and launcher.poll() is None:
+            kids = _children(launcher.pid)
+            if sum("spawn_main" in c for c in kids.values()) == 2 and any(
+                "resource_tracker" in c for c in kids.values()
+            ):
+                break
+            time.sleep(0.05)
+        assert launcher.poll() is None, (tmp_path / "err").read_text()
+        assert len(kids) == 3, kids
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_alive(k) for k in kids):
+            time.sleep(0.1)
+        left = {k: c for k, c in kids.items() if _alive(k)}
+        assert not left, f"outlived the launcher: {left}"
+        err = (tmp_path / "err").read_text()
+        assert "frame #" not in err and "Traceback" not in err, err
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+
+
+def _sleeping_stage(rank, world, outdir):
+    """Note this stage's pid and whether it ignores SIGINT, then wait to be stopped."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    with open(os.path.join(outdir, f"stage{rank}.tmp"), "w") as f:
+        f.write(f"{os.getpid()} {int(ignored)}")
+    os.replace(os.path.join(outdir, f"stage{rank}.tmp"), os.path.join(outdir, f"stage{rank}"))
+    time.sleep(600)
+    return 0
+
+
+def test_ctrl_c_is_the_launchers_to_handle_and_stops_every_stage(tmp_path, capfd):
+    """Issue 64, U5: a terminal's Ctrl-C (SIGINT to the launcher and its stages): the stages ignore it (none
+    prints a traceback of its own, whatever it was doing), the launcher stops them all and returns 130."""
+    files = [tmp_path / "stage0", tmp_path / "stage1"]
+
+    def ctrl_c():
+        deadline = time.monotonic() + 120
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for f in files if all(f.exists() for f in files) else []:
+            os.kill(int(f.read_text().split()[0]), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher (this process) last
+
+    thread = threading.Thread(target=ctrl_c, daemon=True)
+    thread.start()
+    assert launch_local(2, _sleeping_stage, (str(tmp_path),)) == 130
+    thread.join()
+    stages = [f.read_text().split() for f in files]
+    assert [ignored for _, ignored in stages] == ["1", "1"]
+    assert not any(_alive(int(pid)) for pid, _ in stages)  # stopped and reaped before launch_local returned
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the launcher's own handler is back
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_cli_bad_input_and_prediction(capsys):

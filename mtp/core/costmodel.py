@@ -98,7 +98,12 @@ class CostModel:
 
 
 def measure(
-    model, qs: Sequence[int] = range(1, 33), cache_len: int = 300, batch: int = 1, repeats: int = 5
+    model,
+    qs: Sequence[int] = range(1, 33),
+    cache_len: int = 300,
+    batch: int = 1,
+    repeats: int = 5,
+    masks: bool = False,
 ) -> CostModel:
     """Time one forward pass of q new tokens per row over a cache of `cache_len` committed positions.
 
@@ -106,6 +111,11 @@ def measure(
     one untimed round warms up; each point is the median of `repeats` timings. Logits are computed
     at every block position, as a verify or mask pass needs. The cache content is irrelevant to the
     time, so it is left as zeros and only its length is set.
+
+    `masks`: the last max(1, q // 2) tokens of every block are the mask token, as in a pass with mask
+    rows (the mask proposer's, static and conf_adapt passes): with gated adapters such a pass runs the
+    adapters, op by op, instead of the fused kernels, so it costs more than a plain pass of q tokens.
+    Needs `config.mask_token_id` (ValueError otherwise); `meta["masks"]` records it.
     """
     qs = sorted({int(q) for q in qs})
     if not qs or qs[0] < 1:
@@ -119,10 +129,15 @@ def measure(
     cache = KVCache.for_model(model, batch, cache_len + qs[-1])
     gen = torch.Generator().manual_seed(0)
     n_real = min(cfg.vocab_size, cfg.mask_token_id or cfg.vocab_size)
+    if masks and cfg.mask_token_id is None:
+        raise ValueError("measuring passes with mask rows needs a model with a mask token")
     times: dict[int, list[float]] = {q: [] for q in qs}
 
     def one_pass(q: int) -> float:
-        tokens = torch.randint(0, n_real, (batch, q), generator=gen).to(dev)  # [B, q]
+        tokens = torch.randint(0, n_real, (batch, q), generator=gen)  # [B, q]
+        if masks:
+            tokens[:, q - max(1, q // 2) :] = cfg.mask_token_id
+        tokens = tokens.to(dev)
         positions = (cache_len + torch.arange(q)).expand(batch, q).to(dev)  # [B, q]
         cache.lengths = [cache_len] * batch
         if dev.type == "cuda":
@@ -145,6 +160,7 @@ def measure(
         "cache_len": cache_len,
         "batch": batch,
         "repeats": repeats,
+        "masks": masks,
         "device": str(dev),
         "threads": torch.get_num_threads(),
         "spread": {str(q): [min(ts), max(ts)] for q, ts in times.items()},
@@ -184,6 +200,8 @@ def best_k(
     k_max: int,
     block_tokens: Callable[[int, float], float] | None = None,
     guess_s: float = 0.0,
+    per_pass_s: float = 0.0,
+    mask_cost: CostModel | None = None,
 ) -> tuple[int, float]:
     """The block size K in 1..k_max with the most expected tokens per second, and that rate.
 
@@ -195,6 +213,10 @@ def best_k(
     E[n] tokens emitted last pass plus the proposer's appended masks. `guess_s`: seconds the
     proposer spends per guess outside the forward pass (an EAGLE-3 drafter runs its decoder layer
     once per guess, K-1 sequential steps), so a pass with cap K costs t(q) + (K-1) * guess_s.
+    `per_pass_s`: seconds every pass pays besides (the decoding loop, accepting, committing), so the
+    rate compares with measured tokens/s. `mask_cost`: t(q) of passes that feed mask tokens
+    (`measure(masks=True)`: the adapter path, dearer than a plain pass), pricing every K >= 2 of a
+    proposer that appends masks (it appends none at K = 1, priced by `cost`).
     Returns (K, tokens/s)."""
     if k_max < 1:
         raise ValueError("k_max must be >= 1")
@@ -202,7 +224,8 @@ def best_k(
     best = (1, 0.0)
     for k in range(1, k_max + 1):
         n = expected_tokens(acceptance_by_position, k)
-        rate = n / (cost.pass_time(q_of(k, n)) + (k - 1) * guess_s)
+        priced = mask_cost if mask_cost is not None and k > 1 else cost
+        rate = n / (priced.pass_time(q_of(k, n)) + (k - 1) * guess_s + per_pass_s)
         if rate > best[1] * (1 + 1e-9):
             best = (k, rate)
     return best

@@ -16,6 +16,7 @@ Decoding goes through the engine (mtp.core.decode's loop); every number comes fr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -28,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mtp.core import metrics, quality
-from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_speedup
+from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_tokens_per_s
 from mtp.core.proposers import Proposer
 from mtp.eval import gsm8k, report
 from mtp.interop import llamacpp_env
@@ -142,6 +143,7 @@ class Row:
     guesses: int = 0  # guesses it made there
     outside_s: float = 0.0  # seconds its decoding steps spent outside the forward pass there (DecodeStats.outside_s)
     timed_passes: int = 0  # the passes those times cover
+    masks: bool = False  # its passes feed mask tokens the adapters act on (priced by the masked t(q))
     error: str | None = None
     skipped: str | None = None
 
@@ -177,6 +179,7 @@ class BenchResult:
     env: dict
     cost: object = None  # costmodel.CostModel with --profile
     advice: list[str] = field(default_factory=list)
+    mask_cost: object = None  # t(q) of passes with mask rows (CostModel), measured when a row feeds masks
 
 
 def environment(engine=None) -> dict:
@@ -312,27 +315,54 @@ def run_bench(engine, kind: str, items: list[dict], cfg: BenchConfig, on_step=No
                     row.runs[j] = run
                 else:
                     row.runs[j].walls.append(run.walls[0])
-    cost = None
+    cost = mask_cost = None
     if cfg.profile:
         tick("profile t(q)")
         cache_len = min(cfg.profile_cache_len, engine.context_window - max(cfg.profile_qs))
         cost = measure(engine.model, cfg.profile_qs, cache_len, 1, cfg.profile_repeats)
+        for row in rows:
+            row.masks = row.active and feeds_gated_masks(engine, row)
+        if any(row.masks for row in rows):  # passes with mask rows run the adapters: a t(q) of their own
+            tick("profile t(q) with mask rows")
+            mask_cost = measure(engine.model, cfg.profile_qs, cache_len, 1, cfg.profile_repeats, masks=True)
     env = environment(engine)
     env.update(repeats=cfg.repeats, max_new_tokens=cfg.max_new_tokens)
-    records = aggregate(rows, kind, items, cfg.repeats, cost)
+    records = aggregate(rows, kind, items, cfg.repeats, cost, mask_cost)
     for rec in records:
         rec["env"] = env
-    advice = [] if cost is None else cost_advice(cost, rows, records, engine.proposer) + tree_lines(rows, records)
+    advice = []
+    if cost is not None:
+        overhead = loop_overhead(cost, rows[0], cfg.repeats) if rows[0].runs else 0.0
+        advice = cost_advice(cost, rows, records, engine.proposer, mask_cost, overhead) + tree_lines(rows, records)
     if cfg.profile:
         advice += llamacpp_draft_advice(rows, tick)
-    return BenchResult(kind, items, rows, records, env, cost, advice)
+    return BenchResult(kind, items, rows, records, env, cost, advice, mask_cost=mask_cost)
+
+
+def feeds_gated_masks(engine, row: Row) -> bool:
+    """Whether `row`'s passes feed mask tokens (its proposer appends them) that the model's adapters act on:
+    such a pass runs the adapters op by op instead of the fused kernels, so the plain t(q) underprices it."""
+    if row.is_peer or row.strategy.plain or engine.model.config.mask_token_id is None:
+        return False
+    if not engine.proposer(row.proposer).n_appended(max(2, row.strategy.k), 1):
+        return False
+    mask = torch.tensor([[engine.model.config.mask_token_id]])
+    return engine.model.adapter_gate(mask) is not None
+
+
+def row_cost(row: Row, cost, mask_cost):
+    """The t(q) that prices `row`'s passes: `mask_cost` for a row feeding gated masks (None when it was
+    not measured: such a row cannot be priced), else `cost`."""
+    return mask_cost if row.masks else cost
 
 
 # ---------------------------------------------------------------------------------------------- aggregate
 
 
-def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=None) -> list[dict]:
-    """One results.jsonl record per row; quality and speedup are against the `ntp` row."""
+def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=None, mask_cost=None) -> list[dict]:
+    """One results.jsonl record per row; quality and speedup are against the `ntp` row. With `cost`
+    the predictions price each row's passes with `row_cost` (a row feeding gated masks with
+    `mask_cost`; none predicted for it without one)."""
     ref = rows[0]
     assert ref.strategy is not None and ref.strategy.plain, "the first row must be ntp"
     golds = [it.get("gold") for it in items]
@@ -412,10 +442,10 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                 rec["mean_block_tokens"] = metrics.mean_block_tokens(steady_blocks)
                 if row.strategy.thresholded and common:
                     rec["oracle_tokens_per_forward"] = _oracle(ref, common, row.strategy)
-                if cost is not None and steady_blocks:
-                    rec["predicted_speedup"] = predict_speedup(
-                        cost, metrics.tokens_per_forward(steady_chunks), steady_blocks
-                    )
+                priced = None if cost is None else row_cost(row, cost, mask_cost)
+                if priced is not None and steady_blocks:  # tokens/s under its t(q), over plain decoding's t(1)
+                    rate = predict_tokens_per_s(priced, metrics.tokens_per_forward(steady_chunks), steady_blocks)
+                    rec["predicted_speedup"] = rate * cost.pass_time(1)
                 if row.strategy.verifies:  # which proposer (a merge's part) drafted the accepted tokens
                     accepted_from = [p for r in runs for p in r.accepted_from]
                     rec["accepted_by_proposer"] = metrics.accepted_by_proposer(accepted_from)
@@ -426,9 +456,9 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
                     rec["tree_nodes_per_pass"] = metrics.tree_nodes_per_pass(steady_blocks)
                     rec["steady_tokens_per_forward"] = metrics.tokens_per_forward(steady_chunks)
                     rec["predicted_tokens_per_forward"] = metrics.tokens_per_forward(expected)
-                    if cost is not None:
+                    if priced is not None:
                         rec["predicted_tokens_per_s"] = predict_row_tokens_per_s(
-                            cost, runs, rec["predicted_tokens_per_forward"], overhead + outside_seconds(row)
+                            priced, runs, rec["predicted_tokens_per_forward"], overhead + outside_seconds(row)
                         )
         out.append(rec)
     return out
@@ -536,25 +566,54 @@ def _oracle(ref: Row, idx: list[int], strategy: Strategy) -> float | None:
     return tokens / passes if passes else None
 
 
-def cost_advice(cost, rows: list[Row], records: list[dict], proposer_of=None) -> list[str]:
-    """Best K for verify and the K cap for conf_adapt on this machine, from measured acceptance.
+def cost_advice(
+    cost, rows: list[Row], records: list[dict], proposer_of=None, mask_cost=None, overhead=0.0
+) -> list[str]:
+    """Best K for verify and the K cap for conf_adapt on this machine, from measured acceptance, each K
+    priced as the row runs (`best_k`): t(q) of its passes (`mask_cost` for a row feeding gated masks,
+    `Row.masks`), its proposer's time per guess, its own time outside the forward pass and the loop's
+    `overhead` per pass (`loop_overhead`), so the expected tokens/s compare with measured ones.
+    Advice this run contradicts is withheld, with a line saying why: a mask row without `mask_cost`
+    cannot be priced, and a strategy this run measured slower than `ntp` is never advised.
     proposer_of(name or None) -> the row's Proposer (default: one that appends nothing)."""
+    measured = {(r.strategy, r.proposer): rec for r, rec in zip(rows, records) if not r.is_peer}
     lines = []
     for row, rec in zip(rows, records):
         if row.is_peer or not rec["acceptance_by_position"] or row.strategy.kind not in ("verify", "conf_adapt"):
             continue
         acc, k, kind = rec["acceptance_by_position"], row.strategy.k, row.strategy.kind
+        what = "best K for verify" if kind == "verify" else "cap on conf_adapt's K"
+        if row.masks and mask_cost is None:
+            lines.append(f"{row.name}: no {what} advised: cannot price its mask rows (no t(q) of passes with masks)")
+            continue
         proposer = proposer_of(row.proposer) if proposer_of is not None else Proposer()
-        kb, rate = best_k(cost, acc, k, block_tokens_for(kind, proposer), guess_s=guess_seconds(row))
-        if kind == "verify":
+        kb, rate = best_k(
+            cost,
+            acc,
+            k,
+            block_tokens_for(kind, proposer),
+            guess_s=guess_seconds(row),
+            per_pass_s=overhead + outside_seconds(row),
+            mask_cost=mask_cost if row.masks else None,
+        )
+        advised = dataclasses.replace(row.strategy, k=kb)
+        seen = measured.get((advised, row.proposer))
+        if kb > 1 and seen is not None and seen["speedup_vs_ntp"] is not None and seen["speedup_vs_ntp"] < 1:
+            name = str(Spec(advised, row.proposer))
+            lines.append(
+                f"{row.name}: no {what} advised: the cost model expects {rate:.1f} tokens/s at K = {kb}, "
+                f"but {name} measured {seen['speedup_vs_ntp']:.2f}x ntp in this run"
+            )
+        elif kind == "verify":
+            use = "drafting does not pay here; use ntp" if kb == 1 else f"use verify:{kb}"
             lines.append(
                 f"{row.name}: best K for verify on this machine = {kb} (of 1..{k} measured; "
-                f"{rate:.1f} expected tokens/s); use verify:{kb}"
+                f"{rate:.1f} expected tokens/s); {use}"
             )
         else:
+            use = "guessing does not pay here; use ntp" if kb == 1 else f"use conf_adapt:{row.strategy.tau:g}:{kb}"
             lines.append(
-                f"{row.name}: cap conf_adapt's K at {kb} on this machine "
-                f"({rate:.1f} expected tokens/s); use conf_adapt:{row.strategy.tau:g}:{kb}"
+                f"{row.name}: cap conf_adapt's K at {kb} on this machine ({rate:.1f} expected tokens/s); {use}"
             )
     if not lines:
         lines.append("run a verify:K or conf_adapt strategy to get the best K for this machine")
@@ -621,6 +680,8 @@ def write_outputs(res: BenchResult, out: Path, engine=None, command: str = "", c
                 )
     if res.cost is not None:
         res.cost.save(out / "profile.json")
+    if res.mask_cost is not None:  # t(q) of passes with mask rows (the adapter path)
+        res.mask_cost.save(out / "profile-masks.json")
     report.pareto_png(res, out / "pareto.png")
     report.acceptance_png(res, out / "acceptance.png")
     report.write_html(res, out / "report.html", engine, command, chunk_examples)
@@ -689,6 +750,12 @@ def print_summary(res: BenchResult, console=None) -> None:
             f"t({max(pts)}) = {pts[max(pts)] * 1e3:.1f} ms; linear fit {a * 1e3:.1f} ms + "
             f"{b * 1e3:.2f} ms/token"
         )
+        if res.mask_cost is not None:
+            m = res.mask_cost.points
+            console.print(
+                f"t(q) of passes with mask rows (the adapters' path): t(1) = {m[min(m)] * 1e3:.1f} ms, "
+                f"t({max(m)}) = {m[max(m)] * 1e3:.1f} ms"
+            )
         for line in res.advice:
             console.print(line)
 

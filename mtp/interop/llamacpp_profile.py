@@ -16,7 +16,11 @@ The n with the highest rate is advised (0: do not speculate on this target). `--
 stops drafting when a draft's probability falls below it; a further draft right with probability p adds p
 tokens for t_draft + t(n + 2) - t(n + 1) more seconds per step, which pays only when p exceeds the best
 rate times that cost, so that product is the advised p-min (it assumes the drafter's probabilities are
-calibrated, as `mtp tune` measures for our own proposers).
+calibrated, as `mtp tune` measures for our own proposers). llama.cpp drafts a token only when its probability
+is at least p-min, so p-min 1 drafts nothing, and one above the drafter's per-draft acceptance a cuts most of
+the chains the rate was priced on: the advised p-min is capped at a and at P_MIN_MAX (below 1 once printed
+with two decimals). A further draft dearer than it can pay (the product at or above the cap) is `n_max`'s to
+exclude, not p-min's; with n_max 0 the advice is plain decoding, at 1.00x.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from mtp.core.costmodel import CostModel
 from mtp.interop import llamacpp_env
 
 QS = (1, 2, 3, 4, 5, 6, 8)  # blocks llama-bench measures (drafts per step up to 7)
+P_MIN_MAX = 0.95  # the highest p-min advised: 1 would turn drafting off
 
 
 def measure(target, qs=QS, depth: int = 128, threads: int = 1, repeats: int = 3) -> dict[int, float]:
@@ -75,7 +80,8 @@ def chain_acceptance(accepted_per_step: float, drafts: float) -> float:
 
 def advise(t: dict[int, float], timings: list[dict], n_max: int = 7) -> dict:
     """The draft count and p-min llama.cpp's t(q) favours for the drafter these timings came from
-    (t(q) between and beyond the measured blocks as `CostModel.pass_time` reads it)."""
+    (t(q) between and beyond the measured blocks as `CostModel.pass_time` reads it). The p-min advised
+    always lets the drafter draft: at most its per-draft acceptance and P_MIN_MAX (see the module)."""
     pass_time = CostModel(t).pass_time
     n = sum(x.get("predicted_n", 0) for x in timings)
     ms = sum(x.get("predicted_ms", 0.0) for x in timings)
@@ -92,7 +98,7 @@ def advise(t: dict[int, float], timings: list[dict], n_max: int = 7) -> dict:
     extra = t_draft + pass_time(best + 2) - pass_time(best + 1)
     return {
         "n_max": best,
-        "p_min": min(1.0, rates[best] * extra),
+        "p_min": min(P_MIN_MAX, a, rates[best] * extra),
         "acceptance": a,
         "draft_s": t_draft,
         "drafts_per_step": drafts,
