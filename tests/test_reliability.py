@@ -332,3 +332,55 @@ def test_18_demo_progress_and_width(word_model, capsys):
     assert sum(1 for ln in lines if ln.startswith("[") and "tokens/pass" in ln) == 2 * len(demo.PROMPTS)
     assert max(len(ln) for ln in lines) <= 80
     assert "tokens/pass" in out and "speedup" in out
+
+
+# ---- issue 64 U2. an output folder that cannot be written is refused before the work -----------------
+@pytest.fixture
+def read_only(tmp_path):
+    """A folder nothing can be created in, even by root (`chattr +i`; else mode 0555 where that binds)."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    immutable = subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode == 0
+    if not immutable:
+        d.chmod(0o555)
+        if os.access(d, os.W_OK):
+            d.chmod(0o755)
+            pytest.skip("no way to make a folder read-only here (root without chattr)")
+    yield d
+    if immutable:
+        subprocess.run(["chattr", "-i", str(d)], check=True)
+    d.chmod(0o755)
+
+
+def test_u2_train_heads_into_a_read_only_folder_is_refused_first(word_model, tmp_path, capsys, read_only):
+    data = write_jsonl(tmp_path / "train.jsonl", [{"question": "w1 w2", "answer": "w3 w4"}] * 3)
+    argv = ["train-heads", "--model", str(word_model), "--data", str(data), "--out", str(read_only / "h")]
+    code, _, err = run_cli([*argv, "--steps", "1", "--limit", "3", "--cache-dir", str(tmp_path / "c")], capsys)
+    one_line_error(code, err, "--out", str(read_only / "h"), "cannot write in", str(read_only))
+    assert not (tmp_path / "c").exists()  # no answers generated, no hidden states cached
+
+
+def test_u2_datastore_build_into_a_read_only_folder_is_refused_first(
+    word_model, tmp_path, capsys, read_only, monkeypatch
+):
+    from mtp.core import loading
+
+    calls, real = [], loading.load
+    monkeypatch.setattr(loading, "load", lambda *a, **k: calls.append(a) or real(*a, **k))
+    argv = ["datastore", "build", "--data", str(examples_file(tmp_path)), "--model", str(word_model)]
+    code, _, err = run_cli([*argv, "--out", str(read_only / "ds")], capsys)
+    one_line_error(code, err, "--out", "cannot write in", str(read_only))
+    assert calls == []  # the model was never loaded
+
+
+# ---- issue 64 U5. the first start says what it does, once -------------------------------------------
+def test_u5_a_first_conversion_says_what_it_does_once(tmp_path, monkeypatch, capsys):
+    from mtp.core import loading
+    from test_hostile_loading import write_tiny_gguf
+
+    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf")
+    out = loading.gguf_to_hf_dir(gguf_file)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"converting tiny.gguf into {out}" in err[0] and "once" in err[0], err
+    assert loading.gguf_to_hf_dir(gguf_file) == out and capsys.readouterr().err == ""  # cached: silent

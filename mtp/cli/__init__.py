@@ -1,15 +1,19 @@
 """The `mtp` command: one module per subcommand under `mtp.cli`, each with `add_parser(subparsers)`
 that registers its parser and sets `func`. Bad input ends in a one-line `mtp: error: ...` and exit
-status 2 (`report`), never a traceback. No command writes into the shipped assets: every output
-option (`OUTPUTS`) is checked here, once, before a command runs (`artifacts.check_not_shipped`)."""
+status 2 (`report`), never a traceback. Checked here, once, before any command runs (`check_setup`):
+no command writes into the shipped assets (every output option in `OUTPUTS`, and `$MTP_CACHE_DIR`:
+`artifacts.check_not_shipped`), every output it writes is writable (`WRITTEN`, `artifacts.check_writable`:
+a read-only or immutable folder fails now, not after the work), and `MTP_KERNEL_ISA` names a path."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from mtp.cli.errors import USER_ERRORS, report
-from mtp.core.artifacts import check_not_shipped
+from mtp.core import kernels
+from mtp.core.artifacts import cache_root, check_not_shipped, check_writable
 
 # modules under mtp.cli, imported when the parser is built: importing one of them (a pipeline stage
 # imports mtp.cli.pipeline) loads this package, and that must not load the server or the trainers
@@ -30,6 +34,8 @@ COMMANDS = (
 # every option that names a place a command writes (its parsed attribute: the flag); a new output
 # option belongs here, so the shipped assets stay out of reach of every command
 OUTPUTS = {"out": "--out", "export": "--export", "cache_dir": "--cache-dir", "shadow_log": "--shadow-log"}
+# the output options every command that has them writes (serve writes --shadow-log only in shadow mode)
+WRITTEN = ("out", "export", "cache_dir")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,20 +47,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_outputs(args) -> None:
-    """Refuse, before any work, an output option of `args` that points into the shipped assets."""
+    """Refuse, before any work, an output option of `args` that points into the shipped assets, or,
+    for the options in `WRITTEN`, one that cannot be written."""
     for attr, flag in OUTPUTS.items():
         value = getattr(args, attr, None)
         if value is not None:
             check_not_shipped(value, flag)
+            if attr in WRITTEN:
+                check_writable(value, flag)
+
+
+def check_setup(args) -> None:
+    """Everything a command is refused for before it does any work: the environment (`$MTP_CACHE_DIR`
+    outside the shipped assets, a known `MTP_KERNEL_ISA`), then its output options."""
+    cache_root()
+    kernels.check_isa_env()
+    check_outputs(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        check_outputs(args)
+        check_setup(args)
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
         return report(e)
     except KeyboardInterrupt:
+        print("mtp: interrupted (Ctrl-C)", file=sys.stderr)
         return 130

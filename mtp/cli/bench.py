@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from mtp.cli.options import add_model_args, engine_config
+from mtp.cli.options import add_model_args, check_context, engine_config
 from mtp.core import deploy as deploy_file
 from mtp.core.engine import Engine
 from mtp.eval.bench import BenchConfig, check_out, load_data, parse_strategies, print_summary, run_bench, write_outputs
@@ -86,6 +86,7 @@ def run(args) -> int:
     )
     console = Console(stderr=True)
     ecfg = engine_config(args)
+    check_context(args)
     if deploy is not None:
         ecfg.calibration = dict(deploy.calibration)
     engine = Engine.load(ecfg)

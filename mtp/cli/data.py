@@ -40,15 +40,34 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--seal",
         action="store_true",
-        help="only seal OUT's working files into new shards (a run does this itself when it stops)",
+        help="only seal OUT's working files into new shards (a run does this itself when it stops) and rewrite "
+        "its card; prints one JSON line (what was sealed, answers, shards)",
     )
     p.set_defaults(func=run)
 
 
+def run_seal(out: Path) -> int:
+    """`--seal`: seal OUT's working files, rewrite its card (card.md, card.json), print one JSON line
+    (the new shards, the answers and shards now); nothing to seal is said in one line on stderr."""
+    added = seal(out)
+    card = write_card(out)
+    if not added:
+        print(f"data: nothing to seal in {out} (no working files with answers)", file=sys.stderr)
+    summary = {
+        "sealed": [e["file"] for e in added],
+        "answers": card["answers"],
+        "response_tokens": card["response_tokens"],
+        "shards": len(card["shards"]),
+        "card": str(out / "card.md"),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
 def run(args) -> int:
-    if args.card or args.seal:  # the folder's own manifest is the truth: no source flags, nothing generated
-        if args.seal:
-            seal(Path(args.out))
+    if args.seal:  # the folder's own manifest is the truth: no source flags, nothing generated
+        return run_seal(Path(args.out))
+    if args.card:
         print(json.dumps(write_card(Path(args.out)), indent=1))
         return 0
     cfg = DataConfig(

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
     console = Console(width=min(Console().width, 80))
-    console.print(f"loading {args.model} (the first start converts the packaged model once, ~10 s) ...")
+    console.print(f"loading {args.model} (the first start converts it and compiles the kernels, once) ...")
     check_threads(args.threads)
     engines = {"mask": Engine.load(EngineConfig(model=args.model, threads=args.threads))}
     engines["lookup"] = Engine(engines["mask"].loaded, EngineConfig(model=args.model, proposer="lookup"))

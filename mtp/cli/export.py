@@ -7,7 +7,8 @@ import shlex
 
 from mtp.core import loading
 from mtp.core.engine import SHIPPED
-from mtp.interop.vllm_export import FORMATS, export_vllm_eagle3
+from mtp.core.proposers.eagle3 import read_drafter_config
+from mtp.interop.vllm_export import FORMATS, export_vllm_eagle3, refuse_heads
 from mtp.interop.llamacpp_export import (
     DRAFT_TOKENS,
     OUTTYPES,
@@ -66,6 +67,7 @@ def add_parser(sub) -> None:
 
 def run_export(args) -> int:
     drafter = SHIPPED["smollm2-135m"] / "eagle3" if args.drafter == "shipped" else args.drafter
+    refuse_heads(drafter)  # before any model loads
     if args.format == LLAMACPP:
         return run_llamacpp(args, drafter)
     cfg = export_vllm_eagle3(drafter, args.out)
@@ -83,6 +85,7 @@ def run_llamacpp(args, drafter) -> int:
     if not 1 <= args.draft_tokens <= 16:
         raise ValueError(f"--draft-tokens must be 1..16, got {args.draft_tokens}")
     check_p_min(args.draft_p_min)
+    read_drafter_config(drafter)  # not a drafter: refused before the model loads
     loaded = loading.load(args.model)
     check_drafter_for(loaded, drafter)
     if llamacpp_env.converter() is None or llamacpp_env.converter_python() is None:

@@ -11,6 +11,7 @@ from mtp.core.proposers import AUTO
 from mtp.cli.options import (
     add_model_args,
     add_sampling_args,
+    check_context,
     check_decoding_args,
     engine_config,
     read_prompt,
@@ -32,6 +33,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     check_decoding_args(args)  # every flag before loading anything
+    check_context(args)  # --max-new-tokens against the model's window (its config or GGUF header)
     prompt = read_prompt(args)
     engine = Engine.load(engine_config(args))
     try:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mtp.core import kernels
 from mtp.core.checks import check_device, check_threads, valid_text
 from mtp.core.engine import EngineConfig
-from mtp.core.proposers import AUTO, SHIPPED_DEFAULT, check_proposer, resolve_default
+from mtp.core.loading import model_context
+from mtp.core.proposers import AUTO, REGISTRY, SHIPPED_DEFAULT, check_proposer, resolve_default
 from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.strategy import USAGE, Strategy
 from mtp.core.weights import QUANTIZE, check_weights
 
 
@@ -62,8 +64,14 @@ def add_model_args(p: argparse.ArgumentParser, proposer_default: str = "mask") -
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", default="ntp", help="ntp | static:K | conf_adapt:TAU[:KMAX] | verify:K | tree:N")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    strategies = USAGE.removeprefix("expected one of: ").replace(", ", " | ")
+    p.add_argument("--strategy", default="ntp", help=f"{strategies} (default %(default)s)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="the most tokens to generate (default %(default)s)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -80,9 +88,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args) -> EngineConfig:
     """The engine the flags describe, checked (proposer, threads, device) before anything loads;
     `--proposer auto` resolved for the model (and kept in args: later checks read the real name)."""
+    kernels.check_isa_env()
     off = tuple(k for k in ("heads", "eagle3", "datastore") if getattr(args, k, "auto") in (None, "", "none"))
     args.proposer = resolve_default(args.proposer, args.model, off) if args.proposer == AUTO else args.proposer
-    check_proposer(args.proposer)
+    spec = check_proposer(args.proposer)
+    for part in spec.parts or (args.proposer,):  # an asset the user turned off is named as such
+        asset = REGISTRY[part].asset
+        if asset in off:
+            raise ValueError(
+                f"--proposer {args.proposer} needs --{asset} DIR, but --{asset} is "
+                f"{getattr(args, asset)!r} (that turns {asset} off)"
+            )
     return EngineConfig(
         model=args.model,
         adapter=args.adapter,
@@ -99,8 +115,11 @@ def engine_config(args) -> EngineConfig:
 
 
 def sampling_params(args) -> SamplingParams:
-    """SamplingParams from the flags (its checks are the server's too); stop strings valid UTF-8."""
+    """SamplingParams from the flags (its checks are the server's too); stop strings valid UTF-8;
+    `--max-new-tokens` below 1 is named as the flag."""
     stop = [valid_text(s, f"--stop string {s!r}") for s in args.stop or []]
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -111,8 +130,24 @@ def sampling_params(args) -> SamplingParams:
     )
 
 
+def check_context(args) -> None:
+    """`--max-new-tokens` against the model's context window, read from its config or GGUF header
+    without loading weights (a prompt takes at least one token of it): for the commands where it is an
+    exact limit (generate, bench, pipeline), not a per-request cap clamped to the window (serve)."""
+    if getattr(args, "max_new_tokens", None) is None:
+        return
+    context = model_context(args.model)
+    if context is not None and args.max_new_tokens >= context:
+        raise ValueError(
+            f"--max-new-tokens {args.max_new_tokens} does not fit the context window of {args.model} "
+            f"({context} tokens, prompt included): at most {context - 1}"
+        )
+
+
 def check_decoding_args(args) -> Strategy:
-    """Every decoding flag, before the model loads: strategy (K capped), sampling, engine flags."""
+    """Every decoding flag, before the model loads: strategy (K capped), sampling, engine flags. (A command
+    whose `--max-new-tokens` is an exact limit, not a cap clamped to the window as `serve`'s, also calls
+    `check_context`.)"""
     strategy = Strategy.parse(args.strategy)
     sampling_params(args)
     engine_config(args)

@@ -12,6 +12,7 @@ from mtp.cli.errors import USER_ERRORS, report
 from mtp.cli.options import (
     add_model_args,
     add_sampling_args,
+    check_context,
     check_decoding_args,
     engine_config,
     read_prompt,
@@ -51,6 +52,7 @@ def run(args) -> int:
         print_prediction(args.predict)
         return 0
     check_decoding_args(args)
+    check_context(args)
     config_from_args(args)
     if "eagle3" in args.proposer.split("+"):  # its drafter reads trunk layers that other stages hold
         raise ValueError(

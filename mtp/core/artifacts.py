@@ -11,7 +11,9 @@ Guarantees:
 - Nothing mtp did not write is ever replaced: an existing target must be empty or an mtp
   directory of the same kind (`replaceable`), else the save is refused before any work.
 - No command writes into the package's shipped assets (`ASSETS`, `check_not_shipped`): the CLI
-  refuses every output option pointing inside them before any work.
+  refuses every output option pointing inside them before any work, and `cache_root` a
+  `$MTP_CACHE_DIR` inside them. An output the command cannot write is refused before any work too
+  (`check_writable`).
 - `base_hash` fingerprints base weights, so an adapter or heads directory refuses to load on
   other weights (`check_trained_on`).
 - `load_safetensors` / `read_json` name the file in the one-line error a corrupt file gives.
@@ -33,14 +35,20 @@ import safetensors.torch
 from safetensors import SafetensorError
 
 
-def cache_root() -> Path:
-    """Where mtp keeps what it derives once (converted models, built kernels): `$MTP_CACHE_DIR`, default
-    `~/.cache/mtp`."""
-    return Path(os.environ.get("MTP_CACHE_DIR") or Path.home() / ".cache" / "mtp")
-
-
 class ArtifactError(ValueError):
     """A file or directory that cannot be used as asked (one line, names the path)."""
+
+
+CACHE_ENV = "MTP_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """Where mtp keeps what it derives once (converted models, built kernels): `$MTP_CACHE_DIR`, default
+    `~/.cache/mtp`. A `$MTP_CACHE_DIR` inside the shipped assets is an ArtifactError (`check_not_shipped`)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        check_not_shipped(env, CACHE_ENV)
+    return Path(env or Path.home() / ".cache" / "mtp")
 
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # mtp/assets: what the package ships
@@ -144,6 +152,24 @@ def check_not_shipped(path, flag: str) -> None:
             f"{flag} {shown} lies inside mtp's shipped assets ({assets}); they are never "
             "overwritten: choose an output path outside them"
         )
+
+
+def check_writable(path, flag: str) -> None:
+    """Refuse, before any work, an output `path` (given as option `flag`) that cannot be written: the
+    folder a save writes in (its nearest existing ancestor), and `path` itself when it is an existing
+    folder, must take a new entry. Probed by creating and removing an empty folder there (read-only
+    file systems, immutable folders and permissions alike); nothing is left behind."""
+    path = Path(path).expanduser()
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    for folder in (parent, path) if path.is_dir() else (parent,):
+        if not folder.is_dir():
+            raise ArtifactError(f"{flag} {path}: {folder} is not a directory")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".mtp-write-probe-", dir=folder))
+        except OSError as e:
+            raise ArtifactError(f"{flag} {path}: cannot write in {folder} ({e.strerror or e})") from None
 
 
 def replaceable(path: Path, kind: Callable[[Path], bool] | None) -> None:

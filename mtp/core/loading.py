@@ -174,6 +174,24 @@ def model_layers(name: str) -> int | None:
     return None
 
 
+def model_context(name: str) -> int | None:
+    """The context window (tokens, prompt included) a model loads with, from its config.json or GGUF
+    header alone (milliseconds, no weights), as `load` sets it: `max_position_embeddings`, or the GGUF's
+    `<arch>.context_length`, default 2048. None where it cannot be read so (the load then reports why)."""
+    try:
+        path = resolve(name)
+        if path.is_dir():
+            value = read_hf_config(path / "config.json").get("max_position_embeddings", 2048)
+        elif path.suffix == ".gguf":
+            meta, _ = gguf_header(path)
+            value = meta.get(f"{meta.get('general.architecture')}.context_length", 2048)
+        else:
+            return None
+    except (ModelLoadError, ArtifactError, OSError):
+        return None
+    return value if type(value) is int and value > 0 else None
+
+
 def load_hf_dir(path: Path, dtype=torch.float32, device="cpu") -> Transformer:
     """The model of a HF directory. The config is checked against the safetensors headers (every
     size field, then every tensor's name and shape) before a single weight is allocated or read."""
@@ -310,7 +328,13 @@ def gguf_to_hf_dir(gguf_path: Path, rebuild: bool = False) -> Path:
         broken = rebuild or any((out / f).exists() for f in ("config.json", "model.safetensors"))
         if broken and out.is_dir() and _is_hf_dir(out):
             shutil.rmtree(out)  # a broken conversion of ours: nothing in it is kept
-        state, hf = read_gguf(gguf_path)
+        state, hf = read_gguf(gguf_path)  # every check of the file first: a bad one is its one-line error
+        if broken and not rebuild:  # (with `rebuild` the caller has said why)
+            say = f"the cached conversion {out} is incomplete or damaged; converting {gguf_path.name} again"
+        else:
+            say = f"converting {gguf_path.name} into {out} (once per cache: later runs read it from there)"
+        if not rebuild:
+            print(f"mtp: {say}", file=sys.stderr, flush=True)
         with atomic_dir(out, _is_hf_dir) as tmp:  # under the lock: no one else's temp folder to remove
             save_file(hf_names(state), str(tmp / "model.safetensors"))
             (tmp / "config.json").write_text(json.dumps(hf, indent=1))
@@ -342,7 +366,11 @@ def _conversion_lock(out: Path):
     releases it when its holder dies, so a killed conversion never blocks the next one."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"mtp: another mtp process is converting into {out}; waiting for it", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -42,15 +42,21 @@ def is_export_dir(path: Path) -> bool:
     return cfg.get("format") == FORMAT and bool(cfg.get("exported"))
 
 
+def refuse_heads(src) -> None:
+    """Refuse a directory of DeepSeek-style heads given as the drafter to export (one line, citing the
+    docs section that says why they have no export)."""
+    if (Path(src) / "heads.safetensors").exists():
+        raise ArtifactError(
+            f"{src} holds DeepSeek-style heads (`mtp train-heads`): `mtp export` writes EAGLE-3 drafters only, "
+            "since vLLM has no format that loads heads unmodified on a Llama target (docs/export.md, "
+            "'Why the heads do not export'); train an EAGLE-3 drafter with `mtp train-eagle3`"
+        )
+
+
 def export_vllm_eagle3(src, out) -> dict:
     """Check drafter directory `src` and write its vLLM EAGLE-3 directory to `out`; return its config."""
     src, out = Path(src), Path(out)
-    if (src / "heads.safetensors").exists():
-        raise ArtifactError(
-            f"{src} holds DeepSeek-style heads: vLLM has no format that loads them unmodified "
-            "on a Llama target (see README, 'EAGLE-3 drafter and vLLM'); train an EAGLE-3 "
-            "drafter with `mtp train-eagle3`"
-        )
+    refuse_heads(src)
     cfg = read_drafter_config(src)
     try:
         ecfg = Eagle3Config.from_hf(cfg)

@@ -23,10 +23,15 @@ The contract:
   path is chosen at run time (`__builtin_cpu_supports`); `MTP_KERNEL_ISA=scalar|avx2|avx512` (or the
   `isa` argument of `qlinear.linear`) forces one, e.g. the AVX2 path on an AVX-512 machine.
 * **Built once**: the C++ source compiles on first use (g++ `-O3`, no `-march`) into
-  `cache_root()/kernels/<hash of source, flags, compiler, torch>/` and is loaded from there afterwards.
-  Without a compiler, or when the build fails, one line on stderr says so and which path runs instead:
-  the pure-torch path (`qlinear.linear` computes each row alone with `F.linear` on the loader's float32
-  weights: still batch-invariant, slower, other bits than the kernels).
+  `cache_root()/kernels/<hash of source, flags, compiler, torch>/` and is loaded from there afterwards;
+  one line on stderr says when it compiles (once per cache). Processes starting at once build it once
+  (a lock; the others wait). The build is atomic (temporary name, then a rename) and leaves a checksum
+  (`mtp_kernels.so.sha256`): the library is loaded only when its sha256 matches, so a truncated, empty,
+  overwritten or older (no checksum) library, which mtp itself wrote, is never handed to the dynamic
+  loader (a truncated one kills the process with SIGBUS there): one line says so and it is rebuilt.
+  Without a compiler, or when the build fails, one line on stderr says so (with the compiler's reason)
+  and which path runs instead: the pure-torch path (`qlinear.linear` computes each row alone with
+  `F.linear` on the loader's float32 weights: still batch-invariant, slower, other bits than the kernels).
 * Inference only: no autograd (a grad-requiring input is a one-line error).
 
 The int8-activation variant (separate ops `torch.ops.mtp.linear_q8_0_i8 / _q4_0_i8 / _q4_1_i8`,
@@ -41,6 +46,8 @@ layout: matmul_i8.h.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -71,6 +78,8 @@ CFLAGS = [
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 ENV_ISA = "MTP_KERNEL_ISA"
+LIBRARY = "mtp_kernels.so"  # in build_dir(); LIBRARY + CHECKSUM beside it holds its sha256
+CHECKSUM = ".sha256"
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -122,9 +131,62 @@ def build_dir(cxx: str) -> Path:
     return cache_root() / "kernels" / f"matmul-{h.hexdigest()[:16]}"
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(1 << 20):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _checksum_file(lib: Path) -> Path:
+    return lib.with_name(lib.name + CHECKSUM)
+
+
+def damage(lib: Path) -> str | None:
+    """Why the cached library `lib` must not be loaded (rebuilt instead), or None when it is whole:
+    its sha256 equals the one its build wrote beside it. Reads the file, never loads it (a truncated
+    shared library kills the process with SIGBUS inside the dynamic loader)."""
+    if not lib.exists():
+        return "missing"
+    try:
+        want = _checksum_file(lib).read_text().strip()
+    except FileNotFoundError:
+        return f"no {lib.name}{CHECKSUM} beside it: built by an older mtp, unverified"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"its checksum file does not read ({e})"
+    try:
+        have = _sha256(lib)
+    except OSError as e:
+        return f"it does not read ({e.strerror or e})"
+    if have != want:
+        size = lib.stat().st_size
+        return f"{size:,} bytes whose sha256 is not the one its build recorded: truncated or overwritten"
+    return None
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """Hold an exclusive lock on `folder/.build.lock`; the OS releases it when its holder dies.
+    Another holder is said in one line (this process waits for its build instead of compiling too)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".build.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"another mtp process is building the kernels in {folder}; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build(cxx: str, out: Path) -> None:
-    """Compile the source into `out` (atomically: a temporary name, then a rename, so processes
-    building at once each end with a whole library)."""
+    """Compile the source into `out`, then write its checksum (`damage` reads it). Atomic: the library
+    is compiled under a temporary name and renamed; the old checksum goes first and the new one comes
+    last, so a reader never finds a checksum matching anything but a whole library. A failure is one
+    KernelError line with the compiler's reason (its first error line, or its exit status)."""
     includes, libdir = _torch_paths()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -144,19 +206,52 @@ def _build(cxx: str, out: Path) -> None:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelError(f"{cxx} did not run ({e})") from None
-    if r.returncode != 0:
         tmp.unlink(missing_ok=True)
-        err = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip().split("\n")[0])
-        (out.parent / "build.log").write_text(" ".join(cmd) + "\n\n" + r.stderr)
-        names = ", ".join(p.name for p in SOURCES)
-        raise KernelError(f"compiling {names} failed: {err.strip()} (log: {out.parent / 'build.log'})")
+        raise KernelError(f"{cxx} did not run ({e})") from None
+    names = ", ".join(p.name for p in SOURCES)
+    log = out.parent / "build.log"
+    if r.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        lines = [ln.strip() for ln in (r.stderr + "\n" + r.stdout).splitlines() if ln.strip()]
+        err = next((ln for ln in lines if "error" in ln), lines[0] if lines else "")
+        status = f"exit status {r.returncode}" if r.returncode else f"exit status 0 but no {tmp.name} written"
+        err = f"{err} ({status})" if err else f"{status}, no output"
+        log.write_text(" ".join(cmd) + "\n\n" + r.stderr + r.stdout)
+        raise KernelError(f"compiling {names} with {cxx} failed: {err} (log: {log})")
+    digest = _sha256(tmp)
+    _checksum_file(out).unlink(missing_ok=True)
     os.replace(tmp, out)
+    sums = _checksum_file(out)
+    sums_tmp = sums.with_name(f".{sums.name}.{os.getpid()}.tmp")
+    sums_tmp.write_text(digest + "\n")
+    os.replace(sums_tmp, sums)
+
+
+def _ensure_built(cxx: str) -> Path:
+    """The path of a whole library for `cxx` (`damage` finds nothing wrong with it), compiled first
+    when it is missing or damaged; one line on stderr says which, and that the cache is mtp's own."""
+    folder = build_dir(cxx)
+    lib = folder / LIBRARY
+    if damage(lib) is None:
+        return lib
+    try:
+        with _build_lock(folder):
+            why = damage(lib)  # another process may have built it while we waited
+            if why == "missing":
+                _say(f"compiling the C++ kernels with {cxx} into {folder} (once per cache; a minute or two)")
+            elif why is not None:
+                _say(f"the cached library {lib} is damaged ({why}); rebuilding it (mtp's own cache)")
+            if why is not None:
+                _build(cxx, lib)
+    except OSError as e:
+        raise KernelError(f"cannot write the kernel cache {folder} ({e.strerror or e})") from None
+    return lib
 
 
 def load(quiet: bool = False) -> bool:
-    """Build (first time) and load the ops; True when `torch.ops.mtp.*` are there. On failure one line
-    on stderr names the reason and the fallback (unless `quiet`), once per process."""
+    """Build (first time, or when the cached library is damaged) and load the ops; True when
+    `torch.ops.mtp.*` are there. On failure one line on stderr names the reason and the fallback
+    (unless `quiet`), once per process."""
     with _lock:
         if "ok" in _state:
             return _state["ok"]
@@ -168,16 +263,19 @@ def load(quiet: bool = False) -> bool:
         elif (cxx := _compiler()) is None:
             why = f"no C++ compiler ({os.environ.get('CXX') or 'c++'} not found)"
         else:
+            lib = None
             try:
-                lib = build_dir(cxx) / "mtp_kernels.so"
-                if not lib.exists():
-                    _build(cxx, lib)
+                lib = _ensure_built(cxx)
                 torch.ops.load_library(str(lib))
                 ok = True
             except KernelError as e:
                 why = str(e)
             except (OSError, RuntimeError) as e:
-                why = f"the built library does not load ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                if lib is None:  # the cache could not be read
+                    why = f"the kernel cache is not usable ({reason})"
+                else:
+                    why = f"the built library {lib} does not load ({reason}; delete {lib.parent} to rebuild it)"
         if not ok and not quiet:
             _say(f"{why}; using the pure-torch path (rows one at a time through F.linear on float32 weights)")
         _state["ok"], _state["why"] = ok, why
@@ -238,17 +336,25 @@ _resolved: dict = {}
 
 def _resolve_env(env: str, int8: bool) -> int:
     best = best_isa_int8() if int8 else best_isa()
-    env = env.strip().lower()
-    if not env or env == "auto":
+    env = check_isa_env(env)
+    if env == "auto":
         return best
-    if env not in ISAS:
-        raise ValueError(f"{ENV_ISA}={env!r}: expected one of {', '.join(ISAS)}, auto")
     if ISAS[env] > best:
         if not _state.get("warned_isa"):
             _say(f"{ENV_ISA}={env} but this CPU lacks it; running the {ISA_NAMES[best]} path")
             _state["warned_isa"] = True
         return best
     return ISAS[env]
+
+
+def check_isa_env(env: str | None = None) -> str:
+    """`MTP_KERNEL_ISA` (or `env`) as a path name, "auto" when unset; a name that is no path is a
+    ValueError. Reads no ops, so a command checks it before any work."""
+    raw = os.environ.get(ENV_ISA, "") if env is None else env
+    name = raw.strip().lower() or "auto"
+    if name != "auto" and name not in ISAS:
+        raise ValueError(f"{ENV_ISA}={raw!r}: expected one of {', '.join(ISAS)}, auto")
+    return name
 
 
 def supported_isas() -> list[str]:
