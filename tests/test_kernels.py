@@ -348,3 +348,63 @@ def test_int8_nonfinite_rows_give_nan_and_bad_input():
     with pytest.raises(ValueError) as e:
         qlinear.linear_int8(x, KernelWeight.from_float(torch.randn(16, 64)))
     assert "Q8_0/Q4_0/Q4_1" in one_line(e)
+
+
+def _mixed_gguf(path):
+    """A small GGUF holding one tensor of each kind the reader types differently: F32 (1-D and 2-D),
+    F16, Q8_0, Q4_0, Q4_1 and a 3-D F32."""
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("llama.attention.head_count", 2)
+    for name, qtype, shape in [
+        ("output_norm.weight", "F32", (64,)),
+        ("blk.0.attn_q.weight", "Q8_0", (8, 64)),
+        ("blk.0.attn_k.weight", "Q4_0", (4, 64)),
+        ("blk.0.ffn_up.weight", "Q4_1", (6, 96)),
+        ("blk.0.ffn_down.weight", "F16", (5, 32)),
+        ("token_embd.weight", "F32", (7, 32)),
+        ("cube.weight", "F32", (2, 3, 32)),
+    ]:
+        kind = gguf.GGMLQuantizationType[qtype]
+        arr = rng.standard_normal(shape).astype(np.float32)
+        if qtype == "F16":
+            w.add_tensor(name, arr.astype(np.float16))
+        elif qtype == "F32":
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("which", ["mixed", "smollm2"])
+def test_the_one_reader_gives_what_the_gguf_package_reads(tmp_path, which):
+    """`mtp.core.gguf.read_tensors` (one header walk, views of the memory map) gives every tensor of the file
+    exactly as `gguf.GGUFReader` does: name, type, shape, the array's dtype, shape and bytes; and the metadata
+    values the loader reads."""
+    from mtp.core.gguf import read_tensors
+
+    if which == "smollm2":
+        from conftest import require_smollm2
+
+        require_smollm2()
+        from mtp.core.loading import resolve
+
+        path = resolve("smollm2-135m")
+    else:
+        path = _mixed_gguf(tmp_path / "mixed.gguf")
+    reader = gguf.GGUFReader(str(path))
+    meta, tensors = read_tensors(path)
+    assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+    for ours, ref in zip(tensors, reader.tensors):
+        assert ours.tensor_type == int(ref.tensor_type) and list(ours.shape) == [int(d) for d in ref.shape], ref.name
+        assert ours.data.dtype == ref.data.dtype and ours.data.shape == ref.data.shape, ref.name
+        assert np.array_equal(ours.data.view(np.uint8), np.asarray(ref.data).view(np.uint8)), ref.name
+    arch = meta["general.architecture"]
+    assert meta[f"{arch}.attention.head_count"] == reader.fields[f"{arch}.attention.head_count"].contents()
+    if which == "mixed":
+        kinds = {gguf.GGMLQuantizationType(t.tensor_type).name for t in tensors}
+        assert kinds == {"F32", "F16", "Q8_0", "Q4_0", "Q4_1"}

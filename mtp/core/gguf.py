@@ -1,13 +1,18 @@
-"""GGUF files (llama.cpp's format), read without trusting them: the structure is walked and bounded
-before anything is hashed or allocated (`gguf_header`), then the tensors are dequantised to float32
-with the `gguf` package and renamed to mtp's parameter names (`read_gguf`), with a Hugging Face
-config built from the metadata and checked like any config.json (`mtp.core.hf_config`)."""
+"""GGUF files (llama.cpp's format), read once and without trusting them: one walk of the header
+(`read_tensors`) bounds every count and checks that each tensor's data lies inside the file before
+anything is hashed or allocated, and gives the metadata and every tensor as stored (its GGML type and
+a read-only view of its bytes in the file's memory map). From that one walk `read_gguf` dequantises
+to float32 under mtp's parameter names, with a Hugging Face config built from the metadata and checked
+like any config.json (`mtp.core.hf_config`), and `mtp.core.kernels.qlinear.gguf_weights` keeps the
+blocks as stored for the kernels. llama.cpp's rotary row order (`unpermuted_heads`) and the tied
+output head (`tied_head`) are decided here, once, for both."""
 
 from __future__ import annotations
 
 import math
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -44,6 +49,19 @@ _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file as stored. `shape` in GGUF order (fastest dimension first); `data` a
+    read-only view of its bytes in the file's memory map, typed as `gguf.GGUFReader` types it: F32 /
+    F16 / F64 and the integer types as their numbers, [rows, columns]; a block format as uint8
+    [rows, bytes per row] (what `gguf.quants.dequantize` takes)."""
+
+    name: str
+    tensor_type: int  # a gguf.GGMLQuantizationType value
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
 def gguf_header(path: Path) -> tuple[dict, dict[str, list[int]]]:
     """(metadata, tensors) of a GGUF file, read from its header alone: metadata values for scalars
     and strings, the length for arrays; tensor name -> shape (GGUF order, fastest dimension first).
@@ -51,6 +69,11 @@ def gguf_header(path: Path) -> tuple[dict, dict[str, list[int]]]:
     Milliseconds whatever the file's size (nothing is hashed or dequantised). Raises one
     ModelLoadError naming the file unless the header is complete, its counts plausible, and every
     tensor's data lies inside the file."""
+    meta, infos = _read_header(path)
+    return meta, {name: dims for name, dims, _, _ in infos}
+
+
+def _read_header(path: Path) -> tuple[dict, list[tuple[str, list[int], int, int]]]:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _walk_gguf(buf)
@@ -58,7 +81,49 @@ def gguf_header(path: Path) -> tuple[dict, dict[str, list[int]]]:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({first_line(e)})") from None
 
 
-def _walk_gguf(buf) -> tuple[dict, dict[str, list[int]]]:
+_TYPED = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16}
+_TYPED.update(I32=np.int32, I64=np.int64)
+
+
+def read_tensors(path: Path) -> tuple[dict, list[GGUFTensor]]:
+    """(metadata, every tensor as stored) of a GGUF file, from one walk of its header (`gguf_header`'s
+    checks, the same one-line ModelLoadError). The tensors' bytes stay in the file's memory map (read
+    only, as long as a tensor is referenced): nothing is copied or dequantised here."""
+    meta, infos = _read_header(path)
+    if not infos:
+        return meta, []
+    try:
+        file = np.memmap(path, dtype=np.uint8, mode="r")
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({first_line(e)})") from None
+    out = []
+    for name, dims, kind, start in infos:
+        qtype = gguf.GGMLQuantizationType(kind)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        rows = math.prod(dims[1:])
+        raw = file[start : start + rows * (dims[0] // block) * size].reshape(rows, -1)
+        typed = _TYPED.get(qtype.name)
+        data = raw.view(typed) if typed is not None else raw
+        out.append(GGUFTensor(name, kind, tuple(dims), data.reshape(*reversed(dims[1:]), -1)))
+    return meta, out
+
+
+def unpermuted_heads(arch: str, ours: str, n_heads: int, n_kv: int) -> int | None:
+    """How many heads llama.cpp interleaved the rows of tensor `ours` by (its rotary pairs; `unpermute`
+    undoes it), or None when its rows are in Hugging Face's order: Q/K projections of llama and mistral
+    files only."""
+    if arch in ("llama", "mistral") and (".self_attn.q_proj." in ours or ".self_attn.k_proj." in ours):
+        return n_heads if ".q_proj." in ours else n_kv
+    return None
+
+
+def tied_head(tensor_names) -> bool:
+    """Whether the output head is the token embedding (a file without `output.weight`)."""
+    return "output.weight" not in set(tensor_names)
+
+
+def _walk_gguf(buf) -> tuple[dict, list[tuple[str, list[int], int, int]]]:
+    """(metadata, [(name, dims, GGML type, absolute offset of its data)]) of a GGUF in `buf`, checked."""
     if buf[:4] != b"GGUF":
         raise ValueError("no GGUF magic at its start")
     order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a big-endian file reads 0 here
@@ -140,14 +205,15 @@ def _walk_gguf(buf) -> tuple[dict, dict[str, list[int]]]:
             raise ValueError(
                 f"tensor {name!r} ends at byte {end}, past the end of the {len(buf)}-byte file (truncated?)"
             )
-    return meta, {name: dims for name, dims, _, _ in infos}
+    return meta, [(name, dims, kind, start + offset) for name, dims, kind, offset in infos]
 
 
 def read_gguf(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Dequantised float32 weights under our names, and an HF-style config dict, both checked
     (`check_hf_config`, `check_sizes` against the tensor shapes) before any tensor is dequantised;
     errors name the file."""
-    meta, tensors = gguf_header(gguf_path)
+    meta, stored = read_tensors(gguf_path)
+    tensors = {t.name: list(t.shape) for t in stored}
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
@@ -194,7 +260,7 @@ def read_gguf(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         "head_dim": count("attention.key_length", dim // n_heads or 1),
         "rope_theta": number(f"{arch}.rope.freq_base", 10000.0),
         "rms_norm_eps": number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-        "tie_word_embeddings": "lm_head.weight" not in shapes,
+        "tie_word_embeddings": tied_head(tensors),
         "attention_bias": arch == "qwen2",
         "max_position_embeddings": count("context_length", 2048),
         "eos_token_id": token("tokenizer.ggml.eos_token_id"),
@@ -202,22 +268,18 @@ def read_gguf(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     }
     check_hf_config(hf, gguf_path)
     check_sizes(hf, shapes, gguf_path)
-    try:
-        reader = gguf.GGUFReader(str(gguf_path))
-    except (ValueError, IndexError, KeyError, TypeError, OSError) as e:
-        raise ModelLoadError(f"{gguf_path}: not a readable GGUF file ({first_line(e)})") from None
     state = {}
-    for t in reader.tensors:
+    for t in stored:
         ours = names.get(t.name)
         if not ours:
             continue
         try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
             w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shapes[ours])
         except (ValueError, NotImplementedError, RuntimeError, TypeError) as e:
             raise ModelLoadError(f"{gguf_path}: tensor {t.name}: cannot dequantise ({first_line(e)})") from None
-        if arch in ("llama", "mistral") and (".self_attn.q_proj." in ours or ".self_attn.k_proj." in ours):
-            w = unpermute(w, n_heads if ".q_proj." in ours else n_kv)  # llama.cpp's rotary row order
+        if heads := unpermuted_heads(arch, ours, n_heads, n_kv):
+            w = unpermute(w, heads)  # llama.cpp's rotary row order
         state[ours] = w
     return state, hf
 

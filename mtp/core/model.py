@@ -355,7 +355,11 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # nn.Embedding's own init, skipped on the meta device (the loader builds there, then loads real
+        # weights): a normal_ on a meta tensor imports torch._dynamo, ~5 s of every start
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
+        if self.embed_tokens.weight.device.type != "meta":
+            nn.init.normal_(self.embed_tokens.weight)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)

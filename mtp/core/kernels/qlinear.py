@@ -96,7 +96,8 @@ class KernelWeight:
 
     @classmethod
     def from_gguf(cls, tensor, unpermute_heads: int | None = None) -> KernelWeight:
-        """A 2-D tensor of a `gguf.GGUFReader` (its blocks are copied out of the file's memory map).
+        """A 2-D tensor as stored in a GGUF file (`mtp.core.gguf.GGUFTensor`, or a `gguf.GGUFReader`'s:
+        name, tensor_type, shape, data; its blocks are copied out of the file's memory map).
         `unpermute_heads`: llama.cpp's rotary row order of a Q/K projection, undone as the loader
         does (`mtp.core.gguf.unpermute` with that many heads): whole rows move, blocks stay intact."""
         import gguf
@@ -320,31 +321,23 @@ def gguf_weights(path: str | Path, only_linear: bool = True) -> dict[str, Kernel
     `mtp.core.gguf.read_gguf` gives), blocks kept as stored, Q/K rows of llama/mistral unpermuted as
     the loader does: what a model needs to run its `Linear`s on the kernels. `only_linear` leaves out
     the token embedding (it is also the tied LM head: `lm_head.weight` is added for it when the file
-    has no `output.weight`)."""
-    import gguf
+    has no `output.weight`). The file is read by the loader's one reader (`mtp.core.gguf.read_tensors`);
+    the rules for the row order and the tied head are the loader's too."""
+    from mtp.core.gguf import our_name, read_tensors, tied_head, unpermuted_heads
 
-    from mtp.core.gguf import our_name
-
-    reader = gguf.GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents()
-    meta = {
-        f: reader.fields[f].contents()
-        for f in (f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv")
-        if f in reader.fields
-    }
+    meta, tensors = read_tensors(Path(path))
+    arch = meta.get("general.architecture")
     n_heads = meta.get(f"{arch}.attention.head_count")
     n_kv = meta.get(f"{arch}.attention.head_count_kv", n_heads)
+    tied = tied_head(t.name for t in tensors)
     out = {}
-    for t in reader.tensors:
+    for t in tensors:
         ours = our_name(t.name)
         if not ours or len(t.shape) != 2:
             continue
-        heads = None
-        if arch in ("llama", "mistral") and (".self_attn.q_proj." in ours or ".self_attn.k_proj." in ours):
-            heads = n_heads if ".q_proj." in ours else n_kv
-        w = KernelWeight.from_gguf(t, unpermute_heads=heads)
+        w = KernelWeight.from_gguf(t, unpermute_heads=unpermuted_heads(arch, ours, n_heads, n_kv))
         if ours == "embed_tokens.weight":
-            if "output.weight" not in {x.name for x in reader.tensors}:
+            if tied:
                 out["lm_head.weight"] = w
             if only_linear:
                 continue
