@@ -22,10 +22,12 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -152,6 +154,24 @@ def check_not_shipped(path, flag: str) -> None:
             f"{flag} {shown} lies inside mtp's shipped assets ({assets}); they are never "
             "overwritten: choose an output path outside them"
         )
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_file: Path, waiting: str):
+    """Hold an exclusive flock on `lock_file` (created if absent) for the block; the OS releases it when its
+    holder dies, so a killed holder never blocks the next one. When another process holds it, the line
+    `mtp: {waiting}` goes to stderr once and this one waits for it."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"mtp: {waiting}", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def check_writable(path, flag: str) -> None:

@@ -15,8 +15,6 @@ cache convert a GGUF once (a lock).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import json
 import shutil
@@ -29,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from mtp.core.artifacts import ArtifactError, atomic_dir, cache_root, file_digest, load_safetensors
+from mtp.core.artifacts import ArtifactError, atomic_dir, cache_root, exclusive_lock, file_digest, load_safetensors
 from mtp.core.gguf import GGUF_ARCHS, gguf_header, read_gguf
 from mtp.core.hf_config import ModelLoadError, check_sizes, first_line, read_hf_config
 from mtp.core.model import ModelConfig, Transformer, UnsupportedModelError
@@ -329,11 +327,12 @@ def gguf_to_hf_dir(gguf_path: Path, rebuild: bool = False) -> Path:
         if broken and out.is_dir() and _is_hf_dir(out):
             shutil.rmtree(out)  # a broken conversion of ours: nothing in it is kept
         state, hf = read_gguf(gguf_path)  # every check of the file first: a bad one is its one-line error
-        if broken and not rebuild:  # (with `rebuild` the caller has said why)
-            say = f"the cached conversion {out} is incomplete or damaged; converting {gguf_path.name} again"
-        else:
-            say = f"converting {gguf_path.name} into {out} (once per cache: later runs read it from there)"
-        if not rebuild:
+        if not rebuild:  # (with `rebuild` the caller has said why)
+            say = (
+                f"the cached conversion {out} is incomplete or damaged; converting {gguf_path.name} again"
+                if broken
+                else f"converting {gguf_path.name} into {out} (once per cache: later runs read it from there)"
+            )
             print(f"mtp: {say}", file=sys.stderr, flush=True)
         with atomic_dir(out, _is_hf_dir) as tmp:  # under the lock: no one else's temp folder to remove
             save_file(hf_names(state), str(tmp / "model.safetensors"))
@@ -360,18 +359,9 @@ def _converted(out: Path) -> bool:
     return True
 
 
-@contextlib.contextmanager
 def _conversion_lock(out: Path):
-    """Hold an exclusive lock on `out` (the file `.NAME.lock` beside it) for the block; the kernel
-    releases it when its holder dies, so a killed conversion never blocks the next one."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"mtp: another mtp process is converting into {out}; waiting for it", file=sys.stderr, flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """Hold an exclusive lock on `out` (the file `.NAME.lock` beside it) for the block; a killed
+    conversion never blocks the next one (`exclusive_lock`)."""
+    return exclusive_lock(
+        out.parent / f".{out.name}.lock", f"another mtp process is converting into {out}; waiting for it"
+    )

@@ -46,8 +46,6 @@ layout: matmul_i8.h.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -165,23 +163,6 @@ def damage(lib: Path) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _build_lock(folder: Path):
-    """Hold an exclusive lock on `folder/.build.lock`; the OS releases it when its holder dies.
-    Another holder is said in one line (this process waits for its build instead of compiling too)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".build.lock", "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _say(f"another mtp process is building the kernels in {folder}; waiting for it")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _build(cxx: str, out: Path) -> None:
     """Compile the source into `out`, then write its checksum (`damage` reads it). Atomic: the library
     is compiled under a temporary name and renamed; the old checksum goes first and the new one comes
@@ -235,7 +216,10 @@ def _ensure_built(cxx: str) -> Path:
     if damage(lib) is None:
         return lib
     try:
-        with _build_lock(folder):
+        from mtp.core.artifacts import exclusive_lock
+
+        waiting = f"kernels: another mtp process is building the kernels in {folder}; waiting for it"
+        with exclusive_lock(folder / ".build.lock", waiting):
             why = damage(lib)  # another process may have built it while we waited
             if why == "missing":
                 _say(f"compiling the C++ kernels with {cxx} into {folder} (once per cache; a minute or two)")
