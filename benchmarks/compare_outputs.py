@@ -15,7 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
-from mtp.core import metrics, quality
+from mtp.core.decoding import metrics
+
+from mtp.core.policy import quality
 from mtp.eval import gsm8k
 
 
@@ -47,7 +49,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None, help="tokenizer for token positions (default: the default model)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    from mtp.core import loading
+    from mtp.core.runtime import loading
 
     tok = loading.load(args.model or loading.DEFAULT_MODEL).tokenizer
     a, b = texts(Path(args.a), args.row), texts(Path(args.b), args.row)

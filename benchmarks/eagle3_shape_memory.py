@@ -31,7 +31,7 @@ def rss_mb() -> int:
 
 
 def one_case(lengths: str, bucket: int, steps: int, amp: bool) -> dict:
-    from mtp.core.proposers.eagle3 import Eagle3Config, Eagle3Drafter
+    from mtp.core.decoding.proposers.eagle3 import Eagle3Config, Eagle3Drafter
     from mtp.training.eagle3_train import ttt_loss
 
     torch.set_num_threads(1)

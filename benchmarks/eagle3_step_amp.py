@@ -17,7 +17,7 @@ import time
 import torch
 
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.proposers.eagle3 import Eagle3Config
+from mtp.core.decoding.proposers.eagle3 import Eagle3Config
 from mtp.training.eagle3_train import init_drafter, ttt_loss
 
 

@@ -7,7 +7,7 @@ costs a full `mtp bench` run per set; under greedy decoding a lossless strategy 
 `ntp` answer, so the reference answers are decoded once (batched) and every set of heads is replayed
 on them (`mtp.tune.simulate.replay`: one teacher-forced pass per prompt, then the heads alone, pass by
 pass, the same drafts and acceptances a decode makes up to float near-ties). Tokens per pass comes
-from `mtp.core.metrics.tokens_per_forward` over all passes of all prompts, as `mtp bench` reports it.
+from `mtp.core.decoding.metrics.tokens_per_forward` over all passes of all prompts, as `mtp bench` reports it.
 `--eagle3 auto,DIR` replays EAGLE-3 drafters the same way (the teacher-forced pass also returns the
 trunk streams they read), beside or instead of heads. `--merge suffix+lookup` replays each set as part
 of that merge (`eagle3+suffix+lookup`), as `--proposer` names it.
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from mtp.core import metrics
+from mtp.core.decoding import metrics
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.strategy import Strategy
 from mtp.eval.bench import load_data
 from mtp.tune.offline import Output, decode_all
 from mtp.tune.simulate import replay

@@ -7,7 +7,7 @@ adapter, against plain `ntp` decoding, in one run, on one machine.
 
 Every candidate runs `verify:K` (lossless: its greedy output must equal ntp's, checked), for each K
 in --k up to its number of depths + 1. Per prompt, ntp and every candidate decode in turn, the order
-rotated prompt by prompt, after one untimed warm-up. Reported per candidate (mtp.core.metrics):
+rotated prompt by prompt, after one untimed warm-up. Reported per candidate (mtp.core.decoding.metrics):
 acceptance by position, tokens per pass, drafting ms per pass (the heads' own time, measured
 inside the proposer), verification ms per pass (the rest of the wall time), and the net speedup =
 tokens/s over ntp's tokens/s on the same prompts. Writes results.json, table.md and tradeoff.png
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from mtp.core import metrics
-from mtp.core.decode import Sequence
+from mtp.core.decoding import metrics
+from mtp.core.decoding.decode import Sequence
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.proposers.heads import load_heads_proposer, read_heads_config
-from mtp.core.proposers import MaskProposer
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.proposers.heads import load_heads_proposer, read_heads_config
+from mtp.core.decoding.proposers import MaskProposer
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 
 
 def load_prompts(path: str, limit: int) -> list[str]:

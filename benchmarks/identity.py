@@ -11,7 +11,7 @@ reference. For each k the prompt is prefilled again and the same continuation is
 (the cache kept as in decoding: each block writes its keys and values for the next), and every
 position's logits are compared with the reference. Printed per k: positions, max |dlogit|, and argmax
 flips (positions whose top token differs); with them the smallest top-2 logit gap of the reference
-(how close a flip is). `--weights` is the engine's (mtp.core.weights): `native` and `float32` run on
+(how close a flip is). `--weights` is the engine's (mtp.core.runtime.weights): `native` and `float32` run on
 mtp's batch-invariant kernels, where every k must print 0 and no flip; `torch` is the oneDNN path.
 """
 
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtp.core.cache import KVCache
+from mtp.core.runtime.cache import KVCache
 from mtp.core.engine import Engine, EngineConfig
 from mtp.eval.bench import load_data
 

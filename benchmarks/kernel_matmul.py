@@ -1,5 +1,5 @@
 """Small-row matmul timings: torch's F.linear (float32), oneDNN packed float32 (what `Linear` uses
-today: `mtp.core.model.packed_matmul`) and mtp's batch-invariant kernels (`mtp.core.kernels`) per
+today: `mtp.core.runtime.model.packed_matmul`) and mtp's batch-invariant kernels (`mtp.core.runtime.kernels`) per
 weight format (`-i8`: int8 activations, `qlinear.linear_int8`) and ISA path, at SmolLM2-135M's
 shapes and M = 1..32 rows.
 
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtp.core import kernels
-from mtp.core.kernels.qlinear import FORMATS, KernelWeight, linear, linear_int8
-from mtp.core.model import packed_matmul
+from mtp.core.runtime import kernels
+from mtp.core.runtime.kernels.qlinear import FORMATS, KernelWeight, linear, linear_int8
+from mtp.core.runtime.model import packed_matmul
 
 SHAPES = {
     "qo 576->576": (576, 576),

@@ -1,5 +1,5 @@
 """How far SmolLM2-135M's greedy text moves when its projections and LM head run on mtp's small-row
-kernels (`mtp.core.kernels`) instead of today's float32 `F.linear`, per activation mode:
+kernels (`mtp.core.runtime.kernels`) instead of today's float32 `F.linear`, per activation mode:
 
   torch     today's path (the loader's float32 weights, F.linear)
   f32act    the kernels on the GGUF blocks as stored, float32 activations (exact weights; only the
@@ -13,7 +13,7 @@ For each prompt: greedy continuations under each mode, the first position where 
 torch's, and (teacher-forced on torch's continuation) the share of positions whose top-1 token agrees
 and the largest |logit difference|. Also the time of one M=1 decoding pass per mode. The model is not
 changed on disk: each `Linear`'s forward is replaced in this process only (the wiring the next
-milestone puts into mtp/core/model.py).
+milestone puts into mtp/core/runtime/model.py).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtp.core import kernels
-from mtp.core.cache import KVCache
-from mtp.core.decode import generate
-from mtp.core.kernels.qlinear import gguf_weights, linear, linear_int8
-from mtp.core.loading import load, resolve
-from mtp.core.model import Linear
-from mtp.core.sampling import SamplingParams
+from mtp.core.runtime import kernels
+from mtp.core.runtime.cache import KVCache
+from mtp.core.decoding.decode import generate
+from mtp.core.runtime.kernels.qlinear import gguf_weights, linear, linear_int8
+from mtp.core.runtime.loading import load, resolve
+from mtp.core.runtime.model import Linear
+from mtp.core.decoding.sampling import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

@@ -5,7 +5,7 @@ mtp's kernels (`native`, `native-int8`, `float32`), the torch path, and llama.cp
         [--qs 1,2,4,8,16,32] [--cache-len 300] [--rounds 3] [--llamacpp FILE.gguf ...] [--out FILE]
 
 Every choice is loaded once; the rounds then alternate over them (each round times every q of every
-choice: `mtp.core.costmodel.measure`, median of `--repeats`), so drift falls on all alike; the printed
+choice: `mtp.core.policy.costmodel.measure`, median of `--repeats`), so drift falls on all alike; the printed
 t(q) is the median over rounds, with t(2)/t(1) and t(8)/t(1). llama.cpp's t(q) comes from `llama-bench -p
 q -n 0 -d cache-len` (`mtp.interop.llamacpp_profile.measure`, the `make llamacpp` build) for each
 `--llamacpp` file (the shipped Q4_1 file is `smollm2-135m`; the F32 export is `mtp export --format
@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtp.core.cache import KVCache
-from mtp.core.costmodel import measure
+from mtp.core.runtime.cache import KVCache
+from mtp.core.policy.costmodel import measure
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.loading import resolve
+from mtp.core.runtime.loading import resolve
 from mtp.eval.bench import environment
 
 

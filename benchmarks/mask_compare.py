@@ -10,8 +10,8 @@ one-at-a-time `mtp bench` run per adapter; tokens per pass and equality do not d
 (the passes' drafts and acceptances are the same up to float near-ties), wall time does, so this
 script reports no speed. The `ntp` reference is decoded once (batched, no adapter) or read from
 `--reference` (the file `heads_compare.py` writes). Per adapter and strategy: tokens per pass
-(`mtp.core.metrics.tokens_per_forward` over all passes of all prompts), acceptance by position,
-outputs identical to `ntp`, and the quality loss `mtp tune` uses (`mtp.core.quality`: answer for
+(`mtp.core.decoding.metrics.tokens_per_forward` over all passes of all prompts), acceptance by position,
+outputs identical to `ntp`, and the quality loss `mtp tune` uses (`mtp.core.policy.quality`: answer for
 GSM8K, ROUGE-L otherwise).
 
     python benchmarks/mask_compare.py --data gsm8k:$MTP_DATA_DIR/gsm8k/test.jsonl --limit 100 \\
@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from heads_compare import portable, protocol_parser, reference, write_rows
-from mtp.core import metrics
+from mtp.core.decoding import metrics
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.strategy import Strategy
-from mtp.core import quality
+from mtp.core.decoding.strategy import Strategy
+from mtp.core.policy import quality
 from mtp.eval.bench import load_data
 from mtp.tune.offline import decode_all
 

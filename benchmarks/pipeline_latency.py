@@ -9,7 +9,7 @@ yields the same tokens and passes, only time changes. tokens/s counts the decodi
 prompt pass (the prefill is the same for every strategy).
 
 Prediction: every pass at delay 0 is timed (stage 0's forward call, all stages included), giving a
-`mtp.core.costmodel.CostModel` t(q) of the pipeline over block size q; at delay D a run is predicted to
+`mtp.core.policy.costmodel.CostModel` t(q) of the pipeline over block size q; at delay D a run is predicted to
 take sum over its passes of [t(q) + pipeline_comm_time(P, D)] plus its measured non-forward time at
 delay 0 (proposing, accepting), and the predicted speedup is the ratio of those to ntp's.
 
@@ -31,16 +31,16 @@ from pathlib import Path
 
 import torch
 
-from mtp.core import costmodel
+from mtp.core.policy import costmodel
 from mtp.pipeline import pricing
 
-from mtp.core import metrics
-from mtp.core.decode import Sequence, stream
+from mtp.core.decoding import metrics
+from mtp.core.decoding.decode import Sequence, stream
 from mtp.pipeline.launch import launch_local
 from mtp.pipeline.stages import run_stage
 from mtp.pipeline.transport import PipelineConfig
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 
 PROMPTS = [  # fixed, GSM8K-style (the task the adapter is distilled on)
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -91,7 +91,7 @@ def _bench_stage(rank: int, world: int, args) -> int:
         )
     )
     if args.adapter == "untrained":  # no trained adapter yet: the mask token and zero LoRA, same on every stage
-        from mtp.core.adapter import add_adapters
+        from mtp.core.runtime.adapter import add_adapters
 
         torch.manual_seed(0)
         add_adapters(engine.model, n_used_tokens=len(engine.tokenizer))

@@ -1,10 +1,10 @@
-"""t(q): the cost of one forward pass that feeds q tokens, on this machine, via mtp.core.costmodel.
+"""t(q): the cost of one forward pass that feeds q tokens, on this machine, via mtp.core.policy.costmodel.
 
     python benchmarks/profile_tq.py [--model smollm2-135m] [--device cpu|cuda] [--threads N]
         [--cache-len 300] [--batch 1] [--repeats 5] [--qmax 32] [--random-config config.json] [--out t.json]
 
 Prints t(q), t(q)/t(1) (the tokens per pass a q-token block needs to break even) and the linear fit.
-`--pack compare` times the same weights with and without the oneDNN packing of `mtp.core.model.pack_weights`
+`--pack compare` times the same weights with and without the oneDNN packing of `mtp.core.runtime.model.pack_weights`
 (the engine's CPU default), one round of each after the other so drift falls on both alike.
 `--random-config` builds a randomly initialised model from a HF config.json instead of loading
 weights: the time of a pass does not depend on the weights' values, so the profile of a machine
@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from mtp.core.costmodel import measure
+from mtp.core.policy.costmodel import measure
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if args.random_config:
-        from mtp.core.model import ModelConfig, Transformer
+        from mtp.core.runtime.model import ModelConfig, Transformer
 
         with open(args.random_config) as f:
             cfg = ModelConfig.from_hf(json.load(f))
@@ -52,11 +52,11 @@ def main() -> None:
         model = Transformer(cfg).to(device=args.device, dtype=dtype).eval().requires_grad_(False)
         name = f"random weights of {args.random_config}"
     else:
-        from mtp.core.loading import load
+        from mtp.core.runtime.loading import load
 
         model = load(args.model, dtype=dtype, device=args.device).model
         name = args.model
-    from mtp.core.model import pack_weights
+    from mtp.core.runtime.model import pack_weights
 
     qs = range(1, args.qmax + 1)
     if args.pack == "compare":
@@ -81,8 +81,8 @@ def main() -> None:
 
 
 def compare_packing(model, name: str, qs, args) -> None:
-    from mtp.core import metrics
-    from mtp.core.model import pack_weights, unpack_weights
+    from mtp.core.decoding import metrics
+    from mtp.core.runtime.model import pack_weights, unpack_weights
 
     if not pack_weights(model):
         raise SystemExit("packing does not apply here (needs CPU, float32 and oneDNN)")

@@ -85,7 +85,7 @@ def lmeval_python() -> Path | None:
 
 def tokenizer_dir() -> Path:
     """The model's tokenizer as an HF folder, written from the packaged GGUF (what lm-eval counts with)."""
-    from mtp.core import loading
+    from mtp.core.runtime import loading
 
     return loading.gguf_to_hf_dir(loading.resolve(loading.DEFAULT_MODEL))
 

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mtp.eval import gsm8k
-from mtp.core import metrics as M
+from mtp.core.decoding import metrics as M
 
 
 def free_port() -> int:
@@ -177,7 +177,7 @@ def check_identical(args, prompts: list[str], strategies: list[str], table: dict
     """Decode the first --check prompts alone per strategy; count identical server outputs (every cell
     of the table, and the "uncapped" cells of `uncapped_outputs`)."""
     from mtp.core.engine import Engine, EngineConfig
-    from mtp.core.sampling import SamplingParams
+    from mtp.core.decoding.sampling import SamplingParams
 
     engine = Engine.load(
         EngineConfig(model=args.model, adapter=args.adapter, proposer=args.proposer, threads=args.threads)

@@ -30,7 +30,7 @@ import json, sys, time, torch
 torch.set_num_threads({threads})
 try:
     from mtp.core.engine import Engine, EngineConfig
-    from mtp.core.adapter import add_adapters
+    from mtp.core.runtime.adapter import add_adapters
     from mtp.training.data import load_examples
     from mtp.training import distill as D
 except ImportError:  # the flat layout of older checkouts

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from mtp.core.model import ModelConfig, Transformer
+from mtp.core.runtime.model import ModelConfig, Transformer
 
 torch.set_num_threads(int(os.environ.get("MTP_TEST_THREADS", "2")))
 
@@ -73,7 +73,7 @@ def tiny_hf_dir(tmp_path_factory):
     require_smollm2()
     import shutil
 
-    from mtp.core import loading
+    from mtp.core.runtime import loading
 
     src = loading.gguf_to_hf_dir(loading.resolve(loading.DEFAULT_MODEL))
     out = tmp_path_factory.mktemp("tiny-hf") / "model"

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core import adapter
-from mtp.core.adapter import add_adapters, load_adapter, save_adapter
-from mtp.core.artifacts import base_hash
-from mtp.core.decode import generate
+from mtp.core.runtime import adapter
+from mtp.core.runtime.adapter import add_adapters, load_adapter, save_adapter
+from mtp.core.runtime.artifacts import base_hash
+from mtp.core.decoding.decode import generate
 
 
 def adapted(mode="gated", seed=0, std=0.2):
@@ -69,7 +69,7 @@ def test_verify_with_gated_adapter_equals_plain_greedy():
 def test_packed_adapter_matches_the_plain_path():
     """pack_weights fuses each LoRA projection's A into its base matmul: same numbers up to rounding,
     and verify still reproduces plain greedy."""
-    from mtp.core.model import pack_weights
+    from mtp.core.runtime.model import pack_weights
 
     model = adapted("gated")
     mid = model.config.mask_token_id
@@ -159,7 +159,7 @@ def test_full_mode_trains_everything():
 
 
 def _params(n):
-    from mtp.core.sampling import SamplingParams
+    from mtp.core.decoding.sampling import SamplingParams
 
     return SamplingParams(max_new_tokens=n)
 

@@ -12,14 +12,15 @@ import torch
 from conftest import tiny_model
 from mtp.eval import bench
 from mtp.eval import gsm8k, report
-from mtp.core import metrics, quality
+from mtp.core.decoding import metrics
+from mtp.core.policy import quality
 from mtp.eval.bench import BenchConfig, Row, Run
-from mtp.core.decode import generate
-from mtp.core.costmodel import CostModel, best_k, block_tokens_for, measure, predict_speedup
-from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
+from mtp.core.decoding.decode import generate
+from mtp.core.policy.costmodel import CostModel, best_k, block_tokens_for, measure, predict_speedup
+from mtp.core.decoding.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
 from mtp.eval.peers import Peer
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 
 
 # ---------------------------------------------------------------------------------------------- gsm8k
@@ -299,9 +300,9 @@ def char_tokenizer():
 def tiny_engine(tmp_path):
     """An Engine around a tiny random model with a mask token and a character tokenizer, saved as a
     HF directory so the transformers peer can load the same weights."""
-    from mtp.core import loading
+    from mtp.core.runtime import loading
     from mtp.core.engine import Engine, EngineConfig
-    from mtp.core.model import add_mask_token
+    from mtp.core.runtime.model import add_mask_token
 
     model = tiny_model(3)
     add_mask_token(model)
@@ -462,7 +463,7 @@ def test_bench_attributes_accepted_drafts_to_merge_parts_and_profiles_trees(tiny
     chose, its nodes per pass and its predicted beside measured tokens/pass and tokens/s."""
     import io
     from rich.console import Console
-    from mtp.core.proposers import REGISTRY, ProposerSpec
+    from mtp.core.decoding.proposers import REGISTRY, ProposerSpec
 
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
     truths = []
@@ -580,7 +581,7 @@ def test_cli_bad_input(extra, message, tmp_path, capsys):
 
 
 def test_strategy_needing_adapter_fails_before_running(tmp_path):
-    from mtp.core import loading
+    from mtp.core.runtime import loading
     from mtp.core.engine import Engine, EngineConfig
 
     plain = Engine(loading.Loaded(tiny_model(), char_tokenizer(), "tiny", "tiny"), EngineConfig(adapter="none"))
@@ -591,7 +592,7 @@ def test_strategy_needing_adapter_fails_before_running(tmp_path):
 
 def test_results_name_shipped_assets_without_machine_paths(tmp_path):
     from mtp.eval.bench import _asset_name
-    from mtp.core.artifacts import ASSETS
+    from mtp.core.runtime.artifacts import ASSETS
 
     assert _asset_name(ASSETS / "smollm2-135m" / "adapter") == "shipped:smollm2-135m/adapter"
     assert _asset_name(tmp_path / "my-adapter") == str(tmp_path / "my-adapter")
@@ -631,9 +632,9 @@ def test_calibration_flag_applies_a_deploy_files_maps_and_checks_its_hashes(tmp_
     then drafts from a CalibratedProposer, as under `mtp serve --deploy`); one tuned on other weights is
     refused in one line, a truncated one before the model loads."""
     from mtp.cli import main
-    from mtp.core import deploy as D
-    from mtp.core import loading
-    from mtp.core.calibration import CalibratedProposer, Calibration
+    from mtp.core.policy import deploy as D
+    from mtp.core.runtime import loading
+    from mtp.core.policy.calibration import CalibratedProposer, Calibration
     from mtp.core.engine import Engine, EngineConfig
 
     model, tok = tiny_model(), char_tokenizer()
@@ -756,7 +757,7 @@ def test_advice_never_names_a_strategy_slower_than_ntp_nor_one_it_cannot_price()
 def test_profile_measures_passes_with_mask_rows_when_a_row_feeds_them(tiny_engine, tmp_path):
     """`--profile` with a row whose proposer appends masks to a model with gated adapters: a second t(q), of
     passes whose blocks end in mask tokens (so the adapter gate is on), prices that row; a lookup row is not one."""
-    from mtp.core.adapter import add_adapters
+    from mtp.core.runtime.adapter import add_adapters
 
     add_adapters(tiny_engine.model, rank=4, mode="gated")
     fed = []

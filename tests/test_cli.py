@@ -154,7 +154,7 @@ def one_line(code, err, *words):
 
 
 def test_cache_dir_inside_the_shipped_assets_is_refused(monkeypatch, capsys, no_load):
-    from mtp.core.artifacts import ASSETS, ArtifactError, cache_root
+    from mtp.core.runtime.artifacts import ASSETS, ArtifactError, cache_root
 
     inside = ASSETS / "cache"
     monkeypatch.setenv("MTP_CACHE_DIR", str(inside))
@@ -207,7 +207,7 @@ def test_an_asset_turned_off_is_named_as_such(capsys, no_load, proposer, asset):
 
 
 def test_strategy_help_lists_every_strategy(capsys):
-    from mtp.core.strategy import USAGE
+    from mtp.core.decoding.strategy import USAGE
 
     with pytest.raises(SystemExit):
         main(["generate", "--help"])

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from conftest import tiny_model
-from mtp.core.model import Linear, pack_weights, use_packed
+from mtp.core.runtime.model import Linear, pack_weights, use_packed
 from test_data import make_tiny_model_dir, write_jsonl
 from test_train import examples
 

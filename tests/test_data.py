@@ -20,7 +20,7 @@ def make_tiny_model_dir(path, seed: int = 0):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from mtp.core.loading import save_hf_dir
+    from mtp.core.runtime.loading import save_hf_dir
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -107,7 +107,7 @@ def test_examples_from_responses(tiny_engine, tmp_path):
 
 def test_self_generate_equals_greedy_and_is_cached(tiny_engine, tmp_path, monkeypatch):
     """Batched, continuously refilled generation gives each prompt its own greedy answer."""
-    from mtp.core.decode import generate
+    from mtp.core.decoding.decode import generate
 
     prompts = load_prompts(prompts_file(tmp_path, n=5))
     got = build_examples(tiny_engine, prompts, self_generate=True, max_new_tokens=7, batch_size=2)
@@ -118,7 +118,7 @@ def test_self_generate_equals_greedy_and_is_cached(tiny_engine, tmp_path, monkey
         assert ex.prompt_ids == ids
         assert ex.response_ids == seq.output + ([WORDS.index("<eos>")] if seq.finish_reason == "stop" else [])
     # cached: a second call never decodes
-    monkeypatch.setattr("mtp.core.decode.decode_step", _boom)
+    monkeypatch.setattr("mtp.core.decoding.decode.decode_step", _boom)
     assert build_examples(tiny_engine, prompts, self_generate=True, max_new_tokens=7, batch_size=2) == got
 
 
@@ -134,7 +134,7 @@ def test_self_generate_resumes_after_a_torn_write(tiny_engine, tmp_path):
 
 
 def _params(n):
-    from mtp.core.sampling import SamplingParams
+    from mtp.core.decoding.sampling import SamplingParams
 
     return SamplingParams(max_new_tokens=n)
 
@@ -145,7 +145,7 @@ def _boom(*a, **k):
 
 def test_tiny_model_dir_logits_roundtrip(tmp_path):
     """The fixture's directory loads back into the same model (so the other tests mean something)."""
-    from mtp.core.loading import load
+    from mtp.core.runtime.loading import load
 
     loaded = load(str(make_tiny_model_dir(tmp_path / "m")))
     x = torch.tensor([[5, 6, 7]])

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from mtp.cli import main
-from mtp.core.decode import generate as greedy
-from mtp.core.sampling import SamplingParams
+from mtp.core.decoding.decode import generate as greedy
+from mtp.core.decoding.sampling import SamplingParams
 from mtp.training import data_engine as E
 from mtp.training import shards
 from mtp.training.data import load_examples

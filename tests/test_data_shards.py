@@ -274,8 +274,8 @@ def _gsm8k_test():
 def test_a_data_set_made_by_another_model_is_refused_whatever_its_vocabulary(tmp_path, capsys, what):
     """Its manifest's base_hash names the model the answers came from: another model's answers (here a
     tiny model of the same vocabulary, other weights) are refused in one line; the same model's pass."""
-    from mtp.core.artifacts import base_hash
-    from mtp.core.loading import load
+    from mtp.core.runtime.artifacts import base_hash
+    from mtp.core.runtime.loading import load
 
     mine, other = make_tiny_model_dir(tmp_path / "mine", seed=0), make_tiny_model_dir(tmp_path / "other", seed=1)
     out = folder(tmp_path)
@@ -355,7 +355,7 @@ def test_the_shipped_heads_recipe_trains_from_a_committed_shard(tmp_path, capsys
 
     require_smollm2()
     from mtp.core.engine import Engine, EngineConfig
-    from mtp.core.proposers.heads import load_heads
+    from mtp.core.decoding.proposers.heads import load_heads
 
     entry = min(shards.shard_entries(shards.read_manifest(SHIPPED), "train"), key=lambda e: e["lines"])
     out = tmp_path / "heads"

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core.cache import KVCache
-from mtp.core.decode import Sequence, decode_step, generate, _branch_layout
-from mtp.core.model import add_mask_token
-from mtp.core.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
-from mtp.core.sampling import SamplingParams, verify_drafts
-from mtp.core.strategy import Strategy, StrategyError, expand_sweep
+from mtp.core.runtime.cache import KVCache
+from mtp.core.decoding.decode import Sequence, decode_step, generate, _branch_layout
+from mtp.core.runtime.model import add_mask_token
+from mtp.core.decoding.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
+from mtp.core.decoding.sampling import SamplingParams, verify_drafts
+from mtp.core.decoding.strategy import Strategy, StrategyError, expand_sweep
 
 V = 50
 MASK = 49
@@ -64,7 +64,7 @@ class StubModel(LogitStub):
             for t in range(T):
                 p = int(positions[b, t])
                 if int(tokens[b, t]) == MASK:
-                    # a mask group (mtp.core.decode's branched layout) restarts where the positions step back
+                    # a mask group (mtp.core.decoding.decode's branched layout) restarts where the positions step back
                     depth = depth + 1 if t > 0 and p == int(positions[b, t - 1]) + 1 else 1
                     good = depth <= self.good_depth
                     tok = TARGET[p + 1] if good else (TARGET[p + 1] + 1) % 40
@@ -199,7 +199,7 @@ def tiny_with_mask(seed=0):
 def test_verify_equals_ntp_tiny(k, proposer, weights):
     model = tiny_with_mask()
     if weights != "plain":  # torch: oneDNN-packed; float32: the batch-invariant kernels
-        from mtp.core.weights import attach
+        from mtp.core.runtime.weights import attach
 
         attach(model, weights)
     prop = MaskProposer() if proposer == "mask" else PromptLookupProposer()
@@ -332,7 +332,7 @@ def test_branched_mask_groups_equal_separate_passes(weights):
     (on the batch-invariant kernels, `float32`: the same bits)."""
     model = tiny_with_mask(2)
     if weights != "plain":
-        from mtp.core.weights import attach
+        from mtp.core.runtime.weights import attach
 
         attach(model, weights)
     tol = dict(rtol=0, atol=0) if weights == "float32" else dict(rtol=1e-4, atol=1e-4)

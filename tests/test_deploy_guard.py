@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mtp.core import deploy as D
+from mtp.core.policy import deploy as D
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,7 @@ def test_w1_the_server_refuses_requests_with_the_same_check():
     """One check for both: a request's own strategy is refused (400) exactly when the deploy-file check
     refuses it as a tuned arm, with the same words."""
     from types import SimpleNamespace
-    from mtp.core.strategy import Strategy
+    from mtp.core.decoding.strategy import Strategy
 
     pytest.importorskip("fastapi")
     from mtp.serving.openai import APIError
@@ -185,7 +185,7 @@ def test_t1_caps_left_out_are_the_tuned_arms_own(tmp_path):
 
 
 def test_t1_caps_are_checked_wherever_a_deploy_is_built():
-    from mtp.core.strategy import Strategy
+    from mtp.core.decoding.strategy import Strategy
 
     with pytest.raises(ValueError, match="caps.max_k"):
         D.Deploy(
@@ -247,7 +247,7 @@ class FakeEngine:
 )
 def test_missing_asset_names_its_own_flag(tiny, kind, flag, noun):
     from mtp.cli import build_parser
-    from mtp.core.strategy import Strategy
+    from mtp.core.decoding.strategy import Strategy
 
     engine = FakeEngine(tiny)
     deploy = D.Deploy(

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core.cache import KVCache
-from mtp.core import decode
-from mtp.core.decode import Sequence, decode_step, generate
-from mtp.core.proposers import DraftRequest, MergedProposer, PassView, PromptLookupProposer
-from mtp.core.proposers import heads as N
-from mtp.core.proposers.base import WrappedProposer
-from mtp.core.calibration import CalibratedProposer, Calibration
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.runtime.cache import KVCache
+from mtp.core.decoding import decode
+from mtp.core.decoding.decode import Sequence, decode_step, generate
+from mtp.core.decoding.proposers import DraftRequest, MergedProposer, PassView, PromptLookupProposer
+from mtp.core.decoding.proposers import heads as N
+from mtp.core.decoding.proposers.base import WrappedProposer
+from mtp.core.policy.calibration import CalibratedProposer, Calibration
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 
 V = 97
 

@@ -10,14 +10,14 @@ import torch
 
 from conftest import tiny_model
 from mtp.cli import main
-from mtp.core.artifacts import ArtifactError
-from mtp.core.batching import Batch
-from mtp.core import tree
-from mtp.core.cache import KVCache
-from mtp.core.decode import Sequence, decode_step, generate
+from mtp.core.runtime.artifacts import ArtifactError
+from mtp.core.decoding.batching import Batch
+from mtp.core.decoding import tree
+from mtp.core.runtime.cache import KVCache
+from mtp.core.decoding.decode import Sequence, decode_step, generate
 from mtp.interop.vllm_export import export_vllm_eagle3
-from mtp.core.proposers import REGISTRY, DraftRequest, PassView
-from mtp.core.proposers.eagle3 import (
+from mtp.core.decoding.proposers import REGISTRY, DraftRequest, PassView
+from mtp.core.decoding.proposers.eagle3 import (
     CONFIG,
     WEIGHTS,
     Eagle3Config,
@@ -28,9 +28,9 @@ from mtp.core.proposers.eagle3 import (
     load_drafter,
     load_eagle3_proposer,
 )
-from mtp.core.artifacts import write_dir_atomic
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.runtime.artifacts import write_dir_atomic
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 from mtp.training.data import Example
 from mtp.training.eagle3_train import (
     TrainEagle3Config,
@@ -465,7 +465,7 @@ def test_bad_drafters_fail_in_one_line(tmp_path):
 
 
 def test_cli_bad_input_is_one_line(tiny_hf_dir, tmp_path, capsys):
-    from mtp.core import loading
+    from mtp.core.runtime import loading
 
     model = loading.load(str(tiny_hf_dir)).model
     save_drafter(model, tmp_path / "good", random_drafter(model, draft_vocab=500))
@@ -658,7 +658,7 @@ def test_smollm2_shipped_drafter_verify_equals_ntp(smollm2):
     assert set(mixed.asset_dirs) == {"eagle3", "heads"}
 
 
-# ---- token trees (`tree:N`, mtp.core.tree) ---------------------------------------------------------
+# ---- token trees (`tree:N`, mtp.core.decoding.tree) ---------------------------------------------------------
 
 
 def branching_copy_target(scale=0.5):

@@ -49,7 +49,7 @@ def no_weights(monkeypatch, tmp_path):
     def no_load(*a, **k):
         raise AssertionError("model weights were loaded")
 
-    monkeypatch.setattr("mtp.core.loading.load_hf_dir", no_load)
+    monkeypatch.setattr("mtp.core.runtime.loading.load_hf_dir", no_load)
 
 
 def refused(argv, capsys, *words):
@@ -215,7 +215,7 @@ def smollm2_tokenizer():
     from conftest import require_smollm2
 
     require_smollm2()
-    from mtp.core.loading import model_tokenizer
+    from mtp.core.runtime.loading import model_tokenizer
 
     return model_tokenizer("smollm2-135m")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core.artifacts import ArtifactError
+from mtp.core.runtime.artifacts import ArtifactError
 from mtp.training import eagle3_train as E
 from mtp.training import feature_cache
 from mtp.training import heads_train as H

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core.proposers import heads as N
+from mtp.core.decoding.proposers import heads as N
 from mtp.training import heads_train as H
 from mtp.training.trainer import STATE
 from mtp.cli import main as cli_main
 from mtp.training.data import Example
-from mtp.core.decode import generate
-from mtp.core.sampling import SamplingParams
+from mtp.core.decoding.decode import generate
+from mtp.core.decoding.sampling import SamplingParams
 
 
 def random_heads(model, depths=3, blocks=0, width=0, seed=1) -> N.MTPHeads:
@@ -25,7 +25,7 @@ def random_heads(model, depths=3, blocks=0, width=0, seed=1) -> N.MTPHeads:
 
 
 def saved_heads(model, tmp_path, **kw):
-    from mtp.core.artifacts import write_dir_atomic
+    from mtp.core.runtime.artifacts import write_dir_atomic
 
     path = tmp_path / "heads"
     write_dir_atomic(path, N.heads_files(random_heads(model, **kw), model))
@@ -158,7 +158,7 @@ def test_heads_refuse_another_base_model(tmp_path):
 
 
 def test_draft_vocabulary_keeps_verify_lossless_and_round_trips(tmp_path):
-    from mtp.core.artifacts import write_dir_atomic
+    from mtp.core.runtime.artifacts import write_dir_atomic
 
     model = tiny_model(3)
     heads = random_heads(model, depths=3)

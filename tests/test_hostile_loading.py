@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core import loading
-from mtp.core.strategy import Strategy, StrategyError, expand_sweep
+from mtp.core.runtime import loading
+from mtp.core.decoding.strategy import Strategy, StrategyError, expand_sweep
 from test_data import make_tiny_model_dir
 from test_reliability import one_line_error, run_cli  # noqa: F401
 
@@ -70,7 +70,7 @@ def write_tiny_gguf(path: Path, **meta) -> Path:
     w.add_token_types([1] * len(tokens))
     w.add_token_merges(['! "'])
     w.add_eos_token_id(2)
-    from mtp.core.gguf import GGUF_NAMES
+    from mtp.core.runtime.gguf import GGUF_NAMES
 
     gguf_names = {v: k for k, v in GGUF_NAMES.items()}
     top = {
@@ -301,7 +301,7 @@ def test_t8_template_failing_on_one_prompt_only(word_model, tmp_path, capsys):
 def test_threads_are_capped(capsys):
     code, _, err = run_cli(["generate", "hi", "--model", "/nowhere", "--threads", "100000"], capsys)
     one_line_error(code, err, "--threads is at most")  # was a segfault (exit 139)
-    from mtp.core.checks import THREADS_PER_CPU, check_threads
+    from mtp.core.runtime.checks import THREADS_PER_CPU, check_threads
 
     assert check_threads(THREADS_PER_CPU * (os.cpu_count() or 1)) == THREADS_PER_CPU * (os.cpu_count() or 1)
 

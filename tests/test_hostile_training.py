@@ -14,12 +14,12 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
 from mtp.cli import main
-from mtp.core.adapter import add_adapters, load_adapter, save_adapter
-from mtp.core.artifacts import MARKER, ArtifactError
+from mtp.core.runtime.adapter import add_adapters, load_adapter, save_adapter
+from mtp.core.runtime.artifacts import MARKER, ArtifactError
 from mtp.interop.vllm_export import export_vllm_eagle3
-from mtp.core.proposers import heads as N
-from mtp.core.proposers.eagle3 import WEIGHTS as DRAFTER_WEIGHTS
-from mtp.core.proposers.eagle3 import default_aux_layers, load_drafter
+from mtp.core.decoding.proposers import heads as N
+from mtp.core.decoding.proposers.eagle3 import WEIGHTS as DRAFTER_WEIGHTS
+from mtp.core.decoding.proposers.eagle3 import default_aux_layers, load_drafter
 from mtp.training.distill import train
 from mtp.training.trainer import DivergedError
 from test_data import WORDS, make_tiny_model_dir, write_jsonl
@@ -41,7 +41,7 @@ def make_word_model_dir(path, **overrides):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from mtp.core.loading import save_hf_dir
+    from mtp.core.runtime.loading import save_hf_dir
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -152,7 +152,7 @@ def test_d4_saves_and_resume_keep_user_folders_named_like_temps(tmp_path):
 
 KILL = """
 import os, sys
-from mtp.core.artifacts import write_dir_atomic
+from mtp.core.runtime.artifacts import write_dir_atomic
 real, where = os.replace, sys.argv[2]
 def replace(src, dst):
     if where == "write" or ".old-" in str(dst):  # during the write / between the two renames

@@ -20,15 +20,15 @@ import torch
 
 from conftest import tiny_model
 from test_data import make_tiny_model_dir
-from mtp.core import loading
-from mtp.core.cache import KVCache
-from mtp.core.decode import Sequence, block_slack, decode_step, generate
-from mtp.core.proposers import DraftRequest, Guesses, PassView, PromptLookupProposer, Proposer
-from mtp.core.proposers import heads as N
-from mtp.core.proposers.merged import MergedProposer
-from mtp.core.proposers.suffix import Datastore, SuffixProposer, build_datastore
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.runtime import loading
+from mtp.core.runtime.cache import KVCache
+from mtp.core.decoding.decode import Sequence, block_slack, decode_step, generate
+from mtp.core.decoding.proposers import DraftRequest, Guesses, PassView, PromptLookupProposer, Proposer
+from mtp.core.decoding.proposers import heads as N
+from mtp.core.decoding.proposers.merged import MergedProposer
+from mtp.core.decoding.proposers.suffix import Datastore, SuffixProposer, build_datastore
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 from mtp.training import shards
 
 PROMPT = [5, 17, 3, 44, 9, 5, 17, 3]
@@ -529,7 +529,7 @@ def test_sampled_trees_of_suffix_heads_and_merged_proposers_make_plain_samplings
 
 def test_cli_merged_tree_equals_ntp_token_for_token(tiny_dir, tiny_loaded, tmp_path, capsys):
     heads_dir = tmp_path / "heads"
-    from mtp.core.artifacts import write_dir_atomic
+    from mtp.core.runtime.artifacts import write_dir_atomic
 
     write_dir_atomic(heads_dir, N.heads_files(random_heads(tiny_loaded), tiny_loaded))
     base = gen_args(tiny_dir, "--max-new-tokens", "24", "--json", "--heads", str(heads_dir))

@@ -18,11 +18,11 @@ import sys
 
 import pytest
 
-from mtp.core import kernels
+from mtp.core.runtime import kernels
 
 PROBE = (
     "import torch\n"
-    "from mtp.core import kernels\n"
+    "from mtp.core.runtime import kernels\n"
     "ok = kernels.load()\n"
     "print('loaded' if ok else 'fallback', int(torch.ops.mtp.cpu_isa()) if ok else -1)\n"
 )

@@ -1,4 +1,4 @@
-"""The small-row matmul kernels (`mtp.core.kernels`): exact dequantisation against the `gguf`
+"""The small-row matmul kernels (`mtp.core.runtime.kernels`): exact dequantisation against the `gguf`
 package, agreement with float32 matmul, batch invariance (a row's bits do not depend on M, its
 position or its neighbours) on every ISA path this CPU runs (the AVX2 path forced on AVX-512
 machines), and one-line errors for bad input. Skipped, with the reason, where the C++ does not build."""
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from mtp.core import kernels
-from mtp.core.kernels import qlinear
-from mtp.core.kernels.qlinear import KernelWeight, linear
+from mtp.core.runtime import kernels
+from mtp.core.runtime.kernels import qlinear
+from mtp.core.runtime.kernels.qlinear import KernelWeight, linear
 
 FORMATS = ["f32", "q8_0", "q4_0", "q4_1"]
 ISAS = ["scalar", "avx2", "avx512"]
@@ -215,7 +215,7 @@ def test_from_gguf_formats_and_fallback(capsys):
     wq = KernelWeight.from_gguf(
         reader_tensor("blk.0.attn_q.weight", QTYPE["q4_1"], 8, 64, blocks.numpy()), unpermute_heads=2
     )
-    from mtp.core.gguf import unpermute
+    from mtp.core.runtime.gguf import unpermute
 
     assert torch.equal(wq.dequantize(), unpermute(w.dequantize(), 2))
     # a type the kernels lack: dequantised by gguf, served in float32, one line naming it
@@ -236,12 +236,12 @@ def test_from_gguf_formats_and_fallback(capsys):
 
 def test_real_model_weights_equal_the_loader():
     """The shipped GGUF's blocks, kept as stored, dequantise to the float32 values the loader
-    (`mtp.core.gguf.read_gguf`: gguf.quants.dequantize, then the Q/K unpermute) gives."""
+    (`mtp.core.runtime.gguf.read_gguf`: gguf.quants.dequantize, then the Q/K unpermute) gives."""
     from conftest import require_smollm2
 
     require_smollm2()
-    from mtp.core.gguf import unpermute
-    from mtp.core.loading import resolve
+    from mtp.core.runtime.gguf import unpermute
+    from mtp.core.runtime.loading import resolve
 
     reader = gguf.GGUFReader(str(resolve("smollm2-135m")))
     heads = {
@@ -382,16 +382,16 @@ def _mixed_gguf(path):
 
 @pytest.mark.parametrize("which", ["mixed", "smollm2"])
 def test_the_one_reader_gives_what_the_gguf_package_reads(tmp_path, which):
-    """`mtp.core.gguf.read_tensors` (one header walk, views of the memory map) gives every tensor of the file
+    """`mtp.core.runtime.gguf.read_tensors` (one header walk, views of the memory map) gives every tensor of the file
     exactly as `gguf.GGUFReader` does: name, type, shape, the array's dtype, shape and bytes; and the metadata
     values the loader reads."""
-    from mtp.core.gguf import read_tensors
+    from mtp.core.runtime.gguf import read_tensors
 
     if which == "smollm2":
         from conftest import require_smollm2
 
         require_smollm2()
-        from mtp.core.loading import resolve
+        from mtp.core.runtime.loading import resolve
 
         path = resolve("smollm2-135m")
     else:

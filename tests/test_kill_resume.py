@@ -172,7 +172,7 @@ def kill_inside_save(target: Path, where: str, nth: int):
     """Make the `nth` save of directory `target` die: where = "write" (its new directory written, no
     rename yet) or "rename" (the previous directory moved aside, the new one not yet in place).
     Returns a function that revives the process state (the cleanup `shutil.rmtree` works again)."""
-    import mtp.core.artifacts as artifacts
+    import mtp.core.runtime.artifacts as artifacts
 
     target = Path(target).resolve()
     real_replace, real_mkdtemp, real_rmtree = os.replace, tempfile.mkdtemp, artifacts.shutil.rmtree

@@ -7,6 +7,11 @@ Layers, lowest first: core (model, kernels, cache, sampling, strategy, proposers
 training, interop (other engines: exports to vLLM and llama.cpp, their environments and runners) <
 eval, serving, pipeline < tune < cli. A package may import itself and lower layers only (so serving
 never reaches into eval); `__main__` modules are entry points and may import anything.
+
+Core has sub-layers by role, lowest first: runtime (model, loading, gguf, weights, kernels, cache,
+adapter: one forward pass) < decoding (sampling, strategies, trees, proposers, the loop, batching,
+metrics) < policy (cost model, calibration, quality, deploy files) < the engine (`mtp.core.engine`),
+which ties them together.
 `python tests/test_layers.py [ROOT]` prints the graph's circles and back-edges.
 """
 
@@ -18,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"core": 0, "training": 1, "interop": 1, "eval": 2, "serving": 2, "pipeline": 2, "tune": 3, "cli": 4}
+CORE_LAYERS = {"runtime": 0, "decoding": 1, "policy": 2, "engine": 3}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -74,6 +80,28 @@ def back_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted(out)
 
 
+def core_layer(module: str) -> tuple[str, int] | None:
+    """(role, rank) of a module inside mtp.core, None outside core or for an unplaced core module."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "core" or parts[2] not in CORE_LAYERS:
+        return None
+    return parts[2], CORE_LAYERS[parts[2]]
+
+
+def core_back_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs inside core that reach up or sideways across its roles."""
+    out = []
+    for a, targets in graph.items():
+        ca = core_layer(a)
+        if ca is None:
+            continue
+        for b in targets:
+            cb = core_layer(b)
+            if cb is not None and cb[0] != ca[0] and cb[1] >= ca[1]:
+                out.append((a, b))
+    return sorted(out)
+
+
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Every strongly connected group of two or more modules (Tarjan)."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -118,6 +146,15 @@ def test_every_module_sits_in_a_layer():
     graph = import_graph()
     loose = [m for m in graph if m not in ("mtp",) and layer(m) is None and m.split(".")[1] not in ("assets",)]
     assert loose == []
+
+
+def test_core_roles_import_downward_only():
+    assert core_back_edges(import_graph()) == []
+
+
+def test_every_core_module_has_a_role():
+    graph = import_graph()
+    assert [m for m in graph if m.startswith("mtp.core.") and core_layer(m) is None] == []
 
 
 def private_imports(root: Path = ROOT) -> list[str]:
@@ -167,8 +204,24 @@ def test_checker_catches_a_circle_and_a_back_edge(tmp_path):
     assert private_imports(tmp_path) == ["mtp.core.c: mtp.core.a._hidden"]
 
 
+def test_checker_catches_a_core_role_reaching_up(tmp_path):
+    """Runtime importing decoding (lazily, inside a function) is caught; decoding importing runtime is not."""
+    pkg = tmp_path / "mtp"
+    for sub in ("core", "core/runtime", "core/decoding"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "runtime" / "model.py").write_text("def f():\n    from mtp.core.decoding import loop\n")
+    (pkg / "core" / "decoding" / "loop.py").write_text("from mtp.core.runtime.model import f\n")
+    assert core_back_edges(import_graph(tmp_path)) == [
+        ("mtp.core.runtime.model", "mtp.core.decoding"),
+        ("mtp.core.runtime.model", "mtp.core.decoding.loop"),
+    ]
+
+
 if __name__ == "__main__":
     g = import_graph(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)
     print(f"{len(g)} modules, {sum(len(v) for v in g.values())} imports")
     print("circles:", circles(g) or "none")
     print("back-edges:", back_edges(g) or "none")
+    print("core back-edges:", core_back_edges(g) or "none")

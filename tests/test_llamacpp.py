@@ -16,10 +16,10 @@ import torch
 
 from conftest import tiny_model
 from mtp.cli import main
-from mtp.core.artifacts import ArtifactError, write_dir_atomic
-from mtp.core.costmodel import CostModel
+from mtp.core.runtime.artifacts import ArtifactError, write_dir_atomic
+from mtp.core.policy.costmodel import CostModel
 from mtp.interop.llamacpp_export import check_outtype, drafter_folder, is_llamacpp_export, target_folder
-from mtp.core.proposers.eagle3 import Eagle3Config, drafter_files
+from mtp.core.decoding.proposers.eagle3 import Eagle3Config, drafter_files
 from mtp.eval import peers
 from mtp.interop import llamacpp_env
 from mtp.interop.llamacpp_server import LlamaServer
@@ -160,7 +160,7 @@ def test_outtype_the_converter_cannot_write_is_refused(bad):
 
 def test_cli_refusals_are_one_line(tiny_hf_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MTP_LLAMACPP_DIR", str(tmp_path / "no-build"))
-    from mtp.core import loading
+    from mtp.core.runtime import loading
 
     model = loading.load(str(tiny_hf_dir)).model
     save_tiny_drafter(model, tmp_path / "mine")

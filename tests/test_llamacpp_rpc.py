@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require_smollm2, tiny_model
-from mtp.core.artifacts import base_hash
+from mtp.core.runtime.artifacts import base_hash
 from mtp.interop import llamacpp_env
 from mtp.interop.llamacpp_rpc import Cluster, ClusterError, ClusterServer, DelayRelay, parse_delay, parse_delays
 from mtp.interop.llamacpp_server import LlamaServer
@@ -454,7 +454,7 @@ def test_benchmark_ctrl_c_in_the_pipeline_is_an_interruption_not_a_failure(tmp_p
 # ---- the draft advice on a cluster (issue 64, A1) ---------------------------------------------------------------
 def geometric_timings(t: dict, a: float, drafts: int, draft_s: float, steps: int = 10_000) -> list[dict]:
     """llama-server timings of a drafter accepting each draft with probability a, `drafts` per step."""
-    from mtp.core.costmodel import CostModel
+    from mtp.core.policy.costmodel import CostModel
 
     accepted = round(steps * sum(a**d for d in range(1, drafts + 1)))
     ms = 1e3 * steps * (CostModel(t).pass_time(1 + drafts) + drafts * draft_s)
@@ -497,7 +497,7 @@ PROMPTS = ["What is 12 times 7?", "Name three colours.", "Tom has 5 apples and e
 @pytest.fixture(scope="module")
 def target_and_prompts(smollm2):
     """The packaged GGUF (the file mtp decodes) and the prompts as chat-formatted ids."""
-    from mtp.core import loading
+    from mtp.core.runtime import loading
 
     require_smollm2()
     return loading.resolve(loading.DEFAULT_MODEL), [smollm2.encode(p) for p in PROMPTS]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require_smollm2
-from mtp.core.sampling import SamplingParams
+from mtp.core.decoding.sampling import SamplingParams
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "quality_lmeval.py"
 _spec = importlib.util.spec_from_file_location("quality_lmeval", BENCH)

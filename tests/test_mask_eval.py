@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core.adapter import add_adapters
+from mtp.core.runtime.adapter import add_adapters
 from mtp.training.data import Example
 from mtp.training.mask_eval import spans_for, tokens_per_pass
 

@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
-from mtp.core import tree
-from mtp.core.cache import KVCache
-from mtp.core.decode import Sequence, _branch_layout, decode_step, generate
-from mtp.core.proposers import MAX_MASK_GROUPS, Guesses, MaskProposer
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.decoding import tree
+from mtp.core.runtime.cache import KVCache
+from mtp.core.decoding.decode import Sequence, _branch_layout, decode_step, generate
+from mtp.core.decoding.proposers import MAX_MASK_GROUPS, Guesses, MaskProposer
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 from mtp.pipeline.launch import launch_local
 from test_decode import LogitStub
 from test_pipeline import assert_stage_caches_equal_prefill
@@ -114,7 +114,7 @@ def test_groups_follow_the_root_and_the_likeliest_nodes():
 
 
 def test_group_layout_by_hand():
-    """The docstring's example (mtp.core.tree): tree a->b, x; groups of 2 after the root and after b."""
+    """The docstring's example (mtp.core.decoding.tree): tree a->b, x; groups of 2 after the root and after b."""
     nodes = tree.with_groups([-1, 0, -1], [-1, 1], 2)
     assert nodes == [-1, 0, -1, -1, 3, 1, 5]
     c, P = 4, 1
@@ -168,7 +168,7 @@ def test_tree_mask_groups_equal_separate_passes(packed):
 
     model = mtp_tiny(2)
     if packed:
-        from mtp.core.model import pack_weights
+        from mtp.core.runtime.model import pack_weights
 
         pack_weights(model)
     mid = model.config.mask_token_id

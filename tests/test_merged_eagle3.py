@@ -11,13 +11,20 @@ import torch
 
 from conftest import tiny_model
 from test_eagle3 import committed_kv, committed_state, random_drafter, save_drafter
-from mtp.core.cache import KVCache
-from mtp.core.decode import Sequence, block_slack, decode_step, generate
-from mtp.core.proposers import REGISTRY, Guesses, MergedProposer, PromptLookupProposer, Proposer, check_proposer
-from mtp.core.proposers.eagle3 import Eagle3Proposer
-from mtp.core.proposers.suffix import Datastore, SuffixProposer
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.runtime.cache import KVCache
+from mtp.core.decoding.decode import Sequence, block_slack, decode_step, generate
+from mtp.core.decoding.proposers import (
+    REGISTRY,
+    Guesses,
+    MergedProposer,
+    PromptLookupProposer,
+    Proposer,
+    check_proposer,
+)
+from mtp.core.decoding.proposers.eagle3 import Eagle3Proposer
+from mtp.core.decoding.proposers.suffix import Datastore, SuffixProposer
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 
 PROMPT = [5, 17, 3, 44, 2, 9]
 
@@ -185,7 +192,7 @@ def test_cli_eagle3_merge_bad_input_is_one_line(tiny_hf_dir, tmp_path, capsys, m
     """eagle3+eagle3 (refused before the model loads), a drafter made for another model, and suffix
     without a datastore: one line, exit 2; the good merge runs and equals ntp."""
     from mtp.cli import main
-    from mtp.core import loading
+    from mtp.core.runtime import loading
 
     model = loading.load(str(tiny_hf_dir)).model
     save_drafter(model, tmp_path / "good", random_drafter(model, draft_vocab=500))
@@ -270,7 +277,7 @@ def _run(model, seq):
 
 
 def test_auto_default_is_the_shipped_merge_less_what_the_user_turned_off():
-    from mtp.core.proposers import SHIPPED_DEFAULT, resolve_default
+    from mtp.core.decoding.proposers import SHIPPED_DEFAULT, resolve_default
 
     best = SHIPPED_DEFAULT["smollm2-135m"]
     assert len(check_proposer(best).parts) > 1  # a merge

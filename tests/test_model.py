@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core import loading
-from mtp.core.model import add_mask_token
+from mtp.core.runtime import loading
+from mtp.core.runtime.model import add_mask_token
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +69,7 @@ def test_logits_match_transformers(arch, tmp_path):
 
 
 def test_cached_decoding_matches_full_forward(tiny):
-    from mtp.core.cache import KVCache
+    from mtp.core.runtime.cache import KVCache
 
     tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
     full = tiny(tokens)
@@ -141,7 +141,7 @@ def test_smollm2_gguf_matches_transformers_gguf_loader(smollm2):
 
 
 def test_packed_weights_match_plain_and_fall_back_after_a_change(tiny):
-    from mtp.core.model import can_pack, pack_weights, unpack_weights
+    from mtp.core.runtime.model import can_pack, pack_weights, unpack_weights
 
     if not can_pack(tiny):
         pytest.skip("this torch build has no oneDNN")
@@ -166,7 +166,7 @@ def test_packed_weights_match_plain_and_fall_back_after_a_change(tiny):
 
 def test_packed_weights_off_the_main_thread_only_for_several_rows(tiny, monkeypatch):
     import threading
-    from mtp.core.model import can_pack, pack_weights
+    from mtp.core.runtime.model import can_pack, pack_weights
 
     if not can_pack(tiny):
         pytest.skip("this torch build has no oneDNN")

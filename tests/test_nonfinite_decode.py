@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core.adapter import add_adapters
-from mtp.core.decode import NonFiniteError, finite_prefix, generate
-from mtp.core.proposers import Guesses, make_proposer
-from mtp.core.sampling import SamplingParams
+from mtp.core.runtime.adapter import add_adapters
+from mtp.core.decoding.decode import NonFiniteError, finite_prefix, generate
+from mtp.core.decoding.proposers import Guesses, make_proposer
+from mtp.core.decoding.sampling import SamplingParams
 
 PROMPT = [5, 17, 3, 44]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mtp.cli import main
-from mtp.core import artifacts
+from mtp.core.runtime import artifacts
 
 ASSETS = Path(artifacts.__file__).resolve().parent.parent / "assets"
 SHIPPED = ASSETS / "smollm2-135m"

@@ -18,17 +18,17 @@ import torch
 
 from conftest import tiny_model
 from mtp.pipeline import pricing
-from mtp.core.cache import KVCache
+from mtp.core.runtime.cache import KVCache
 from mtp.cli import main as cli_main
-from mtp.core.decode import Sequence, decode_step, generate, stream
-from mtp.core.model import Transformer
-from mtp.core.artifacts import base_hash
+from mtp.core.decoding.decode import Sequence, decode_step, generate, stream
+from mtp.core.runtime.model import Transformer
+from mtp.core.runtime.artifacts import base_hash
 from mtp.pipeline.launch import launch_local
 from mtp.pipeline.stages import PipelineModel, keep_slice, layer_ranges, run_stage
 from mtp.pipeline.transport import PipelineConfig
-from mtp.core.proposers import make_proposer
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.proposers import make_proposer
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 3]  # repeats, so prompt lookup finds drafts
 JOBS = [  # (strategy, proposer, temperature, seed)
@@ -48,7 +48,7 @@ JOBS = [  # (strategy, proposer, temperature, seed)
 def mtp_tiny(seed: int = 0, **cfg) -> Transformer:
     """A tiny model with the mask token and gated LoRA adapters whose B factors are random, so the
     adapter gate (mask positions) changes the numbers and has to travel between the stages."""
-    from mtp.core.adapter import add_adapters
+    from mtp.core.runtime.adapter import add_adapters
 
     model = tiny_model(seed, **cfg)
     add_adapters(model, rank=4, mode="gated")
@@ -94,7 +94,7 @@ def _proposer(model, name):
         return StubTree(truth, len(PROMPT))
     if name != "heads":
         return make_proposer(name)
-    from mtp.core.proposers import heads as H
+    from mtp.core.decoding.proposers import heads as H
 
     base = model.model if isinstance(model, PipelineModel) else model
     torch.manual_seed(0)

@@ -38,7 +38,7 @@ def cycling_model(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from mtp.core.loading import save_hf_dir
+    from mtp.core.runtime.loading import save_hf_dir
     from test_data import WORDS
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))

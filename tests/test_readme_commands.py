@@ -345,7 +345,7 @@ def test_the_limits_table_states_the_strategy_limits_the_parser_enforces():
     """The limits table's row for strategies (README.md or a page under docs/) names K's and tree N's
     largest values, each accepted by `Strategy.parse` and the next one refused (the row once said 32 for
     both; `tree:32` is refused)."""
-    from mtp.core.strategy import Strategy, StrategyError
+    from mtp.core.decoding.strategy import Strategy, StrategyError
 
     row = next(
         line for page in DOCS for line in page.read_text().splitlines() if line.strip().startswith("| K of a strategy")

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from conftest import tiny_model
 from mtp.cli import main
-from mtp.core.adapter import add_adapters, load_adapter, save_adapter
-from mtp.core.artifacts import ArtifactError, write_dir_atomic
+from mtp.core.runtime.adapter import add_adapters, load_adapter, save_adapter
+from mtp.core.runtime.artifacts import ArtifactError, write_dir_atomic
 from mtp.training.distill import TrainConfig, train
 from test_data import make_tiny_model_dir, write_jsonl
 
@@ -171,7 +171,7 @@ def test_7_truncated_adapter_and_heads(tmp_path):
     f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(ValueError, match="adapter.safetensors: not a readable safetensors file"):
         load_adapter(tiny_model(0), tmp_path / "a")
-    from mtp.core.proposers import heads as N
+    from mtp.core.decoding.proposers import heads as N
 
     heads = N.MTPHeads(N.HeadsConfig.for_model(tiny_model(0).config, 2))
     write_dir_atomic(tmp_path / "h", N.heads_files(heads, tiny_model(0)))
@@ -298,7 +298,7 @@ def test_16_stale_temp_folders_are_removed_on_the_next_save_and_resume(tmp_path)
     )
     import json
     import subprocess
-    from mtp.core import artifacts
+    from mtp.core.runtime import artifacts
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # a process id that no longer runs: the save that made the folder was killed
@@ -363,7 +363,7 @@ def test_u2_train_heads_into_a_read_only_folder_is_refused_first(word_model, tmp
 def test_u2_datastore_build_into_a_read_only_folder_is_refused_first(
     word_model, tmp_path, capsys, read_only, monkeypatch
 ):
-    from mtp.core import loading
+    from mtp.core.runtime import loading
 
     calls, real = [], loading.load
     monkeypatch.setattr(loading, "load", lambda *a, **k: calls.append(a) or real(*a, **k))
@@ -375,7 +375,7 @@ def test_u2_datastore_build_into_a_read_only_folder_is_refused_first(
 
 # ---- issue 64 U5. the first start says what it does, once -------------------------------------------
 def test_u5_a_first_conversion_says_what_it_does_once(tmp_path, monkeypatch, capsys):
-    from mtp.core import loading
+    from mtp.core.runtime import loading
     from test_hostile_loading import write_tiny_gguf
 
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))

@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 
 from conftest import tiny_model  # noqa: E402
 from mtp.core.engine import Engine, EngineConfig  # noqa: E402
-from mtp.core.sampling import SamplingParams  # noqa: E402
+from mtp.core.decoding.sampling import SamplingParams  # noqa: E402
 from mtp.serving.adaptive import AdaptiveK  # noqa: E402
 from mtp.serving.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
 from mtp.serving.app import create_app  # noqa: E402
@@ -39,8 +39,8 @@ def save_tiny(path: Path) -> Path:
     """A tiny random Transformer (+ mask token) with a character-level HF tokenizer, as a model dir."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from mtp.core.loading import save_hf_dir
-    from mtp.core.model import add_mask_token
+    from mtp.core.runtime.loading import save_hf_dir
+    from mtp.core.runtime.model import add_mask_token
 
     vocab = {chr(c): i for i, c in enumerate(range(32, 127))}  # 95 printable characters
     vocab.update({"<eos>": EOS, "<unk>": 96})
@@ -337,7 +337,7 @@ def test_opted_out_requests_are_never_capped(engine):
 def test_newcomers_are_prefilled_together_within_the_token_budget(engine, monkeypatch):
     from types import SimpleNamespace
     import mtp.serving.scheduler as S
-    from mtp.core.batching import prefill_group
+    from mtp.core.decoding.batching import prefill_group
 
     monkeypatch.setattr(S, "PREFILL_TOKENS", 100)
     seqs = [SimpleNamespace(pending=[0] * n) for n in (30, 20, 40, 10, 90)]
@@ -656,8 +656,8 @@ def test_shadow_report_rejects_garbage(tmp_path):
 # ---- adaptive K ------------------------------------------------------------------------------------
 class FakeSeq:
     def __init__(self, strategy, pending=1, drafts=0, branch=True):
-        from mtp.core.proposers import Guesses, MaskProposer
-        from mtp.core.strategy import Strategy
+        from mtp.core.decoding.proposers import Guesses, MaskProposer
+        from mtp.core.decoding.strategy import Strategy
 
         self.strategy, self.proposer = Strategy.parse(strategy), MaskProposer(branch)
         self.pending, self.drafts = [0] * pending, Guesses([0] * drafts, [0.0] * drafts)
@@ -751,7 +751,7 @@ def test_capped_k_keeps_lossless_outputs(engine):
 
 
 def test_measured_cost_is_monotone_and_covers_the_batch():
-    from mtp.core.costmodel import measured_cost
+    from mtp.core.policy.costmodel import measured_cost
 
     cost = measured_cost(tiny_model(0), max_batch=4, cache_len=32, repeats=1)
     qs = sorted(cost.points)
@@ -821,8 +821,8 @@ class FakeTree:
     """A tree row for the policy: `tree:N`, a stub proposer `name`, nodes in hand (parents, confidences)."""
 
     def __init__(self, strategy="tree:8", parents=(), confidences=(), name="stub", pending=1):
-        from mtp.core.proposers import Guesses, Proposer
-        from mtp.core.strategy import Strategy
+        from mtp.core.decoding.proposers import Guesses, Proposer
+        from mtp.core.decoding.strategy import Strategy
 
         self.strategy, self.proposer = Strategy.parse(strategy), Proposer()
         self.proposer.name = name
@@ -938,7 +938,7 @@ def test_tree_policy_learns_how_much_the_confidences_over_promise():
 
 
 def test_tree_policy_prices_a_mask_trees_groups():
-    from mtp.core.proposers.mask import MaskProposer
+    from mtp.core.decoding.proposers.mask import MaskProposer
 
     stub, mask = FakeTree(parents=KNEE[0], confidences=KNEE[1]), FakeTree(parents=KNEE[0], confidences=KNEE[1])
     mask.proposer = MaskProposer()
@@ -981,7 +981,7 @@ def test_trimmed_trees_keep_ntp_outputs(tiny_dir, monkeypatch):
     """The policy alone steers (observed pass times ignored, the start-up costs fixed: a deterministic run):
     as rows join and leave the tree budget moves, a row holding more nodes than a new cap keeps its most
     confident ones (`AdaptiveK.trim_tree`), and every output is still ntp's."""
-    from mtp.core.costmodel import CostModel
+    from mtp.core.policy.costmodel import CostModel
 
     lookup = Engine.load(EngineConfig(model=str(tiny_dir), adapter="none", proposer="lookup"))
     lookup.cost_model = CostModel({1: 0.01, 32: 0.05})  # tree:auto's own pruning, per row

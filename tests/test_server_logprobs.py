@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core.decode import Sequence, stream
-from mtp.core.proposers import Guesses, Proposer
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.decode import Sequence, stream
+from mtp.core.decoding.proposers import Guesses, Proposer
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -98,8 +98,8 @@ def test_greedy_logprobs_of_lossless_strategies_equal_ntp_and_a_plain_forward(st
 def test_prompt_logprobs_equal_a_plain_forward_and_leave_other_rows_alone():
     """A prefill pass of two rows, one scoring its prompt (every position read) and one not: the scores
     equal a plain forward pass's, and the other row decodes exactly as alone."""
-    from mtp.core.cache import KVCache
-    from mtp.core.decode import block_slack, decode_step
+    from mtp.core.runtime.cache import KVCache
+    from mtp.core.decoding.decode import block_slack, decode_step
 
     model = tiny_model(0)
     other_prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # longer: the rows' blocks differ

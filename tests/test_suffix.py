@@ -1,4 +1,4 @@
-"""The suffix proposer (mtp.core.proposers.suffix): matches on a toy corpus by hand, frequency trees,
+"""The suffix proposer (mtp.core.decoding.proposers.suffix): matches on a toy corpus by hand, frequency trees,
 greedy `tree:N` and `verify:K` with it identical to plain greedy, and datastores that are refused
 (another model, empty, corrupt, missing)."""
 
@@ -11,10 +11,16 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core.decode import generate
-from mtp.core.proposers import DraftRequest, PassView
-from mtp.core.proposers.suffix import Datastore, SuffixProposer, build_datastore, frequent_tree, load_suffix_proposer
-from mtp.core.sampling import SamplingParams
+from mtp.core.decoding.decode import generate
+from mtp.core.decoding.proposers import DraftRequest, PassView
+from mtp.core.decoding.proposers.suffix import (
+    Datastore,
+    SuffixProposer,
+    build_datastore,
+    frequent_tree,
+    load_suffix_proposer,
+)
+from mtp.core.decoding.sampling import SamplingParams
 
 CORPUS = [[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [2, 3, 7], [8, 8, 8]]
 
@@ -85,8 +91,8 @@ def test_a_datastore_of_another_vocabulary_is_refused(tmp_path):
 
 
 def test_merged_proposers_join_their_trees_and_stay_lossless():
-    from mtp.core.proposers import PromptLookupProposer, check_proposer
-    from mtp.core.proposers.merged import MergedProposer
+    from mtp.core.decoding.proposers import PromptLookupProposer, check_proposer
+    from mtp.core.decoding.proposers.merged import MergedProposer
 
     model = tiny_model(0)
     prompt = [5, 17, 3, 44, 9, 5, 17]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_model
-from mtp.core.adapter import add_adapters
+from mtp.core.runtime.adapter import add_adapters
 from mtp.training.data import Example
 from mtp.training.distill import (
     Span,

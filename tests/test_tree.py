@@ -1,4 +1,4 @@
-"""Token trees (`tree:N`, mtp.core.tree): the layout by hand, greedy tree decoding identical to plain
+"""Token trees (`tree:N`, mtp.core.decoding.tree): the layout by hand, greedy tree decoding identical to plain
 greedy for every tree proposer (mask groups included: tests/test_mask_tree.py has their own), the accepted
 off-diagonal path's keys and values compacted exactly as a fresh prefill would hold them, ragged batches of
 different trees and chains, and sampling that stays exact (the same draws as plain decoding for a seed, and
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mtp.core import tree
-from mtp.core.cache import KVCache
-from mtp.core.decode import Sequence, _branch_layout, block_slack, decode_step, generate
-from mtp.core.model import add_mask_token
-from mtp.core.proposers import DraftRequest, Guesses, MaskProposer, PassView, PromptLookupProposer, Proposer
-from mtp.core.proposers import heads as N
-from mtp.core.sampling import SamplingParams, probs_from_logits
-from mtp.core.strategy import Strategy, StrategyError
+from mtp.core.decoding import tree
+from mtp.core.runtime.cache import KVCache
+from mtp.core.decoding.decode import Sequence, _branch_layout, block_slack, decode_step, generate
+from mtp.core.runtime.model import add_mask_token
+from mtp.core.decoding.proposers import DraftRequest, Guesses, MaskProposer, PassView, PromptLookupProposer, Proposer
+from mtp.core.decoding.proposers import heads as N
+from mtp.core.decoding.sampling import SamplingParams, probs_from_logits
+from mtp.core.decoding.strategy import Strategy, StrategyError
 
 PROMPT = [5, 17, 3, 44, 9, 5, 17, 3]
 SMALL_V = 12  # the mask proposer's tiny model: few tokens, so its untrained masks' top-k is often right
@@ -243,8 +243,8 @@ class OracleFirstOnly(OracleChain):
 def test_merged_tree_credits_each_accepted_token_to_every_part_that_drafted_it(strategy):
     """Every pass after the first accepts [t0, t1]: t0 drafted by both parts, t1 by 'heads' only, so
     each part is credited in full for the tokens it drafted (not split): heads 2 per pass, lookup 1."""
-    from mtp.core import metrics
-    from mtp.core.proposers import MergedProposer
+    from mtp.core.decoding import metrics
+    from mtp.core.decoding.proposers import MergedProposer
 
     model = tiny_model(0)
     truth = generate(model, PROMPT, "ntp", params=params(40)).output
@@ -265,7 +265,7 @@ def test_merged_tree_credits_each_accepted_token_to_every_part_that_drafted_it(s
         # 1 - (1 - c_heads)(1 - c_lookup); t1 0.8 x heads' weight; lookup's wrong child and sibling its weight
         # each. Believed as the row's record says (tree.trusted): after n passes, depth d promised p_d n and
         # delivered n: p_1 = the agreed t0 plus lookup's sibling, p_2 = t1 plus lookup's child
-        from mtp.core.proposers.merged import WEIGHTS
+        from mtp.core.decoding.proposers.merged import WEIGHTS
 
         wh, wl = WEIGHTS["heads"], WEIGHTS["lookup"]
         p1 = 1 - (1 - min(wh * 0.9, 1.0)) * (1 - min(wl, 1.0)) + wl
@@ -277,7 +277,7 @@ def test_merged_tree_credits_each_accepted_token_to_every_part_that_drafted_it(s
 
 
 def test_a_single_proposer_is_credited_under_its_own_name():
-    from mtp.core import metrics
+    from mtp.core.decoding import metrics
 
     model = tiny_model(0)
     truth = generate(model, PROMPT, "ntp", params=params(40)).output
@@ -406,7 +406,8 @@ def test_tree_with_the_mask_proposer_passes_every_check_before_loading(argv, tmp
     """`tree:N` with the mask proposers (once refused in one line) gets through every front end's checks
     to the model load (`mtp pipeline`: tests/test_mask_tree.py runs its stages)."""
     from mtp.cli import main
-    from mtp.core import engine, loading
+    from mtp.core import engine
+    from mtp.core.runtime import loading
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')

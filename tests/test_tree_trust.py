@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtp.core import tree
+from mtp.core.decoding import tree
 
 
 def test_no_record_keeps_the_confidences_clipped_and_monotone():

@@ -1,4 +1,4 @@
-"""`mtp tune` (mtp.tune) and calibration (mtp.core.calibration): calibration halves the error of
+"""`mtp tune` (mtp.tune) and calibration (mtp.core.policy.calibration): calibration halves the error of
 over-confident guesses on held-out pairs, the (confidence, right) pairs come from the right passes,
 offline batched decoding gives the single-stream outputs, predictability reads the model's own
 confidences, the end-to-end run writes a deploy file whose choice is the fastest measured
@@ -13,12 +13,12 @@ import re
 import pytest
 
 from test_serve import EOS, reference, tiny_dir, engine  # noqa: F401  (fixtures)
-from mtp.core import calibration as calib
-from mtp.core import deploy as D
+from mtp.core.policy import calibration as calib
+from mtp.core.policy import deploy as D
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.proposers import DraftRequest, Guesses, Proposer
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.proposers import DraftRequest, Guesses, Proposer
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 from mtp.tune import predictability
 from mtp.tune.offline import Output, chain_pairs, decode_all, tree_pairs
 
@@ -109,7 +109,7 @@ def test_tree_pairs_check_each_nodes_path_against_the_output():
 
 
 def test_merge_compares_calibrated_node_probabilities():
-    from mtp.core.proposers import MergedProposer
+    from mtp.core.decoding.proposers import MergedProposer
 
     class Part(Proposer):
         def __init__(self, name, token, conf):
@@ -129,7 +129,7 @@ def test_merge_compares_calibrated_node_probabilities():
     g = MergedProposer([heads_cal, lookup_cal]).propose(one_node)
     assert g.tokens == [22] and g.confidences[0] == pytest.approx(0.9, abs=1e-3)
     assert heads_cal.propose(one_node).confidences[0] == pytest.approx(0.3, abs=1e-3)
-    from mtp.core.proposers import PromptLookupProposer  # a tree map gives lookup no chain confidences
+    from mtp.core.decoding.proposers import PromptLookupProposer  # a tree map gives lookup no chain confidences
 
     assert calib.CalibratedProposer(PromptLookupProposer(), tree=lookup_cal.tree_calibration).has_confidence is False
 
@@ -325,7 +325,7 @@ def test_a_map_that_makes_held_out_answers_worse_is_not_used():
 
 
 def test_held_out_error_is_the_mean_of_two_cross_fitted_folds():
-    from mtp.core import calibration as calib
+    from mtp.core.policy import calibration as calib
     from mtp.tune.run import fit_held_out
 
     prompts = [[overconfident(150, seed), overconfident(100, seed + 50)] for seed in range(6)]  # 2 depths each
@@ -351,7 +351,7 @@ def test_held_out_error_is_the_mean_of_two_cross_fitted_folds():
 
 
 def test_quality_losses():
-    from mtp.core import quality
+    from mtp.core.policy import quality
 
     assert quality.item_loss("exact", [1, 2], "a", [1, 2], "a") == 0.0
     assert quality.item_loss("exact", [1, 2], "a", [1, 3], "a") == 1.0
@@ -364,7 +364,7 @@ def test_quality_losses():
 
 
 def test_lossy_bound_prices_the_recorded_passes():
-    from mtp.core.costmodel import CostModel
+    from mtp.core.policy.costmodel import CostModel
     from mtp.tune.bound import lossy_bound
     from mtp.tune.offline import RunStats
 

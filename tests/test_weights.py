@@ -1,4 +1,4 @@
-"""Inference on the batch-invariant kernels (`mtp.core.weights`, `mtp/core/kernels/layer_ops.cpp`): the layer
+"""Inference on the batch-invariant kernels (`core.runtime.weights`, `core/runtime/kernels/layer_ops.cpp`): the layer
 ops give a row the same bits whatever shares its pass (other rows, padding behind the visible keys, the ISA
 path), and so does a whole model: logits of 1-row and k-row passes `torch.equal`, token trees and chains
 identical to `ntp`, on tiny models and on SmolLM2 in its own Q4_1/Q8_0 blocks."""
@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from mtp.core import kernels, weights
-from mtp.core.cache import KVCache
-from mtp.core.decode import generate
-from mtp.core.model import add_mask_token
-from mtp.core.proposers import MaskProposer, PromptLookupProposer
-from mtp.core.sampling import SamplingParams
+from mtp.core.runtime import kernels, weights
+from mtp.core.runtime.cache import KVCache
+from mtp.core.decoding.decode import generate
+from mtp.core.runtime.model import add_mask_token
+from mtp.core.decoding.proposers import MaskProposer, PromptLookupProposer
+from mtp.core.decoding.sampling import SamplingParams
 
 ISAS = ["scalar", "avx2", "avx512"]
 
@@ -245,7 +245,7 @@ def test_adapters_added_after_attach_keep_the_kernel_path_and_its_bits():
     """`mtp train` attaches first, then wraps projections in LoRA adapters: a pass without mask tokens
     (the teacher's, self-generation) still runs the stacked kernels and gives the same logits; a pass
     with masks goes through the adapters."""
-    from mtp.core.adapter import add_adapters
+    from mtp.core.runtime.adapter import add_adapters
 
     model = tiny_model(4)
     weights.attach(model, "float32")
@@ -263,7 +263,7 @@ def test_adapters_added_after_attach_keep_the_kernel_path_and_its_bits():
 
 def per_op_layer(x, cos, sin, mask, kc, vc, rows, positions, ws, bias, H, Hkv, eps, int8):
     """The per-op path of one decoder layer (Block.forward with the kernels attached), op by op."""
-    from mtp.core.kernels.qlinear import linear, linear_int8
+    from mtp.core.runtime.kernels.qlinear import linear, linear_int8
 
     ln1, qkv_w, o_w, ln2, gu_w, down_w = ws
 
@@ -297,8 +297,8 @@ def per_op_layer(x, cos, sin, mask, kc, vc, rows, positions, ws, bias, H, Hkv, e
 def test_whole_layer_call_has_the_per_op_bits(fmt, int8, bias):
     """mtp::decoder_layer (one call) gives exactly the bits of the layer's ops run one by one, in every
     weight format, with int8 activations, a q/k/v bias and cache rows other than the batch order."""
-    from mtp.core.kernels.layer import bind_layer
-    from mtp.core.kernels.qlinear import KernelWeight
+    from mtp.core.runtime.kernels.layer import bind_layer
+    from mtp.core.runtime.kernels.qlinear import KernelWeight
 
     g = torch.Generator().manual_seed(3)
     B, T, D, H, Hkv, hd, inter, cap, eps = 2, 3, 64, 4, 2, 16, 96, 20, 1e-5
@@ -361,7 +361,7 @@ def test_model_runs_whole_layers_with_the_per_op_bits(monkeypatch):
 def test_whole_layers_serve_plain_passes_of_an_adapter_model_and_step_aside_for_gated_ones():
     """LoRA adapters add nothing without a gate: plain passes run whole layers on the base weights; a
     pass with mask tokens (gate) takes the per-op path through the adapters."""
-    from mtp.core.adapter import add_adapters
+    from mtp.core.runtime.adapter import add_adapters
 
     model = tiny_model(7)
     add_adapters(model, rank=4, alpha=8)
@@ -414,7 +414,7 @@ def test_quantize_bad_input_is_one_line(tmp_path):
 
 def random_eagle3(model, seed: int, vocab: torch.Tensor):
     """An EAGLE-3 proposer for `model` with a random drafter over trunk layers 0-2 and draft vocabulary `vocab`."""
-    from mtp.core.proposers.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
+    from mtp.core.decoding.proposers.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
 
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(Eagle3Config.for_model(model.config, len(vocab), (0, 1, 2)))
@@ -456,7 +456,7 @@ def test_eagle3_layer_kernel_is_the_drafters_layer():
     ops compute within float32 rounding: the committed state after ingesting in one pass or in pieces,
     and every node of a tree (token, parent, confidence) drafted on scratch slots, which leave the
     committed slots as they were."""
-    from mtp.core.proposers.base import PassView
+    from mtp.core.decoding.proposers.base import PassView
 
     model = tiny_model(11)
     weights.attach(model, "float32")
@@ -491,7 +491,7 @@ def test_eagle3_layer_kernel_is_the_drafters_layer():
 def test_heads_read_out_through_the_trunks_head_kernel_rows():
     """The heads' draft-vocabulary readout is the trunk's head kernel on those rows: the same bits as
     the trunk's full readout at those columns."""
-    from mtp.core.proposers.heads import HeadsConfig, HeadsProposer, MTPHeads
+    from mtp.core.decoding.proposers.heads import HeadsConfig, HeadsProposer, MTPHeads
 
     model = tiny_model(10)
     weights.attach(model, "float32")

@@ -12,8 +12,8 @@ import importlib
 import sys
 
 from mtp.cli.errors import USER_ERRORS, report
-from mtp.core import kernels
-from mtp.core.artifacts import cache_root, check_not_shipped, check_writable
+from mtp.core.runtime import kernels
+from mtp.core.runtime.artifacts import cache_root, check_not_shipped, check_writable
 
 # modules under mtp.cli, imported when the parser is built: importing one of them (a pipeline stage
 # imports mtp.cli.pipeline) loads this package, and that must not load the server or the trainers

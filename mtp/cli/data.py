@@ -7,7 +7,7 @@ from pathlib import Path
 import signal
 import sys
 
-from mtp.core.checks import MAX_BATCH, check_device, check_threads
+from mtp.core.runtime.checks import MAX_BATCH, check_device, check_threads
 from mtp.core.engine import Engine, EngineConfig
 from mtp.training.data_engine import DataConfig, check_folder, file_prompts, run as run_engine, seal, write_card
 

@@ -1,6 +1,6 @@
 """`make demo` / `python -m mtp.cli.demo`: the embedded SmolLM2-135M decodes a few prompts with plain
 next-token decoding and with MTP strategies, alternating prompt by prompt, and prints tokens per
-forward pass and tokens/s side by side (metrics from mtp.core.metrics)."""
+forward pass and tokens/s side by side (metrics from mtp.core.decoding.metrics)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mtp.core.checks import check_threads
+from mtp.core.runtime.checks import check_threads
 from mtp.core.engine import Engine, EngineConfig
-from mtp.core.metrics import merge
-from mtp.core.sampling import SamplingParams
+from mtp.core.decoding.metrics import merge
+from mtp.core.decoding.sampling import SamplingParams
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import shlex
 
-from mtp.core import loading
+from mtp.core.runtime import loading
 from mtp.core.engine import SHIPPED
-from mtp.core.proposers.eagle3 import read_drafter_config
+from mtp.core.decoding.proposers.eagle3 import read_drafter_config
 from mtp.interop.vllm_export import FORMATS, export_vllm_eagle3, refuse_heads
 from mtp.interop.llamacpp_export import (
     DRAFT_TOKENS,

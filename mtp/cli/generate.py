@@ -7,7 +7,7 @@ import sys
 
 import jinja2
 
-from mtp.core.proposers import AUTO
+from mtp.core.decoding.proposers import AUTO
 from mtp.cli.options import (
     add_model_args,
     add_sampling_args,
@@ -18,13 +18,13 @@ from mtp.cli.options import (
     sampling_params,
 )
 from mtp.core.engine import Engine
-from mtp.core.loading import chat_template_file
+from mtp.core.runtime.loading import chat_template_file
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
-    add_model_args(p, AUTO)  # the shipped model: its best measured merge (mtp.core.proposers)
+    add_model_args(p, AUTO)  # the shipped model: its best measured merge (mtp.core.decoding.proposers)
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--show-chunks", action="store_true", help="colour each forward pass's tokens")

@@ -7,18 +7,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtp.core import kernels
-from mtp.core.checks import check_device, check_threads, valid_text
+from mtp.core.runtime import kernels
+from mtp.core.runtime.checks import check_device, check_threads, valid_text
 from mtp.core.engine import EngineConfig
-from mtp.core.loading import model_context
-from mtp.core.proposers import AUTO, REGISTRY, SHIPPED_DEFAULT, check_proposer, resolve_default
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import USAGE, Strategy
-from mtp.core.weights import QUANTIZE, check_weights
+from mtp.core.runtime.loading import model_context
+from mtp.core.decoding.proposers import AUTO, REGISTRY, SHIPPED_DEFAULT, check_proposer, resolve_default
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import USAGE, Strategy
+from mtp.core.runtime.weights import QUANTIZE, check_weights
 
 
 def add_model_args(p: argparse.ArgumentParser, proposer_default: str = "mask") -> None:
-    """proposer_default: `auto` for generate and serve (`mtp.core.proposers.resolve_default`)."""
+    """proposer_default: `auto` for generate and serve (`mtp.core.decoding.proposers.resolve_default`)."""
     p.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file, or smollm2-135m (default)")
     p.add_argument(
         "--adapter",

@@ -20,7 +20,7 @@ from mtp.cli.options import (
 )
 from mtp.pipeline.pricing import parse_cluster, predict_cluster
 from mtp.core.engine import Engine
-from mtp.core.loading import model_layers
+from mtp.core.runtime.loading import model_layers
 from mtp.pipeline.launch import launch_local
 from mtp.pipeline.stages import PipelineModel, layer_ranges, run_stage
 from mtp.pipeline.transport import PipelineConfig, PipelineError

@@ -13,13 +13,13 @@ import os
 import sys
 from pathlib import Path
 
-from mtp.core.checks import MAX_BATCH
-from mtp.core.proposers import AUTO
+from mtp.core.runtime.checks import MAX_BATCH
+from mtp.core.decoding.proposers import AUTO
 from mtp.cli.options import add_model_args, add_sampling_args, check_decoding_args, engine_config
-from mtp.core import deploy as deploy_file
-from mtp.core.costmodel import CostModel, measured_cost
+from mtp.core.policy import deploy as deploy_file
+from mtp.core.policy.costmodel import CostModel, measured_cost
 from mtp.core.engine import Engine
-from mtp.core.weights import check_weights
+from mtp.core.runtime.weights import check_weights
 from mtp.serving.config import MAX_MESSAGES, ServeConfig, check_shutdown_timeout
 from mtp.serving.scheduler import SchedulerConfig
 
@@ -28,7 +28,7 @@ API_KEY_ENV = "MTP_API_KEY"
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and shadow mode")
-    add_model_args(p, AUTO)  # the shipped model: its best measured merge (mtp.core.proposers)
+    add_model_args(p, AUTO)  # the shipped model: its best measured merge (mtp.core.decoding.proposers)
     add_sampling_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -158,7 +158,7 @@ def read_deploy(args):
             raise ValueError("--rollout, --rollout-step and --rollout-window need --deploy DEPLOY.json")
         return None
     deploy = deploy_file.read(args.deploy)
-    # what will run the model: --weights, or torch with --no-pack or off the CPU (mtp.core.weights.attach)
+    # what will run the model: --weights, or torch with --no-pack or off the CPU (mtp.core.runtime.weights.attach)
     on_cpu = str(getattr(args, "device", "cpu")) == "cpu"
     here = check_weights(args.weights) if getattr(args, "pack", True) and on_cpu else "torch"
     deploy_file.check_weights(deploy, here, args.deploy)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from mtp.cli.options import add_model_args, engine_config
-from mtp.core.artifacts import check_not_shipped
+from mtp.core.runtime.artifacts import check_not_shipped
 
 try:
     import tomllib

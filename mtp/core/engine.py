@@ -2,7 +2,7 @@
 
 The glue every front end shares (CLI, server, benchmarks, pipeline): prompt encoding with the chat
 template, context-window checks, proposer construction, and turning a finished `decode.Sequence`
-into a result with the metrics of `mtp.core.metrics`. The decoding itself is `mtp.core.decode`.
+into a result with the metrics of `mtp.core.decoding.metrics`. The decoding itself is `mtp.core.decoding.decode`.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import torch
 
 import html
 
-from mtp.core import loading
-from mtp.core.adapter import load_adapter
-from mtp.core.artifacts import ASSETS
-from mtp.core.calibration import Calibration, CalibratedProposer
-from mtp.core.costmodel import measure
-from mtp.core.decode import Sequence, stream
-from mtp.core.metrics import DecodeStats, accepted_by_proposer
-from mtp.core.proposers import MergedProposer, Proposer, check_proposer
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
-from mtp.core.weights import attach, attach_proposer, check_quantize
+from mtp.core.runtime import loading
+from mtp.core.runtime.adapter import load_adapter
+from mtp.core.runtime.artifacts import ASSETS
+from mtp.core.policy.calibration import Calibration, CalibratedProposer
+from mtp.core.policy.costmodel import measure
+from mtp.core.decoding.decode import Sequence, stream
+from mtp.core.decoding.metrics import DecodeStats, accepted_by_proposer
+from mtp.core.decoding.proposers import MergedProposer, Proposer, check_proposer
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
+from mtp.core.runtime.weights import attach, attach_proposer, check_quantize
 
 SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads per embedded model
 TREE_SUFFIX = "/tree"  # EngineConfig.calibration key of a proposer's tree-node calibration ("heads/tree")
@@ -34,14 +34,14 @@ TREE_SUFFIX = "/tree"  # EngineConfig.calibration key of a proposer's tree-node 
 class EngineConfig:
     model: str = loading.DEFAULT_MODEL
     adapter: str | None = "auto"  # directory, 'auto' (shipped, if any) or 'none'
-    proposer: str = "mask"  # a name of mtp.core.proposers.REGISTRY
+    proposer: str = "mask"  # a name of mtp.core.decoding.proposers.REGISTRY
     heads: str | None = "auto"
     eagle3: str | None = "auto"  # EAGLE-3 drafter directory (for --proposer eagle3)
     datastore: str | None = "auto"  # suffix datastore directory (for --proposer suffix; `mtp datastore build`)
     threads: int = 0
     device: str = "cpu"
     pack: bool = True  # prepare the weights for inference (False: training, which takes the torch path)
-    weights: str = "native"  # native | float32 | torch: which arithmetic runs the model (mtp.core.weights)
+    weights: str = "native"  # native | float32 | torch: which arithmetic runs the model (mtp.core.runtime.weights)
     quantize: str | None = None  # q8_0 | q4_0 | q4_1: quantise a float32 checkpoint's linears at load (weights.attach)
     calibration: dict = field(default_factory=dict)  # proposer name (chains) or name + '/tree' -> per-depth maps
 
@@ -76,8 +76,8 @@ class Engine:
         self.adapter_dir: Path | None = None
         self.asset_dirs: dict[str, Path] = {}  # asset kind ("heads") -> the directory loaded
         self._loaded_proposers: dict[str, Proposer] = {}  # proposers built from an asset, once
-        self.cost_model = None  # mtp.core.costmodel.CostModel, measured on first need (tree:auto)
-        self.weights_line = "torch (not prepared for inference)"  # what runs the model (mtp.core.weights.attach)
+        self.cost_model = None  # mtp.core.policy.costmodel.CostModel, measured on first need (tree:auto)
+        self.weights_line = "torch (not prepared for inference)"  # what runs the model (core.runtime.weights.attach)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -220,7 +220,7 @@ class Engine:
         )
 
     def pass_time(self):
-        """t(q) of this machine (`mtp.core.costmodel`): set by the owner (`mtp serve` measures it at
+        """t(q) of this machine (`mtp.core.policy.costmodel`): set by the owner (`mtp serve` measures it at
         start-up), else measured here once (a few seconds), for `tree:auto`."""
         if self.cost_model is None:
             cache_len = max(0, min(256, self.context_window - 33))

@@ -8,10 +8,10 @@ Protocol (so that the numbers can be trusted):
    prompts, reported as median and spread, and `speedup_vs_ntp` is the per-repeat ratio against the
    `ntp` row on the same prompts (its median and spread);
 4. quality compares the first repeat's outputs with `ntp`'s (greedy decoding, so repeats agree);
-5. with `--profile`, the cost model of mtp.core.costmodel predicts each row's speedup from its block
+5. with `--profile`, the cost model of mtp.core.policy.costmodel predicts each row's speedup from its block
    sizes and acceptance, printed beside the measured one; for tree rows also the tree chosen (its
    nodes per pass) and its predicted tokens/pass and tokens/s beside the measured ones (`tree_lines`).
-Decoding goes through the engine (mtp.core.decode's loop); every number comes from mtp.core.metrics.
+Decoding goes through the engine (mtp.core.decoding.decode's loop); every number comes from mtp.core.decoding.metrics.
 """
 
 from __future__ import annotations
@@ -28,17 +28,19 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mtp.core import metrics, quality
-from mtp.core.costmodel import best_k, block_tokens_for, measure, predict_tokens_per_s
-from mtp.core.proposers import Proposer
+from mtp.core.decoding import metrics
+
+from mtp.core.policy import quality
+from mtp.core.policy.costmodel import best_k, block_tokens_for, measure, predict_tokens_per_s
+from mtp.core.decoding.proposers import Proposer
 from mtp.eval import gsm8k, report
 from mtp.interop import llamacpp_env
 from mtp.eval.peers import make_peer
-from mtp.core.proposers import check_proposer
-from mtp.core.artifacts import ASSETS
-from mtp.core.model import Linear
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import SWEEP_LIMIT, Strategy, expand_sweep, split_list
+from mtp.core.decoding.proposers import check_proposer
+from mtp.core.runtime.artifacts import ASSETS
+from mtp.core.runtime.model import Linear
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import SWEEP_LIMIT, Strategy, expand_sweep, split_list
 
 WARMUP_TOKENS = 8
 
@@ -213,7 +215,7 @@ def environment(engine=None) -> dict:
             adapter=_asset_name(engine.adapter_dir),
             heads=_asset_name(engine.asset_dirs.get("heads")),
             proposer=engine.config.proposer,
-            weights=getattr(engine, "weights_line", ""),  # what ran the model (mtp.core.weights.attach)
+            weights=getattr(engine, "weights_line", ""),  # what ran the model (mtp.core.runtime.weights.attach)
             device=str(engine.model.device),
             packed=_packed(engine.model),
         )

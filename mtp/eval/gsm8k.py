@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mtp.core.quality import HASHES, normalize
+from mtp.core.policy.quality import HASHES, normalize
 
 PROMPT = "{question}\nSolve the problem step by step, then finish with: The answer is N."
 

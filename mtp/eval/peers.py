@@ -32,8 +32,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from mtp.core import loading
-from mtp.core.artifacts import read_json
+from mtp.core.runtime import loading
+from mtp.core.runtime.artifacts import read_json
 from mtp.interop.vllm_export import export_vllm_eagle3
 from mtp.interop.llamacpp_export import MANIFEST, export_llamacpp, is_llamacpp_export
 from mtp.interop import llamacpp_env, vllm_env
@@ -81,7 +81,7 @@ class HFPeer(Peer):
             raise ValueError(f"{self.name} needs a HF model directory, not {src!r}")
         self.model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().to(engine.model.device)
         self.eos = list(engine.loaded.eos_ids)
-        # as in mtp.core.decode, the <mtp_mask> token is never a prediction
+        # as in mtp.core.decoding.decode, the <mtp_mask> token is never a prediction
         mid = engine.mask_id
         self.suppress = [mid] if mid is not None and mid < self.model.config.vocab_size else None
 

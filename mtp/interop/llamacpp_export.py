@@ -30,9 +30,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from mtp.core.artifacts import ArtifactError, atomic_dir, base_hash, read_json
+from mtp.core.runtime.artifacts import ArtifactError, atomic_dir, base_hash, read_json
 from mtp.interop.vllm_export import export_vllm_eagle3
-from mtp.core.proposers.eagle3 import CONFIG, read_drafter_config
+from mtp.core.decoding.proposers.eagle3 import CONFIG, read_drafter_config
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # what convert_hf_to_gguf.py writes for a Llama and its drafter
 MANIFEST = "export.json"
@@ -192,7 +192,7 @@ def export_llamacpp(
     draft_tokens: int = DRAFT_TOKENS,
     draft_p_min: float | None = None,
 ) -> dict:
-    """Write the llama.cpp export of `loaded` (mtp.core.loading.Loaded) and `drafter` to `out`; return
+    """Write the llama.cpp export of `loaded` (mtp.core.runtime.loading.Loaded) and `drafter` to `out`; return
     its manifest. `draft_tokens`: the `--spec-draft-n-max` its command (and mtp bench's peer) uses;
     `draft_p_min`: its `--spec-draft-p-min` (None: llama.cpp's default), as `mtp bench --profile` advises.
     See the module docstring for the contract."""

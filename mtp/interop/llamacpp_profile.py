@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from mtp.core.costmodel import CostModel
+from mtp.core.policy.costmodel import CostModel
 from mtp.interop import llamacpp_env
 
 QS = (1, 2, 3, 4, 5, 6, 8)  # blocks llama-bench measures (drafts per step up to 7)

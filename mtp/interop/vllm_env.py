@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mtp.core import loading
+from mtp.core.runtime import loading
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the checkout (where `make vllm` puts .venv-vllm)
 RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"

@@ -9,13 +9,13 @@ One forward pass through P stages (any batch the decoding loop builds):
   stage 0    embeddings + its layers    --[header, positions/slots/out rows, hidden ⊕ gate (, layout)]-->  stage 1
   stage i    its layers                 --[same message, new hidden]----------------------->  stage i+1
   stage P-1  its layers + norm + lm_head --[header, logits (⊕ hidden)]--------------------->  stage 0
-so a pass crosses P links. Stage 0 runs the one decoding loop (`mtp.core.decode.decode_step`) unchanged,
+so a pass crosses P links. Stage 0 runs the one decoding loop (`mtp.core.decoding.decode.decode_step`) unchanged,
 with `PipelineModel` standing in for the Transformer; proposing, accepting and committing happen on
 stage 0 only. The other stages need no rollback message: every block carries its positions, and a
 query at position p reads cache slots 0..p only, so the KV entries of rejected drafts and of masks
 are overwritten by the next block that reaches those positions, on every stage, before anything
 reads them (tests/test_pipeline.py checks every stage's cache against a fresh prefill). A `verify`
-block with branched mask groups or a token tree (mtp.core.decode) also carries its layout: the cache slot
+block with branched mask groups or a token tree (mtp.core.decoding.decode) also carries its layout: the cache slot
 of each row and the [B, T, S] attention mask (a few KB), since its RoPE positions are not its slots.
 A tree's accepted path is moved into contiguous slots on stage 0 at once (`StageZeroCache.compact`)
 and on every other stage just before its next pass: the moves ride along with that pass's message
@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mtp.core.artifacts import base_hash
-from mtp.core.cache import KVCache
-from mtp.core.model import Transformer
+from mtp.core.runtime.artifacts import base_hash
+from mtp.core.runtime.cache import KVCache
+from mtp.core.runtime.model import Transformer
 from mtp.pipeline.transport import (
     F_CACHE,
     F_GATE,
@@ -140,7 +140,7 @@ class PipelineModel:
         return_hidden=False,
         cache_positions=None,
     ):
-        # tokens, positions: [B, T]; slots: [B]; out_index: [B, N]; with a branched layout (mtp.core.decode)
+        # tokens, positions: [B, T]; slots: [B]; out_index: [B, N]; with a branched layout (mtp.core.decoding.decode)
         # cache_positions [B, T] and attn_mask [B, T, S] travel along
         if (attn_mask is None) != (cache_positions is None) or (attn_mask is not None and cache is None):
             raise ValueError("pipeline stages decode with a KV cache; an attn_mask needs cache_positions")

@@ -1,5 +1,5 @@
 """The server's adaptive K: per pass, the cap on K that maximises expected tokens per second of the
-whole batch, priced with the measured pass times (`mtp.core.costmodel` at start-up, then what the
+whole batch, priced with the measured pass times (`mtp.core.policy.costmodel` at start-up, then what the
 passes themselves took). K = 1 means no proposals this pass; capping K keeps lossless strategies
 (`ntp`, `verify`) exact, and a capped `static` / `conf_adapt` pass emits what `conf_adapt:TAU:K` would.
 Token trees (`tree:N`, `tree:auto`) are priced by their nodes, not as chains (`AdaptiveK.choose`): a cap
@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from mtp.core import tree
-from mtp.core.decode import Sequence
+from mtp.core.decoding import tree
+from mtp.core.decoding.decode import Sequence
 
 
 def ranked_confidences(parents: list[int], confidences: list[float]) -> list[float]:

@@ -63,7 +63,7 @@ class APIKeyAuth:
 
 def create_app(engine: Engine, config: ServeConfig, pass_time=None):
     """The FastAPI app around an Engine. `pass_time(q)` (seconds per pass of q tokens) turns on the
-    adaptive K policy; `mtp serve` measures it at start-up (mtp.core.costmodel)."""
+    adaptive K policy; `mtp serve` measures it at start-up (mtp.core.policy.costmodel)."""
     state = ServerState(engine, config, pass_time)
 
     @contextlib.asynccontextmanager

@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mtp.core.deploy import Deploy
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.policy.deploy import Deploy
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 from mtp.serving.scheduler import SchedulerConfig
 from mtp.serving.rollout import check_fraction
 from mtp.serving.shadow import check_log_path

@@ -1,4 +1,4 @@
-"""OpenAI's log-probability shapes, built from the records of `mtp.core.decode` (`TokenLogprob`).
+"""OpenAI's log-probability shapes, built from the records of `mtp.core.decoding.decode` (`TokenLogprob`).
 
 - chat: `choices[].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
   bytes}]}]}`;
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mtp.core.decode import TokenLogprob
+from mtp.core.decoding.decode import TokenLogprob
 
 FLOOR = -9999.0
 

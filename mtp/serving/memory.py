@@ -1,4 +1,4 @@
-"""Whether `mtp serve`'s KV cache fits: it is zero-filled up front (`mtp.core.cache.KVCache`), so a
+"""Whether `mtp serve`'s KV cache fits: it is zero-filled up front (`mtp.core.runtime.cache.KVCache`), so a
 cache larger than the memory available would fail (or be OOM-killed) while allocating. `check_kv_cache`
 refuses such a cache with a one-line ValueError before it is allocated; MAX_KV_FRACTION of the memory
 available (after the model loaded) may go to it."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from mtp.core import metrics as M
+from mtp.core.decoding import metrics as M
 from mtp.serving.scheduler import Request, Scheduler
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -3,7 +3,7 @@
 A request that names no strategy of its own is assigned once, at admission, by a hash of its id:
 the tuned configuration when the hash falls below the current fraction, the lossless fallback
 otherwise. Shadow mode re-decodes the tuned requests with `ntp` (at `--shadow-rate`) and reports
-each comparison here as a loss per metric (`mtp.core.quality`: exact, answer, rougeL).
+each comparison here as a loss per metric (`mtp.core.policy.quality`: exact, answer, rougeL).
 
 A sliding window holds the last `window` losses of each metric; the deploy file's metric decides:
 - fallback: as soon as the window's summed loss exceeds tolerance x window (its mean is then above
@@ -22,7 +22,7 @@ import hashlib
 import logging
 import threading
 
-from mtp.core.deploy import METRICS, Arm, Deploy
+from mtp.core.policy.deploy import METRICS, Arm, Deploy
 
 log = logging.getLogger("mtp.serve")
 TUNED, FALLBACK = "tuned", "fallback"

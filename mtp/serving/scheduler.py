@@ -20,7 +20,7 @@ A request with `adaptive=False` is never capped (a lossy strategy then emits exa
 generate` does). `drain(timeout)` stops admitting; once `timeout` seconds have passed, whatever still
 runs or waits is cancelled (finish_reason `cancelled`).
 
-The KV cache is allocated (zero-filled) up front: `--max-batch` is at most MAX_BATCH (`mtp.core.checks`),
+The KV cache is allocated (zero-filled) up front: `--max-batch` is at most MAX_BATCH (`mtp.core.runtime.checks`),
 and a cache that does not fit in the memory available is refused before it is allocated
 (`mtp.serving.memory`).
 """
@@ -38,11 +38,11 @@ from typing import Callable
 
 import torch
 
-from mtp.core import batching
-from mtp.core.batching import Batch
-from mtp.core.decode import Sequence, block_slack
-from mtp.core.checks import check_batch_size
-from mtp.core.strategy import K_LIMIT
+from mtp.core.decoding import batching
+from mtp.core.decoding.batching import Batch
+from mtp.core.decoding.decode import Sequence, block_slack
+from mtp.core.runtime.checks import check_batch_size
+from mtp.core.decoding.strategy import K_LIMIT
 from mtp.serving import memory
 from mtp.serving.adaptive import AdaptiveK
 

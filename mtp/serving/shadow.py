@@ -7,7 +7,7 @@ to the shadow log:
 - exact_match: the MTP output's token ids equal the ntp output's;
 - first_divergence: index of the first differing token (the shorter length when one output is a
   prefix of the other; null when identical);
-- answer / shadow_answer / answer_agree: GSM8K-style final answers (`mtp.core.quality.extract_answer`) and
+- answer / shadow_answer / answer_agree: GSM8K-style final answers (`mtp.core.policy.quality.extract_answer`) and
   whether they agree (null when neither text has a number);
 - latency_s / shadow_latency_s / latency_ratio: decoding time (admission to last token, queueing
   excluded) of the MTP request and of its ntp shadow, and their ratio (< 1: MTP was faster).
@@ -23,8 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from mtp.core.quality import extract_answer
-from mtp.core.metrics import percentile
+from mtp.core.policy.quality import extract_answer
+from mtp.core.decoding.metrics import percentile
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

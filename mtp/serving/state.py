@@ -8,7 +8,7 @@ What a request asks beyond its text (`Asked`, checked by `asked`):
 - `logprobs` (completions: N; chat: `logprobs: true` + `top_logprobs: N`, N <= MAX_TOP_LOGPROBS): each
   generated token's log-probability under the model's raw logits (temperature 1, no top-k/top-p: the
   distribution itself, whatever the request samples with) and its top N, from the pass that verified it
-  (`mtp.core.decode`). Lossless strategies only: a lossy one (conf_adapt, static) emits guesses no pass
+  (`mtp.core.decoding.decode`). Lossless strategies only: a lossy one (conf_adapt, static) emits guesses no pass
   verified, so a request with logprobs and a lossy strategy is refused (400), unless it generates at
   most one token: every strategy's first token is the model's own, so it runs as ntp.
 - `echo` (completions only): the prompt before the completion, with its tokens' log-probabilities from
@@ -32,13 +32,13 @@ import random
 import time
 from dataclasses import dataclass
 
-from mtp.core.deploy import check_within_caps
+from mtp.core.policy.deploy import check_within_caps
 from mtp.core.engine import Engine
-from mtp.core.sampling import SEED_MAX, SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.sampling import SEED_MAX, SamplingParams
+from mtp.core.decoding.strategy import Strategy
 from mtp.serving.config import MAX_TOP_LOGPROBS, ServeConfig
 from mtp.serving.openai import APIError, ChatRequest, CompletionRequest, CommonRequest
-from mtp.core import quality
+from mtp.core.policy import quality
 from mtp.serving.prometheus import ServerMetrics
 from mtp.serving.rollout import TUNED, Rollout
 from mtp.serving.scheduler import Request, Scheduler, SchedulerClosed

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from mtp.core.adapter import (
+from mtp.core.runtime.adapter import (
     MODES,
     TARGETS,
     WEIGHTS,
@@ -39,7 +39,7 @@ from mtp.core.adapter import (
     load_trainable,
     read_adapter,
 )
-from mtp.core.artifacts import file_digest, load_safetensors, replaceable, write_dir_atomic
+from mtp.core.runtime.artifacts import file_digest, load_safetensors, replaceable, write_dir_atomic
 from mtp.training.data import Example
 from mtp.training.trainer import Trainer, TrainerConfig, batch_indices, check_lr, distributed
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
-from mtp.core.model import Transformer
-from mtp.core.proposers.eagle3 import (
+from mtp.core.runtime.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
+from mtp.core.runtime.model import Transformer
+from mtp.core.decoding.proposers.eagle3 import (
     CONFIG,
     FORMAT,
     WEIGHTS,

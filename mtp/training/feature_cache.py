@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mtp.core.artifacts import ArtifactError, pid_alive, write_text_atomic
+from mtp.core.runtime.artifacts import ArtifactError, pid_alive, write_text_atomic
 
 BLOCK = 256  # examples per cached file (~5 min of one core for SmolLM2-135M, 256-token answers)
 

@@ -4,7 +4,7 @@ The trunk is frozen, so its hidden states over the self-generated answers are co
 cached (one safetensors file per block of examples, `cached_features`); the heads then train on that cache
 with cross-entropy against the model's own greedy continuation (the "hard teacher"), through the
 one optimisation loop of `mtp.training.trainer`. No trunk pass per step: far cheaper per example
-than mask-token training. The network and its proposer are `mtp.core.proposers.heads`.
+than mask-token training. The network and its proposer are `mtp.core.decoding.proposers.heads`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mtp.core.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
-from mtp.core.model import Transformer
-from mtp.core.proposers.heads import (
+from mtp.core.runtime.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
+from mtp.core.runtime.model import Transformer
+from mtp.core.decoding.proposers.heads import (
     CONFIG,
     FORMAT,
     MAX_AHEAD,

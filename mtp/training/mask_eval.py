@@ -29,7 +29,7 @@ def tokens_per_pass(
     model, examples: list[Example], k: int = 4, stride: int = 4, seq_len: int = 512, batch_size: int = 4
 ) -> list[float | None]:
     """Per example: 1 + mean leading run of correct mask proposals (None if no span fits).
-    `model` is a base Transformer with a gated adapter attached (see `mtp.core.adapter`)."""
+    `model` is a base Transformer with a gated adapter attached (see `mtp.core.runtime.adapter`)."""
     if k < 2 or stride < 1:
         raise ValueError("k must be >= 2 and stride >= 1")
     mask_id = model.config.mask_token_id

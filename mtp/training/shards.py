@@ -28,7 +28,7 @@ import os
 import re
 from pathlib import Path
 
-from mtp.core.artifacts import write_text_atomic  # noqa: F401  (shards.write_text_atomic: one writer)
+from mtp.core.runtime.artifacts import write_text_atomic  # noqa: F401  (shards.write_text_atomic: one writer)
 
 MANIFEST = "manifest.json"
 LOGS = ("train", "instructions")  # the working file of log L is L.jsonl; its shards L-00001.jsonl.gz, ...

@@ -6,7 +6,7 @@ would), the files that make its checkpoint loadable on their own (`files_fn`), a
 that must match to resume. The trainer owns everything else, written once:
 - the learning-rate schedule (`lr_at`: linear warm-up, cosine decay to a tenth of --lr);
 - AdamW state in safetensors (`optimizer_tensors` / `load_optimizer_tensors`) and the RNG state;
-- the checkpoint: a directory replaced atomically (`mtp.core.artifacts`) holding the family's
+- the checkpoint: a directory replaced atomically (`mtp.core.runtime.artifacts`) holding the family's
   files, `optimizer.safetensors` and `trainer_state.json` (step, settings, history, wall time),
   every `save_every` steps, at the end, and on Ctrl-C between steps;
 - resume: refuse a checkpoint made with other settings, naming the setting; refuse to start over
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as torch_dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from mtp.core.artifacts import (
+from mtp.core.runtime.artifacts import (
     first_nonfinite,
     has_format,
     load_safetensors,

@@ -14,7 +14,7 @@ decoded (`--measure-all` decodes it anyway).
 
 from __future__ import annotations
 
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.strategy import Strategy
 
 RECORDED_GUESSES = 3  # verify:4 records three guesses per pass
 

@@ -1,5 +1,5 @@
 """Offline decoding of many prompts with one candidate, `batch` rows at a time through the one
-batching loop (`mtp.core.batching.Batch`), greedy: what `mtp tune` runs to learn each candidate's
+batching loop (`mtp.core.decoding.batching.Batch`), greedy: what `mtp tune` runs to learn each candidate's
 outputs, acceptance and block sizes without paying one single-stream decode per prompt.
 
 Per prompt it keeps the output ids and text, the tokens emitted and fed per pass (`chunks`, `blocks`), and with
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtp.core.batching import Batch
-from mtp.core.decode import block_slack
-from mtp.core.proposers import DraftRequest, Guesses, Proposer
-from mtp.core.proposers.base import WrappedProposer
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.batching import Batch
+from mtp.core.decoding.decode import block_slack
+from mtp.core.decoding.proposers import DraftRequest, Guesses, Proposer
+from mtp.core.decoding.proposers.base import WrappedProposer
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 
 
 @dataclass

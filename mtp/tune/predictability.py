@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from mtp.core.cache import KVCache
+from mtp.core.runtime.cache import KVCache
 
 TAUS = (0.5, 0.8, 0.9, 0.95, 0.99)
 

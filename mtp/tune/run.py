@@ -2,14 +2,14 @@
 
 The adoption checklist, in order:
 1. reference: greedy `ntp` answers of every prompt (batched, `mtp.tune.offline`);
-2. hardware: this machine's t(q) (`mtp.core.costmodel.measure`);
+2. hardware: this machine's t(q) (`mtp.core.policy.costmodel.measure`);
 3. predictability: entropy and top-1 probability of the model on its own answers, per category
    (`mtp.tune.predictability`);
 4. calibration: for each proposer with confidences, a `verify:4` run records (confidence, right) per
    depth; for each part of a merged candidate, a `tree:16` run records (node confidence, whether its
    root path is the model's continuation) per node depth; a map per depth is fitted on every prompt
    and its expected calibration error measured by two-fold cross-fitting (even-numbered prompts fit,
-   odd ones scored, and the reverse; `fit_held_out`, `mtp.core.calibration`); conf_adapt then reads
+   odd ones scored, and the reverse; `fit_held_out`, `mtp.core.policy.calibration`); conf_adapt then reads
    calibrated confidences, and a merge compares its parts' calibrated node probabilities instead of
    fixed priors;
 5. probe: a lossless candidate whose proposer reads only the context and the hidden state (heads,
@@ -30,7 +30,7 @@ The adoption checklist, in order:
    interleaved with `ntp`, on the first `measure` prompts (`mtp.eval.bench.run_bench`); the fastest
    measured one is chosen; the fallback is the fastest measured lossless one (`ntp` when the choice
    is lossless itself);
-8. `deploy.json` (`mtp.core.deploy`), `results.json` (every candidate) and `report.html`.
+8. `deploy.json` (`mtp.core.policy.deploy`), `results.json` (every candidate) and `report.html`.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mtp.core import calibration as calib
-from mtp.core import metrics
-from mtp.core import deploy as D
-from mtp.core.costmodel import measure
+from mtp.core.policy import calibration as calib
+from mtp.core.decoding import metrics
+from mtp.core.policy import deploy as D
+from mtp.core.policy.costmodel import measure
 from mtp.core.engine import TREE_SUFFIX
-from mtp.core.strategy import Strategy
-from mtp.core import quality
+from mtp.core.decoding.strategy import Strategy
+from mtp.core.policy import quality
 from mtp.eval.bench import BenchConfig, Spec, environment, load_data, run_bench
 from mtp.tune import candidates as C
 from mtp.tune import predictability
@@ -539,7 +539,7 @@ class Tuning:
             )
 
     def result(self, chosen: Row, fallback: str, price_pick: Row) -> dict:
-        """8: the deploy file (`mtp.core.deploy`: the tuned arm and its fallback, their caps,
+        """8: the deploy file (`mtp.core.policy.deploy`: the tuned arm and its fallback, their caps,
         calibrations and hashes, what was measured) and the results every candidate's row holds."""
         engine, cfg, m = self.engine, self.cfg, self.measured_prompts
         tuned_arm, fallback_arm = _arm(chosen.name, engine), _arm(fallback, engine)

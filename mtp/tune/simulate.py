@@ -28,10 +28,10 @@ import time
 
 import torch
 
-from mtp.core import tree
-from mtp.core.proposers import DraftRequest, Guesses, PassView, check_proposer
-from mtp.core.proposers.base import GREEDY, WrappedProposer
-from mtp.core.strategy import Strategy
+from mtp.core.decoding import tree
+from mtp.core.decoding.proposers import DraftRequest, Guesses, PassView, check_proposer
+from mtp.core.decoding.proposers.base import GREEDY, WrappedProposer
+from mtp.core.decoding.strategy import Strategy
 from mtp.tune.offline import Output, RecordingProposer, RunStats
 from mtp.tune.predictability import forward_over, teacher_forced
 

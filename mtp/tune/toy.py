@@ -6,8 +6,8 @@ their own data."""
 
 from __future__ import annotations
 
-from mtp.core.sampling import SamplingParams
-from mtp.core.strategy import Strategy
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
 
 PROMPTS = (
     "Count from 1 to 30, separated by commas.",
