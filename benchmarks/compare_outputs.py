@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 from mtp.core.decoding import metrics
-
 from mtp.core.policy import quality
 from mtp.eval import gsm8k
 

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from mtp.core.runtime.cache import KVCache
 from mtp.core.decoding.decode import block_slack, decode_step
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.decoding.proposers import DraftRequest
 from mtp.core.decoding.proposers.base import WrappedProposer
 from mtp.core.decoding.proposers.heads import HeadsProposer
 from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.runtime.cache import KVCache
 
 
 def gsm8k_prompts(engine: Engine, n: int) -> list[list[int]]:

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.decoding.proposers.eagle3 import Eagle3Config
+from mtp.core.engine import Engine, EngineConfig
 from mtp.training.eagle3_train import init_drafter, ttt_loss
 
 

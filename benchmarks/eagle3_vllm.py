@@ -21,16 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from mtp.core.decoding import metrics
 from mtp.core.decoding.decode import Sequence
-from mtp.core.engine import SHIPPED, Engine, EngineConfig
-from mtp.interop.vllm_export import export_vllm_eagle3
 from mtp.core.decoding.proposers.heads import load_heads_proposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.engine import SHIPPED, Engine, EngineConfig
 from mtp.eval import gsm8k
 from mtp.interop.vllm_env import run_vllm, strip_eos, target_dir
+from mtp.interop.vllm_export import export_vllm_eagle3
 
 
 def read_prompts(path: str, limit: int) -> list[str]:

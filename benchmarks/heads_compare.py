@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from mtp.core.decoding import metrics
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.engine import Engine, EngineConfig
 from mtp.eval.bench import load_data
 from mtp.tune.offline import Output, decode_all
 from mtp.tune.simulate import replay

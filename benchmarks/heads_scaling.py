@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from mtp.core.decoding.proposers.heads import bf16_readout, load_heads
 from mtp.core.engine import SHIPPED, Engine, EngineConfig
 from mtp.core.runtime.loading import cache_root
-from mtp.core.decoding.proposers.heads import bf16_readout, load_heads
 from mtp.training import shards
 from mtp.training.data import load_examples
 from mtp.training.heads_train import TrainHeadsConfig, cached_features, evaluate, train_heads

@@ -26,11 +26,11 @@ import torch
 
 from mtp.core.decoding import metrics
 from mtp.core.decoding.decode import Sequence
-from mtp.core.engine import Engine, EngineConfig
-from mtp.core.decoding.proposers.heads import load_heads_proposer, read_heads_config
 from mtp.core.decoding.proposers import MaskProposer
+from mtp.core.decoding.proposers.heads import load_heads_proposer, read_heads_config
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.engine import Engine, EngineConfig
 
 
 def load_prompts(path: str, limit: int) -> list[str]:

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtp.core.runtime.cache import KVCache
 from mtp.core.engine import Engine, EngineConfig
+from mtp.core.runtime.cache import KVCache
 from mtp.eval.bench import load_data
 
 

@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mtp.core.decoding.decode import generate
+from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.runtime import kernels
 from mtp.core.runtime.cache import KVCache
-from mtp.core.decoding.decode import generate
 from mtp.core.runtime.kernels.qlinear import gguf_weights, linear, linear_int8
 from mtp.core.runtime.loading import load, resolve
 from mtp.core.runtime.model import Linear
-from mtp.core.decoding.sampling import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

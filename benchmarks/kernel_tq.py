@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtp.core.runtime.cache import KVCache
-from mtp.core.policy.costmodel import measure
 from mtp.core.engine import Engine, EngineConfig
+from mtp.core.policy.costmodel import measure
+from mtp.core.runtime.cache import KVCache
 from mtp.core.runtime.loading import resolve
 from mtp.eval.bench import environment
 

@@ -44,11 +44,11 @@ from pathlib import Path
 import torch
 
 from mtp.cli import main as mtp_main
-from mtp.core.runtime.artifacts import base_hash, read_json
 from mtp.core.decoding.decode import Sequence, stream
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.runtime.artifacts import base_hash, read_json
 from mtp.eval.bench import load_data
 from mtp.interop import llamacpp_env, llamacpp_profile
 from mtp.interop.llamacpp_export import MANIFEST, is_llamacpp_export

@@ -17,8 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.engine import Engine, EngineConfig
 from mtp.eval.bench import load_data
 from mtp.tune.offline import chain_pairs, decode_all
 from mtp.tune.run import fit_held_out

@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 from heads_compare import portable, protocol_parser, reference, write_rows
+
 from mtp.core.decoding import metrics
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.engine import Engine, EngineConfig
 from mtp.core.policy import quality
 from mtp.eval.bench import load_data
 from mtp.tune.offline import decode_all

@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-
 from heads_scaling import held_out
+
 from mtp.cli.train import parse_layers
-from mtp.core.runtime.adapter import check_layers
 from mtp.core.engine import Engine, EngineConfig
+from mtp.core.runtime.adapter import check_layers
 from mtp.core.runtime.loading import DEFAULT_MODEL, model_layers
 from mtp.training.data import load_examples
 from mtp.training.distill import TrainConfig, prepare_examples, train

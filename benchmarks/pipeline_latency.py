@@ -31,16 +31,15 @@ from pathlib import Path
 
 import torch
 
-from mtp.core.policy import costmodel
-from mtp.pipeline import pricing
-
 from mtp.core.decoding import metrics
 from mtp.core.decoding.decode import Sequence, stream
+from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.decoding.strategy import Strategy
+from mtp.core.policy import costmodel
+from mtp.pipeline import pricing
 from mtp.pipeline.launch import launch_local
 from mtp.pipeline.stages import run_stage
 from mtp.pipeline.transport import PipelineConfig
-from mtp.core.decoding.sampling import SamplingParams
-from mtp.core.decoding.strategy import Strategy
 
 PROMPTS = [  # fixed, GSM8K-style (the task the adapter is distilled on)
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -27,8 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mtp.eval import gsm8k
 from mtp.core.decoding import metrics as M
+from mtp.eval import gsm8k
 
 
 def free_port() -> int:
@@ -176,8 +176,8 @@ def uncapped_outputs(client, args, prompts: list[str], strategies: list[str]) ->
 def check_identical(args, prompts: list[str], strategies: list[str], table: dict) -> dict:
     """Decode the first --check prompts alone per strategy; count identical server outputs (every cell
     of the table, and the "uncapped" cells of `uncapped_outputs`)."""
-    from mtp.core.engine import Engine, EngineConfig
     from mtp.core.decoding.sampling import SamplingParams
+    from mtp.core.engine import Engine, EngineConfig
 
     engine = Engine.load(
         EngineConfig(model=args.model, adapter=args.adapter, proposer=args.proposer, threads=args.threads)

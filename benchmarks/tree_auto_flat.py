@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtp.core.policy.costmodel import CostModel
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.policy.costmodel import CostModel
 from mtp.eval.bench import load_data
 
 FLAT = CostModel({1: 0.010, 64: 0.0101})  # 64 tokens cost 1 % more than 1

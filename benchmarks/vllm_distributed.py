@@ -20,9 +20,10 @@ import tempfile
 from pathlib import Path
 
 from eagle3_vllm import read_prompts
+
 from mtp.core.engine import Engine, EngineConfig
-from mtp.interop.vllm_export import export_vllm_eagle3
 from mtp.interop.vllm_env import run_vllm, strip_eos, target_dir
+from mtp.interop.vllm_export import export_vllm_eagle3
 
 
 def main() -> int:

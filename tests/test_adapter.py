@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
+from mtp.core.decoding.decode import generate
 from mtp.core.runtime import adapter
 from mtp.core.runtime.adapter import add_adapters, load_adapter, save_adapter
 from mtp.core.runtime.artifacts import base_hash
-from mtp.core.decoding.decode import generate
 
 
 def adapted(mode="gated", seed=0, std=0.2):

@@ -8,20 +8,18 @@ import os
 
 import pytest
 import torch
-
 from conftest import tiny_model
-from mtp.eval import bench
-from mtp.eval import gsm8k, report
+
 from mtp.core.decoding import metrics
-from mtp.core.policy import quality
-from mtp.eval.bench import BenchConfig, Row, Run
 from mtp.core.decoding.decode import generate
-from mtp.core.policy.costmodel import CostModel, best_k, block_tokens_for, measure, predict_speedup
 from mtp.core.decoding.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
-from mtp.eval.peers import Peer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
-
+from mtp.core.policy import quality
+from mtp.core.policy.costmodel import CostModel, best_k, block_tokens_for, measure, predict_speedup
+from mtp.eval import bench, gsm8k, report
+from mtp.eval.bench import BenchConfig, Row, Run
+from mtp.eval.peers import Peer
 
 # ---------------------------------------------------------------------------------------------- gsm8k
 
@@ -176,6 +174,7 @@ def test_by_category_credits_accepted_drafts_to_merge_parts_and_prints_them(tmp_
     """Per category: which part of a merge drafted the accepted tokens (a token two parts drafted counts
     for both), in results, in the printed table and in report.html's per-category table."""
     import io
+
     from rich.console import Console
 
     items = [{"prompt": "a", "category": "maths"}, {"prompt": "b", "category": "copy"}]
@@ -300,8 +299,8 @@ def char_tokenizer():
 def tiny_engine(tmp_path):
     """An Engine around a tiny random model with a mask token and a character tokenizer, saved as a
     HF directory so the transformers peer can load the same weights."""
-    from mtp.core.runtime import loading
     from mtp.core.engine import Engine, EngineConfig
+    from mtp.core.runtime import loading
     from mtp.core.runtime.model import add_mask_token
 
     model = tiny_model(3)
@@ -462,7 +461,9 @@ def test_bench_attributes_accepted_drafts_to_merge_parts_and_profiles_trees(tiny
     tokens; the chunk view marks each pass's accepted branch; `--profile` names the tree each tree row
     chose, its nodes per pass and its predicted beside measured tokens/pass and tokens/s."""
     import io
+
     from rich.console import Console
+
     from mtp.core.decoding.proposers import REGISTRY, ProposerSpec
 
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
@@ -581,8 +582,8 @@ def test_cli_bad_input(extra, message, tmp_path, capsys):
 
 
 def test_strategy_needing_adapter_fails_before_running(tmp_path):
-    from mtp.core.runtime import loading
     from mtp.core.engine import Engine, EngineConfig
+    from mtp.core.runtime import loading
 
     plain = Engine(loading.Loaded(tiny_model(), char_tokenizer(), "tiny", "tiny"), EngineConfig(adapter="none"))
     kind, items = bench.load_data(f"gsm8k:{_gsm8k_file(tmp_path)}")
@@ -591,8 +592,8 @@ def test_strategy_needing_adapter_fails_before_running(tmp_path):
 
 
 def test_results_name_shipped_assets_without_machine_paths(tmp_path):
-    from mtp.eval.bench import _asset_name
     from mtp.core.runtime.artifacts import ASSETS
+    from mtp.eval.bench import _asset_name
 
     assert _asset_name(ASSETS / "smollm2-135m" / "adapter") == "shipped:smollm2-135m/adapter"
     assert _asset_name(tmp_path / "my-adapter") == str(tmp_path / "my-adapter")
@@ -632,10 +633,10 @@ def test_calibration_flag_applies_a_deploy_files_maps_and_checks_its_hashes(tmp_
     then drafts from a CalibratedProposer, as under `mtp serve --deploy`); one tuned on other weights is
     refused in one line, a truncated one before the model loads."""
     from mtp.cli import main
-    from mtp.core.policy import deploy as D
-    from mtp.core.runtime import loading
-    from mtp.core.policy.calibration import CalibratedProposer, Calibration
     from mtp.core.engine import Engine, EngineConfig
+    from mtp.core.policy import deploy as D
+    from mtp.core.policy.calibration import CalibratedProposer, Calibration
+    from mtp.core.runtime import loading
 
     model, tok = tiny_model(), char_tokenizer()
     built = []

@@ -15,11 +15,11 @@ import subprocess
 import sys
 
 import torch
-
 from conftest import tiny_model
-from mtp.core.runtime.model import Linear, pack_weights, use_packed
 from test_data import make_tiny_model_dir, write_jsonl
 from test_train import examples
+
+from mtp.core.runtime.model import Linear, pack_weights, use_packed
 
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 

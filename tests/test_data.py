@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from mtp.training import data
 from mtp.training.data import Example, build_examples, load_examples, load_prompts
 

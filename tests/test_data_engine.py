@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_data import make_tiny_model_dir, tiny_engine, write_jsonl  # noqa: F401
 
 from mtp.cli import main
 from mtp.core.decoding.decode import generate as greedy
@@ -14,7 +15,6 @@ from mtp.core.decoding.sampling import SamplingParams
 from mtp.training import data_engine as E
 from mtp.training import shards
 from mtp.training.data import load_examples
-from test_data import make_tiny_model_dir, tiny_engine, write_jsonl  # noqa: F401
 
 
 def sources(tmp_path, n_gsm=6, n_tasks=12):

@@ -11,14 +11,14 @@ import os
 from pathlib import Path
 
 import pytest
+from test_data import make_tiny_model_dir, tiny_engine, write_jsonl  # noqa: F401
+from test_data_engine import config, records, sources
 
 from mtp.cli import main
 from mtp.training import data_engine as E
 from mtp.training import shards
 from mtp.training.data import load_examples, load_prompts
 from mtp.training.eval_guard import check_not_evaluation, known
-from test_data import make_tiny_model_dir, tiny_engine, write_jsonl  # noqa: F401
-from test_data_engine import config, records, sources
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "data" / "smollm2-135m" / "mix-v1"
@@ -354,8 +354,8 @@ def test_the_shipped_heads_recipe_trains_from_a_committed_shard(tmp_path, capsys
     from conftest import require_smollm2
 
     require_smollm2()
-    from mtp.core.engine import Engine, EngineConfig
     from mtp.core.decoding.proposers.heads import load_heads
+    from mtp.core.engine import Engine, EngineConfig
 
     entry = min(shards.shard_entries(shards.read_manifest(SHIPPED), "train"), key=lambda e: e["lines"])
     out = tmp_path / "heads"

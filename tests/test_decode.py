@@ -7,14 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import tiny_model
-from mtp.core.runtime.cache import KVCache
-from mtp.core.decoding.decode import Sequence, decode_step, generate, _branch_layout
-from mtp.core.runtime.model import add_mask_token
+
+from mtp.core.decoding.decode import Sequence, _branch_layout, decode_step, generate
 from mtp.core.decoding.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
 from mtp.core.decoding.sampling import SamplingParams, verify_drafts
 from mtp.core.decoding.strategy import Strategy, StrategyError, expand_sweep
+from mtp.core.runtime.cache import KVCache
+from mtp.core.runtime.model import add_mask_token
 
 V = 50
 MASK = 49

@@ -102,6 +102,7 @@ def test_w1_the_server_refuses_requests_with_the_same_check():
     """One check for both: a request's own strategy is refused (400) exactly when the deploy-file check
     refuses it as a tuned arm, with the same words."""
     from types import SimpleNamespace
+
     from mtp.core.decoding.strategy import Strategy
 
     pytest.importorskip("fastapi")

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_model
-from mtp.core.runtime.cache import KVCache
+
 from mtp.core.decoding import decode
 from mtp.core.decoding.decode import Sequence, decode_step, generate
 from mtp.core.decoding.proposers import DraftRequest, MergedProposer, PassView, PromptLookupProposer
 from mtp.core.decoding.proposers import heads as N
 from mtp.core.decoding.proposers.base import WrappedProposer
-from mtp.core.policy.calibration import CalibratedProposer, Calibration
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.policy.calibration import CalibratedProposer, Calibration
+from mtp.core.runtime.cache import KVCache
 
 V = 97
 

@@ -7,15 +7,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from mtp.cli import main
-from mtp.core.runtime.artifacts import ArtifactError
-from mtp.core.decoding.batching import Batch
 from mtp.core.decoding import tree
-from mtp.core.runtime.cache import KVCache
+from mtp.core.decoding.batching import Batch
 from mtp.core.decoding.decode import Sequence, decode_step, generate
-from mtp.interop.vllm_export import export_vllm_eagle3
 from mtp.core.decoding.proposers import REGISTRY, DraftRequest, PassView
 from mtp.core.decoding.proposers.eagle3 import (
     CONFIG,
@@ -28,16 +25,18 @@ from mtp.core.decoding.proposers.eagle3 import (
     load_drafter,
     load_eagle3_proposer,
 )
-from mtp.core.runtime.artifacts import write_dir_atomic
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.runtime.artifacts import ArtifactError, write_dir_atomic
+from mtp.core.runtime.cache import KVCache
+from mtp.interop.vllm_export import export_vllm_eagle3
 from mtp.training.data import Example
 from mtp.training.eagle3_train import (
     TrainEagle3Config,
     batch_examples,
     draft_vocab_from,
-    extract_features,
     evaluate,
+    extract_features,
     init_drafter,
     make_batch,
     train_eagle3,

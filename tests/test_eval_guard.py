@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 
 import pytest
+from test_data import WORDS, make_tiny_model_dir, write_jsonl
 
 from mtp.cli import main
 from mtp.training import eval_guard
-from test_data import WORDS, make_tiny_model_dir, write_jsonl
 
 # a made-up evaluation question (long enough to be found inside a longer text) and a short one
 QUESTION = "A farmer has 1,200 apples and gives 3 to each of his 40 neighbours. How many apples are left?"

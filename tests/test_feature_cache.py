@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from mtp.core.runtime.artifacts import ArtifactError
 from mtp.training import eagle3_train as E
 from mtp.training import feature_cache

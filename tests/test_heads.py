@@ -8,15 +8,15 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_model
-from mtp.core.decoding.proposers import heads as N
-from mtp.training import heads_train as H
-from mtp.training.trainer import STATE
+
 from mtp.cli import main as cli_main
-from mtp.training.data import Example
 from mtp.core.decoding.decode import generate
+from mtp.core.decoding.proposers import heads as N
 from mtp.core.decoding.sampling import SamplingParams
+from mtp.training import heads_train as H
+from mtp.training.data import Example
+from mtp.training.trainer import STATE
 
 
 def random_heads(model, depths=3, blocks=0, width=0, seed=1) -> N.MTPHeads:

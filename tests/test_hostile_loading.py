@@ -18,12 +18,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_model
-from mtp.core.runtime import loading
-from mtp.core.decoding.strategy import Strategy, StrategyError, expand_sweep
 from test_data import make_tiny_model_dir
 from test_reliability import one_line_error, run_cli  # noqa: F401
+
+from mtp.core.decoding.strategy import Strategy, StrategyError, expand_sweep
+from mtp.core.runtime import loading
 
 
 @pytest.fixture(scope="module")

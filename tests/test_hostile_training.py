@@ -10,22 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import tiny_model
-from mtp.cli import main
-from mtp.core.runtime.adapter import add_adapters, load_adapter, save_adapter
-from mtp.core.runtime.artifacts import MARKER, ArtifactError
-from mtp.interop.vllm_export import export_vllm_eagle3
-from mtp.core.decoding.proposers import heads as N
-from mtp.core.decoding.proposers.eagle3 import WEIGHTS as DRAFTER_WEIGHTS
-from mtp.core.decoding.proposers.eagle3 import default_aux_layers, load_drafter
-from mtp.training.distill import train
-from mtp.training.trainer import DivergedError
+from safetensors.torch import load_file, save_file
 from test_data import WORDS, make_tiny_model_dir, write_jsonl
 from test_eagle3 import random_drafter, save_drafter
 from test_heads import saved_heads
 from test_train import cfg, examples
+
+from mtp.cli import main
+from mtp.core.decoding.proposers import heads as N
+from mtp.core.decoding.proposers.eagle3 import WEIGHTS as DRAFTER_WEIGHTS
+from mtp.core.decoding.proposers.eagle3 import default_aux_layers, load_drafter
+from mtp.core.runtime.adapter import add_adapters, load_adapter, save_adapter
+from mtp.core.runtime.artifacts import MARKER, ArtifactError
+from mtp.interop.vllm_export import export_vllm_eagle3
+from mtp.training.distill import train
+from mtp.training.trainer import DivergedError
 
 TINY_ARGS = ["--steps", "2", "--batch-size", "2", "--threads", "1"]
 TRAIN_ARGS = TINY_ARGS + ["--k-max", "3", "--spans", "1", "--seq-len", "32"]

@@ -17,11 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_model
 from test_data import make_tiny_model_dir
-from mtp.core.runtime import loading
-from mtp.core.runtime.cache import KVCache
+
 from mtp.core.decoding.decode import Sequence, block_slack, decode_step, generate
 from mtp.core.decoding.proposers import DraftRequest, Guesses, PassView, PromptLookupProposer, Proposer
 from mtp.core.decoding.proposers import heads as N
@@ -29,6 +27,8 @@ from mtp.core.decoding.proposers.merged import MergedProposer
 from mtp.core.decoding.proposers.suffix import Datastore, SuffixProposer, build_datastore
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.runtime import loading
+from mtp.core.runtime.cache import KVCache
 from mtp.training import shards
 
 PROMPT = [5, 17, 3, 44, 9, 5, 17, 3]
@@ -201,10 +201,12 @@ def test_suffix_without_a_datastore_is_one_line(tiny_dir, capsys):
 
 def test_serve_refuses_bad_tree_requests_with_400():
     pytest.importorskip("fastapi")
+    import tempfile
+
     from fastapi.testclient import TestClient
     from test_serve import make_app, save_tiny
+
     from mtp.core.engine import Engine, EngineConfig
-    import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         eng = Engine.load(EngineConfig(model=str(save_tiny(Path(tmp) / "m")), adapter="none"))  # proposer: mask

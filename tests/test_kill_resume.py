@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from mtp.cli import main
 from test_data import make_tiny_model_dir, write_jsonl
 from test_train import examples
+
+from mtp.cli import main
 
 # the trainer, its arguments (tiny runs, one thread), the file of its final weights, and the file
 # whose appearance says a checkpoint is on disk
@@ -239,6 +239,7 @@ def test_kill_inside_a_save_then_resume_is_bit_for_bit(files, tmp_path, capsys, 
 # ---- a kill inside the trunk-feature pass: the block in flight is lost, its temporary file too ----
 def test_a_killed_feature_pass_leaves_no_temporary_file_and_resumes_to_the_same_features(tmp_path):
     from conftest import tiny_model
+
     from mtp.training import feature_cache
     from mtp.training import heads_train as H
 

@@ -13,15 +13,15 @@ import time
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from mtp.cli import main
-from mtp.core.runtime.artifacts import ArtifactError, write_dir_atomic
-from mtp.core.policy.costmodel import CostModel
-from mtp.interop.llamacpp_export import check_outtype, drafter_folder, is_llamacpp_export, target_folder
 from mtp.core.decoding.proposers.eagle3 import Eagle3Config, drafter_files
+from mtp.core.policy.costmodel import CostModel
+from mtp.core.runtime.artifacts import ArtifactError, write_dir_atomic
 from mtp.eval import peers
 from mtp.interop import llamacpp_env
+from mtp.interop.llamacpp_export import check_outtype, drafter_folder, is_llamacpp_export, target_folder
 from mtp.interop.llamacpp_server import LlamaServer
 from mtp.training.eagle3_train import init_drafter
 

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import require_smollm2, tiny_model
+
 from mtp.core.runtime.artifacts import base_hash
 from mtp.interop import llamacpp_env
 from mtp.interop.llamacpp_rpc import Cluster, ClusterError, ClusterServer, DelayRelay, parse_delay, parse_delays

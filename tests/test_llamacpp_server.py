@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import require_smollm2
 from gguf import GGUFReader
 
-from conftest import require_smollm2
 from mtp.cli import main
-from mtp.core.runtime.artifacts import load_safetensors, write_dir_atomic
-from mtp.core.engine import SHIPPED
 from mtp.core.decoding.proposers.eagle3 import Eagle3Config, drafter_files
+from mtp.core.engine import SHIPPED
+from mtp.core.runtime.artifacts import load_safetensors, write_dir_atomic
 from mtp.interop import llamacpp_env
 from mtp.interop.llamacpp_server import LlamaServer
 from mtp.training.eagle3_train import init_drafter

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import require_smollm2
+
 from mtp.core.decoding.sampling import SamplingParams
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "quality_lmeval.py"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from mtp.core.runtime.adapter import add_adapters
 from mtp.training.data import Example
 from mtp.training.mask_eval import spans_for, tokens_per_pass

@@ -12,17 +12,17 @@ import math
 
 import pytest
 import torch
+from test_decode import LogitStub
+from test_pipeline import assert_stage_caches_equal_prefill
+from test_tree import SMALL_V, mask_model
 
 from mtp.core.decoding import tree
-from mtp.core.runtime.cache import KVCache
 from mtp.core.decoding.decode import Sequence, _branch_layout, decode_step, generate
 from mtp.core.decoding.proposers import MAX_MASK_GROUPS, Guesses, MaskProposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.runtime.cache import KVCache
 from mtp.pipeline.launch import launch_local
-from test_decode import LogitStub
-from test_pipeline import assert_stage_caches_equal_prefill
-from test_tree import SMALL_V, mask_model
 
 V, MASK, GARBAGE = 50, 49, 41
 TARGET = [(7 * p + 3) % 40 for p in range(200)]  # the stub model's "true" token at each position

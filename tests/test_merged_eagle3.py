@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_model
 from test_eagle3 import committed_kv, committed_state, random_drafter, save_drafter
-from mtp.core.runtime.cache import KVCache
+
 from mtp.core.decoding.decode import Sequence, block_slack, decode_step, generate
 from mtp.core.decoding.proposers import (
     REGISTRY,
@@ -25,6 +24,7 @@ from mtp.core.decoding.proposers.eagle3 import Eagle3Proposer
 from mtp.core.decoding.proposers.suffix import Datastore, SuffixProposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.runtime.cache import KVCache
 
 PROMPT = [5, 17, 3, 44, 2, 9]
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from mtp.core.runtime import loading
 from mtp.core.runtime.model import add_mask_token
 
@@ -166,6 +166,7 @@ def test_packed_weights_match_plain_and_fall_back_after_a_change(tiny):
 
 def test_packed_weights_off_the_main_thread_only_for_several_rows(tiny, monkeypatch):
     import threading
+
     from mtp.core.runtime.model import can_pack, pack_weights
 
     if not can_pack(tiny):

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_model
-from mtp.core.runtime.adapter import add_adapters
+
 from mtp.core.decoding.decode import NonFiniteError, finite_prefix, generate
 from mtp.core.decoding.proposers import Guesses, make_proposer
 from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.runtime.adapter import add_adapters
 
 PROMPT = [5, 17, 3, 44]
 

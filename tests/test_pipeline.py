@@ -15,20 +15,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_model
-from mtp.pipeline import pricing
-from mtp.core.runtime.cache import KVCache
+
 from mtp.cli import main as cli_main
 from mtp.core.decoding.decode import Sequence, decode_step, generate, stream
-from mtp.core.runtime.model import Transformer
-from mtp.core.runtime.artifacts import base_hash
-from mtp.pipeline.launch import launch_local
-from mtp.pipeline.stages import PipelineModel, keep_slice, layer_ranges, run_stage
-from mtp.pipeline.transport import PipelineConfig
 from mtp.core.decoding.proposers import make_proposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.runtime.artifacts import base_hash
+from mtp.core.runtime.cache import KVCache
+from mtp.core.runtime.model import Transformer
+from mtp.pipeline import pricing
+from mtp.pipeline.launch import launch_local
+from mtp.pipeline.stages import PipelineModel, keep_slice, layer_ranges, run_stage
+from mtp.pipeline.transport import PipelineConfig
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 3]  # repeats, so prompt lookup finds drafts
 JOBS = [  # (strategy, proposer, temperature, seed)

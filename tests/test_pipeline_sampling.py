@@ -14,8 +14,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from mtp.cli import build_parser
 from mtp.cli import main as cli_main
 from mtp.pipeline.launch import launch_local
@@ -35,11 +35,11 @@ def keep_threads():
 
 @pytest.fixture(scope="module")
 def cycling_model(tmp_path_factory):
+    from test_data import WORDS
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from mtp.core.runtime.loading import save_hf_dir
-    from test_data import WORDS
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -85,9 +85,9 @@ def _stage(rank, world, model, outfile):
     """What `mtp pipeline` runs in each stage (`launch.cli_stage`), for several flag sets in one launch:
     the flags parsed by the CLI's own parser, the engine loaded from them, `Engine.generate` with
     `sampling_params(args)` through the pipeline model."""
-    from mtp.core.engine import Engine
     from mtp.cli.options import engine_config, sampling_params
     from mtp.cli.pipeline import config_from_args
+    from mtp.core.engine import Engine
     from mtp.pipeline.stages import run_stage
 
     torch.set_num_threads(1)

@@ -29,14 +29,14 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-
-from mtp.cli import build_parser, main
-from mtp.core import engine as engine_module
-from mtp.training import shards
 from test_data import prompts_file, write_jsonl
 from test_data_engine import sources
 from test_hostile_training import make_word_model_dir
 from test_train import examples
+
+from mtp.cli import build_parser, main
+from mtp.core import engine as engine_module
+from mtp.training import shards
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

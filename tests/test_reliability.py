@@ -11,14 +11,14 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import tiny_model
+from safetensors.torch import load_file
+from test_data import make_tiny_model_dir, write_jsonl
+
 from mtp.cli import main
 from mtp.core.runtime.adapter import add_adapters, load_adapter, save_adapter
 from mtp.core.runtime.artifacts import ArtifactError, write_dir_atomic
 from mtp.training.distill import TrainConfig, train
-from test_data import make_tiny_model_dir, write_jsonl
 
 
 def run_cli(args, capsys):
@@ -298,6 +298,7 @@ def test_16_stale_temp_folders_are_removed_on_the_next_save_and_resume(tmp_path)
     )
     import json
     import subprocess
+
     from mtp.core.runtime import artifacts
 
     dead = subprocess.Popen(["true"])
@@ -375,8 +376,9 @@ def test_u2_datastore_build_into_a_read_only_folder_is_refused_first(
 
 # ---- issue 64 U5. the first start says what it does, once -------------------------------------------
 def test_u5_a_first_conversion_says_what_it_does_once(tmp_path, monkeypatch, capsys):
-    from mtp.core.runtime import loading
     from test_hostile_loading import write_tiny_gguf
+
+    from mtp.core.runtime import loading
 
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
     gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf")

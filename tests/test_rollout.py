@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
+from test_serve import engine, make_app, reference, tiny_dir  # noqa: E402,F401  (fixtures)
 
-from test_serve import make_app, reference, tiny_dir, engine  # noqa: E402,F401  (fixtures)
-from mtp.core.policy import deploy as D  # noqa: E402
 from mtp.core.decoding.strategy import Strategy  # noqa: E402
+from mtp.core.policy import deploy as D  # noqa: E402
 from mtp.serving.rollout import FALLBACK, TUNED, Rollout, bucket  # noqa: E402
 
 

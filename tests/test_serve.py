@@ -23,13 +23,14 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from conftest import tiny_model  # noqa: E402
-from mtp.core.engine import Engine, EngineConfig  # noqa: E402
+
 from mtp.core.decoding.sampling import SamplingParams  # noqa: E402
+from mtp.core.engine import Engine, EngineConfig  # noqa: E402
+from mtp.serving import shadow  # noqa: E402
 from mtp.serving.adaptive import AdaptiveK  # noqa: E402
-from mtp.serving.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
 from mtp.serving.app import create_app  # noqa: E402
 from mtp.serving.config import ServeConfig  # noqa: E402
-from mtp.serving import shadow  # noqa: E402
+from mtp.serving.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
 
 EOS = 95
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
@@ -39,6 +40,7 @@ def save_tiny(path: Path) -> Path:
     """A tiny random Transformer (+ mask token) with a character-level HF tokenizer, as a model dir."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     from mtp.core.runtime.loading import save_hf_dir
     from mtp.core.runtime.model import add_mask_token
 
@@ -336,6 +338,7 @@ def test_opted_out_requests_are_never_capped(engine):
 
 def test_newcomers_are_prefilled_together_within_the_token_budget(engine, monkeypatch):
     from types import SimpleNamespace
+
     import mtp.serving.scheduler as S
     from mtp.core.decoding.batching import prefill_group
 

@@ -13,9 +13,10 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from test_serve import LiveServer, SlowModel, make_app, save_tiny  # noqa: E402
+
+from mtp.core.decoding.sampling import SamplingParams  # noqa: E402
 from mtp.core.engine import Engine, EngineConfig  # noqa: E402
 from mtp.core.runtime.loading import Loaded  # noqa: E402
-from mtp.core.decoding.sampling import SamplingParams  # noqa: E402
 from mtp.serving.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
 
 PROMPT = "abcabcabcabc"

@@ -22,6 +22,7 @@ httpx = pytest.importorskip("httpx")
 
 from test_serve import LiveServer, engine, free_port, make_app, slow_engine, tiny_dir  # noqa: E402,F401
 from test_serve_limits import assert_error  # noqa: E402
+
 from mtp.serving.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 
@@ -219,6 +220,7 @@ def test_t2_in_process_nothing_in_flight_is_dropped_when_the_timeout_runs_out(en
     --shutdown-timeout 0.3 and seconds of decoding left, the running stream, a queued plain request and
     a queued chat stream (max batch 1) each get their 503 / final error event; none is cut off."""
     import os
+
     from mtp.serving.app import serve_app
 
     app = make_app(slow_engine(engine, 0.05), max_batch=1, max_model_len=256)

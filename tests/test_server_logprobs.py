@@ -9,8 +9,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from mtp.core.decoding.decode import Sequence, stream
 from mtp.core.decoding.proposers import Guesses, Proposer
 from mtp.core.decoding.sampling import SamplingParams
@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from test_serve import LiveServer, client_for, make_app, save_tiny  # noqa: E402
+
 from mtp.core.engine import Engine, EngineConfig  # noqa: E402
 
 PROMPT = [5, 17, 3, 44, 9, 5, 17, 3]
@@ -98,8 +99,8 @@ def test_greedy_logprobs_of_lossless_strategies_equal_ntp_and_a_plain_forward(st
 def test_prompt_logprobs_equal_a_plain_forward_and_leave_other_rows_alone():
     """A prefill pass of two rows, one scoring its prompt (every position read) and one not: the scores
     equal a plain forward pass's, and the other row decodes exactly as alone."""
-    from mtp.core.runtime.cache import KVCache
     from mtp.core.decoding.decode import block_slack, decode_step
+    from mtp.core.runtime.cache import KVCache
 
     model = tiny_model(0)
     other_prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # longer: the rows' blocks differ

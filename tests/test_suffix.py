@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from mtp.core.decoding.decode import generate
 from mtp.core.decoding.proposers import DraftRequest, PassView
 from mtp.core.decoding.proposers.suffix import (

@@ -10,20 +10,20 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_model
 from safetensors.torch import load_file
 
-from conftest import tiny_model
 from mtp.core.runtime.adapter import add_adapters
 from mtp.training.data import Example
 from mtp.training.distill import (
     Span,
     TrainConfig,
+    batch_indices,
     build_layout,
     distill_loss,
     forward_pair,
     make_batch,
     train,
-    batch_indices,
 )
 
 

@@ -10,17 +10,17 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import tiny_model
+from safetensors.torch import load_file
+from test_train import cfg, examples
+
 from mtp.cli import main as cli_main
-from mtp.core.runtime import adapter
-from mtp.core.runtime.adapter import add_adapters, load_adapter
 from mtp.core.decoding.decode import generate
 from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.runtime import adapter
+from mtp.core.runtime.adapter import add_adapters, load_adapter
 from mtp.training import trainer as trainer_mod
 from mtp.training.distill import distill_loss, forward_pair, make_batch, train
-from test_train import cfg, examples
 
 
 def _grad_flow(layers, split, teacher, n_layers=4):

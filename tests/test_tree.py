@@ -10,16 +10,16 @@ import collections
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from mtp.core.decoding import tree
-from mtp.core.runtime.cache import KVCache
 from mtp.core.decoding.decode import Sequence, _branch_layout, block_slack, decode_step, generate
-from mtp.core.runtime.model import add_mask_token
 from mtp.core.decoding.proposers import DraftRequest, Guesses, MaskProposer, PassView, PromptLookupProposer, Proposer
 from mtp.core.decoding.proposers import heads as N
 from mtp.core.decoding.sampling import SamplingParams, probs_from_logits
 from mtp.core.decoding.strategy import Strategy, StrategyError
+from mtp.core.runtime.cache import KVCache
+from mtp.core.runtime.model import add_mask_token
 
 PROMPT = [5, 17, 3, 44, 9, 5, 17, 3]
 SMALL_V = 12  # the mask proposer's tiny model: few tokens, so its untrained masks' top-k is often right

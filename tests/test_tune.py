@@ -11,14 +11,14 @@ import random
 import re
 
 import pytest
+from test_serve import EOS, engine, reference, tiny_dir  # noqa: F401  (fixtures)
 
-from test_serve import EOS, reference, tiny_dir, engine  # noqa: F401  (fixtures)
-from mtp.core.policy import calibration as calib
-from mtp.core.policy import deploy as D
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.decoding.proposers import DraftRequest, Guesses, Proposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.policy import calibration as calib
+from mtp.core.policy import deploy as D
 from mtp.tune import predictability
 from mtp.tune.offline import Output, chain_pairs, decode_all, tree_pairs
 
@@ -433,8 +433,9 @@ TINY_TUNE = [
 def test_tune_reads_a_gsm8k_folders_test_split_and_says_which_file(tiny_dir, tmp_path, capsys):
     """gsm8k:DIR is DIR/test.jsonl (the evaluation split, never train.jsonl beside it), and the log line,
     results.json and deploy.json name that file, not just the folder."""
-    from mtp.cli import main
     import torch
+
+    from mtp.cli import main
 
     folder = gsm8k_folder(tmp_path / "gsm8k")
     out = tmp_path / "tuned"

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import require_smollm2
-from mtp.core.engine import SHIPPED
-from mtp.interop.vllm_export import export_vllm_eagle3
+
 from mtp.core.decoding.proposers.eagle3 import Eagle3Config, drafter_files
+from mtp.core.engine import SHIPPED
 from mtp.core.runtime.artifacts import write_dir_atomic
 from mtp.interop.vllm_env import run_vllm, strip_eos, target_dir, vllm_python
+from mtp.interop.vllm_export import export_vllm_eagle3
 from mtp.training.eagle3_train import init_drafter
 
 pytestmark = [

@@ -10,14 +10,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_model
-from mtp.core.runtime import kernels, weights
-from mtp.core.runtime.cache import KVCache
+
 from mtp.core.decoding.decode import generate
-from mtp.core.runtime.model import add_mask_token
 from mtp.core.decoding.proposers import MaskProposer, PromptLookupProposer
 from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.runtime import kernels, weights
+from mtp.core.runtime.cache import KVCache
+from mtp.core.runtime.model import add_mask_token
 
 ISAS = ["scalar", "avx2", "avx512"]
 

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mtp.cli.options import add_model_args, check_context, engine_config
-from mtp.core.policy import deploy as deploy_file
 from mtp.core.engine import Engine
+from mtp.core.policy import deploy as deploy_file
 from mtp.eval.bench import BenchConfig, check_out, load_data, parse_strategies, print_summary, run_bench, write_outputs
 from mtp.eval.peers import OPTIONAL_ARG, PARAMETRISED, PEERS, parse_baselines
 

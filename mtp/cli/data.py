@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import signal
 import sys
+from pathlib import Path
 
-from mtp.core.runtime.checks import MAX_BATCH, check_device, check_threads
 from mtp.core.engine import Engine, EngineConfig
-from mtp.training.data_engine import DataConfig, check_folder, file_prompts, run as run_engine, seal, write_card
+from mtp.core.runtime.checks import MAX_BATCH, check_device, check_threads
+from mtp.training.data_engine import DataConfig, check_folder, file_prompts, seal, write_card
+from mtp.training.data_engine import run as run_engine
 
 
 def add_parser(sub) -> None:

@@ -6,9 +6,9 @@ import sys
 import time
 from pathlib import Path
 
+from mtp.core.decoding.proposers.suffix import build_datastore, is_datastore
 from mtp.core.runtime import loading
 from mtp.core.runtime.artifacts import replaceable
-from mtp.core.decoding.proposers.suffix import build_datastore, is_datastore
 from mtp.training import shards
 from mtp.training.data import check_examples_for, read_examples
 

@@ -10,10 +10,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mtp.core.runtime.checks import check_threads
-from mtp.core.engine import Engine, EngineConfig
 from mtp.core.decoding.metrics import merge
 from mtp.core.decoding.sampling import SamplingParams
+from mtp.core.engine import Engine, EngineConfig
+from mtp.core.runtime.checks import check_threads
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import shlex
 
-from mtp.core.runtime import loading
-from mtp.core.engine import SHIPPED
 from mtp.core.decoding.proposers.eagle3 import read_drafter_config
-from mtp.interop.vllm_export import FORMATS, export_vllm_eagle3, refuse_heads
+from mtp.core.engine import SHIPPED
+from mtp.core.runtime import loading
+from mtp.interop import llamacpp_env
 from mtp.interop.llamacpp_export import (
     DRAFT_TOKENS,
     OUTTYPES,
@@ -17,7 +17,7 @@ from mtp.interop.llamacpp_export import (
     check_p_min,
     export_llamacpp,
 )
-from mtp.interop import llamacpp_env
+from mtp.interop.vllm_export import FORMATS, export_vllm_eagle3, refuse_heads
 
 LLAMACPP = "llamacpp"
 

@@ -7,7 +7,6 @@ import sys
 
 import jinja2
 
-from mtp.core.decoding.proposers import AUTO
 from mtp.cli.options import (
     add_model_args,
     add_sampling_args,
@@ -17,6 +16,7 @@ from mtp.cli.options import (
     read_prompt,
     sampling_params,
 )
+from mtp.core.decoding.proposers import AUTO
 from mtp.core.engine import Engine
 from mtp.core.runtime.loading import chat_template_file
 

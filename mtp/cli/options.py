@@ -7,13 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtp.core.runtime import kernels
-from mtp.core.runtime.checks import check_device, check_threads, valid_text
-from mtp.core.engine import EngineConfig
-from mtp.core.runtime.loading import model_context
 from mtp.core.decoding.proposers import AUTO, REGISTRY, SHIPPED_DEFAULT, check_proposer, resolve_default
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import USAGE, Strategy
+from mtp.core.engine import EngineConfig
+from mtp.core.runtime import kernels
+from mtp.core.runtime.checks import check_device, check_threads, valid_text
+from mtp.core.runtime.loading import model_context
 from mtp.core.runtime.weights import QUANTIZE, check_weights
 
 

@@ -18,10 +18,10 @@ from mtp.cli.options import (
     read_prompt,
     sampling_params,
 )
-from mtp.pipeline.pricing import parse_cluster, predict_cluster
 from mtp.core.engine import Engine
 from mtp.core.runtime.loading import model_layers
 from mtp.pipeline.launch import launch_local
+from mtp.pipeline.pricing import parse_cluster, predict_cluster
 from mtp.pipeline.stages import PipelineModel, layer_ranges, run_stage
 from mtp.pipeline.transport import PipelineConfig, PipelineError
 

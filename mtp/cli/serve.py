@@ -13,12 +13,12 @@ import os
 import sys
 from pathlib import Path
 
-from mtp.core.runtime.checks import MAX_BATCH
-from mtp.core.decoding.proposers import AUTO
 from mtp.cli.options import add_model_args, add_sampling_args, check_decoding_args, engine_config
+from mtp.core.decoding.proposers import AUTO
+from mtp.core.engine import Engine
 from mtp.core.policy import deploy as deploy_file
 from mtp.core.policy.costmodel import CostModel, measured_cost
-from mtp.core.engine import Engine
+from mtp.core.runtime.checks import MAX_BATCH
 from mtp.core.runtime.weights import check_weights
 from mtp.serving.config import MAX_MESSAGES, ServeConfig, check_shutdown_timeout
 from mtp.serving.scheduler import SchedulerConfig

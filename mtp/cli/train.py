@@ -15,10 +15,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mtp.core.runtime.checks import check_batch_size, check_device, check_threads
+from mtp.core.engine import SHIPPED, Engine, EngineConfig
 from mtp.core.runtime.adapter import MODES, TARGETS, adapter_layers, check_layers, is_adapter_dir, read_adapter_config
 from mtp.core.runtime.artifacts import ArtifactError, read_json, recover_interrupted, replaceable
-from mtp.core.engine import SHIPPED, Engine, EngineConfig
+from mtp.core.runtime.checks import check_batch_size, check_device, check_threads
 from mtp.core.runtime.loading import model_layers
 from mtp.training.data import Example, build_examples, check_examples_for, load_prompts, read_examples
 from mtp.training.distill import (

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from mtp.cli.train import add_machine_flags, check_example_flags, counter, example_meta, prepare_examples, say
-from mtp.core.runtime.checks import check_device
-from mtp.core.runtime import loading
 from mtp.core.decoding.proposers.eagle3 import Eagle3Config
+from mtp.core.runtime import loading
+from mtp.core.runtime.checks import check_device
 from mtp.training.eagle3_train import TrainEagle3Config, cached_features, is_drafter_dir, train_eagle3
 from mtp.training.trainer import check_run_out, use_bf16
 

@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 from mtp.cli.train import add_machine_flags, check_example_flags, counter, example_meta, prepare_examples, say
-from mtp.core.runtime.checks import check_device
-from mtp.core.runtime import loading
 from mtp.core.decoding.proposers.heads import HeadsConfig
+from mtp.core.runtime import loading
+from mtp.core.runtime.checks import check_device
 from mtp.training.heads_train import TrainHeadsConfig, cached_features, is_heads_dir, train_heads
 from mtp.training.trainer import check_run_out, use_bf16
 

@@ -136,7 +136,8 @@ def run(args) -> int:
         toy.run(engine, colour=sys.stdout.isatty())
         return 0
     from mtp.eval.bench import load_data
-    from mtp.tune.run import TuneConfig, check_out, run as tune, write
+    from mtp.tune.run import TuneConfig, check_out, write
+    from mtp.tune.run import run as tune
 
     opts = options(args)
     for need in ("data", "tolerance", "out"):

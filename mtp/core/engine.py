@@ -7,23 +7,22 @@ into a result with the metrics of `mtp.core.decoding.metrics`. The decoding itse
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-import html
-
-from mtp.core.runtime import loading
-from mtp.core.runtime.adapter import load_adapter
-from mtp.core.runtime.artifacts import ASSETS
-from mtp.core.policy.calibration import Calibration, CalibratedProposer
-from mtp.core.policy.costmodel import measure
 from mtp.core.decoding.decode import Sequence, stream
 from mtp.core.decoding.metrics import DecodeStats, accepted_by_proposer
 from mtp.core.decoding.proposers import MergedProposer, Proposer, check_proposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.policy.calibration import CalibratedProposer, Calibration
+from mtp.core.policy.costmodel import measure
+from mtp.core.runtime import loading
+from mtp.core.runtime.adapter import load_adapter
+from mtp.core.runtime.artifacts import ASSETS
 from mtp.core.runtime.weights import attach, attach_proposer, check_quantize
 
 SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads per embedded model

@@ -29,18 +29,16 @@ from rich.console import Console
 from rich.table import Table
 
 from mtp.core.decoding import metrics
-
-from mtp.core.policy import quality
-from mtp.core.policy.costmodel import best_k, block_tokens_for, measure, predict_tokens_per_s
-from mtp.core.decoding.proposers import Proposer
-from mtp.eval import gsm8k, report
-from mtp.interop import llamacpp_env
-from mtp.eval.peers import make_peer
-from mtp.core.decoding.proposers import check_proposer
-from mtp.core.runtime.artifacts import ASSETS
-from mtp.core.runtime.model import Linear
+from mtp.core.decoding.proposers import Proposer, check_proposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import SWEEP_LIMIT, Strategy, expand_sweep, split_list
+from mtp.core.policy import quality
+from mtp.core.policy.costmodel import best_k, block_tokens_for, measure, predict_tokens_per_s
+from mtp.core.runtime.artifacts import ASSETS
+from mtp.core.runtime.model import Linear
+from mtp.eval import gsm8k, report
+from mtp.eval.peers import make_peer
+from mtp.interop import llamacpp_env
 
 WARMUP_TOKENS = 8
 

@@ -34,10 +34,10 @@ from transformers.utils import logging as hf_logging
 
 from mtp.core.runtime import loading
 from mtp.core.runtime.artifacts import read_json
-from mtp.interop.vllm_export import export_vllm_eagle3
-from mtp.interop.llamacpp_export import MANIFEST, export_llamacpp, is_llamacpp_export
 from mtp.interop import llamacpp_env, vllm_env
+from mtp.interop.llamacpp_export import MANIFEST, export_llamacpp, is_llamacpp_export
 from mtp.interop.llamacpp_server import LlamaServer
+from mtp.interop.vllm_export import export_vllm_eagle3
 
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value
 REPLACED = {"llamacpp": "llamacpp-server", "llamacpp-lookup": "llamacpp-server-ngram"}  # the llama-cpp-python peers

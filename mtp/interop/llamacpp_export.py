@@ -30,9 +30,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from mtp.core.decoding.proposers.eagle3 import CONFIG, read_drafter_config
 from mtp.core.runtime.artifacts import ArtifactError, atomic_dir, base_hash, read_json
 from mtp.interop.vllm_export import export_vllm_eagle3
-from mtp.core.decoding.proposers.eagle3 import CONFIG, read_drafter_config
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # what convert_hf_to_gguf.py writes for a Llama and its drafter
 MANIFEST = "export.json"

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from mtp.core.runtime.artifacts import ArtifactError, check_finite, load_safetensors, read_json, write_dir_atomic
 from mtp.core.decoding.proposers.eagle3 import CONFIG, FORMAT, WEIGHTS, Eagle3Config, Eagle3Drafter, read_drafter_config
+from mtp.core.runtime.artifacts import ArtifactError, check_finite, load_safetensors, read_json, write_dir_atomic
 
 FORMATS = ("vllm-eagle3",)
 VLLM_FC_LAYERS = 3  # vLLM's EAGLE-3 Llama drafter sizes fc for three aux layers

@@ -53,9 +53,9 @@ from mtp.pipeline.transport import (
     Link,
     PipelineConfig,
     PipelineError,
+    init_group,
     message_header,
     store_address,
-    init_group,
 )
 from mtp.pipeline.watchdog import Watchdog
 

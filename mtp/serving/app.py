@@ -26,7 +26,8 @@ import signal
 import threading
 
 import uvicorn
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mtp.core.policy.deploy import Deploy
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
-from mtp.serving.scheduler import SchedulerConfig
+from mtp.core.policy.deploy import Deploy
 from mtp.serving.rollout import check_fraction
+from mtp.serving.scheduler import SchedulerConfig
 from mtp.serving.shadow import check_log_path
 
 MAX_BODY_BYTES = 4 << 20  # default request body limit (HTTP 413 above it)

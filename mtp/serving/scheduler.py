@@ -41,8 +41,8 @@ import torch
 from mtp.core.decoding import batching
 from mtp.core.decoding.batching import Batch
 from mtp.core.decoding.decode import Sequence, block_slack
-from mtp.core.runtime.checks import check_batch_size
 from mtp.core.decoding.strategy import K_LIMIT
+from mtp.core.runtime.checks import check_batch_size
 from mtp.serving import memory
 from mtp.serving.adaptive import AdaptiveK
 

@@ -23,8 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from mtp.core.policy.quality import extract_answer
 from mtp.core.decoding.metrics import percentile
+from mtp.core.policy.quality import extract_answer
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

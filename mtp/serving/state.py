@@ -32,13 +32,13 @@ import random
 import time
 from dataclasses import dataclass
 
-from mtp.core.policy.deploy import check_within_caps
-from mtp.core.engine import Engine
 from mtp.core.decoding.sampling import SEED_MAX, SamplingParams
 from mtp.core.decoding.strategy import Strategy
-from mtp.serving.config import MAX_TOP_LOGPROBS, ServeConfig
-from mtp.serving.openai import APIError, ChatRequest, CompletionRequest, CommonRequest
+from mtp.core.engine import Engine
 from mtp.core.policy import quality
+from mtp.core.policy.deploy import check_within_caps
+from mtp.serving.config import MAX_TOP_LOGPROBS, ServeConfig
+from mtp.serving.openai import APIError, ChatRequest, CommonRequest, CompletionRequest
 from mtp.serving.prometheus import ServerMetrics
 from mtp.serving.rollout import TUNED, Rollout
 from mtp.serving.scheduler import Request, Scheduler, SchedulerClosed

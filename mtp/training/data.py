@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from mtp.core.runtime.artifacts import base_hash
 from mtp.core.decoding.batching import Batch
 from mtp.core.decoding.decode import Sequence, block_slack
-from mtp.core.runtime.loading import cache_root, model_tokenizer
 from mtp.core.decoding.proposers import MaskProposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.runtime.artifacts import base_hash
+from mtp.core.runtime.loading import cache_root, model_tokenizer
 from mtp.training import shards
 from mtp.training.eval_guard import check_not_evaluation
 

@@ -40,9 +40,9 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.runtime.artifacts import ArtifactError, base_hash
 from mtp.core.runtime.checks import check_batch_size
-from mtp.core.decoding.sampling import SamplingParams
 from mtp.training import shards
 from mtp.training.data import Job, generate, load_prompts, response_of
 from mtp.training.eval_guard import check_not_evaluation

@@ -22,8 +22,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mtp.core.runtime.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
-from mtp.core.runtime.model import Transformer
 from mtp.core.decoding.proposers.eagle3 import (
     CONFIG,
     FORMAT,
@@ -33,6 +31,8 @@ from mtp.core.decoding.proposers.eagle3 import (
     drafter_files,
     exportable_layers,
 )
+from mtp.core.runtime.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
+from mtp.core.runtime.model import Transformer
 from mtp.training import feature_cache
 from mtp.training.heads_train import split_rows
 from mtp.training.trainer import (

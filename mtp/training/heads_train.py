@@ -15,8 +15,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mtp.core.runtime.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
-from mtp.core.runtime.model import Transformer
 from mtp.core.decoding.proposers.heads import (
     CONFIG,
     FORMAT,
@@ -27,6 +25,8 @@ from mtp.core.decoding.proposers.heads import (
     bf16_readout,
     heads_files,
 )
+from mtp.core.runtime.artifacts import base_hash, load_safetensors, replaceable, write_dir_atomic
+from mtp.core.runtime.model import Transformer
 from mtp.training import feature_cache
 from mtp.training.trainer import (
     CHECKPOINT,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtp.core.policy.deploy import Arm
 from mtp.core.decoding.strategy import Strategy, split_list
+from mtp.core.policy.deploy import Arm
 
 LOSSLESS = (
     "verify:3@heads",

@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mtp.core.policy import calibration as calib
 from mtp.core.decoding import metrics
-from mtp.core.policy import deploy as D
-from mtp.core.policy.costmodel import measure
-from mtp.core.engine import TREE_SUFFIX
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.engine import TREE_SUFFIX
+from mtp.core.policy import calibration as calib
+from mtp.core.policy import deploy as D
 from mtp.core.policy import quality
+from mtp.core.policy.costmodel import measure
 from mtp.eval.bench import BenchConfig, Spec, environment, load_data, run_bench
 from mtp.tune import candidates as C
 from mtp.tune import predictability

@@ -19,9 +19,9 @@ import time
 from typing import Callable
 
 from mtp.core.decoding import decode
-from mtp.core.runtime.cache import KVCache
 from mtp.core.decoding.decode import Sequence
 from mtp.core.decoding.metrics import DecodeStats
+from mtp.core.runtime.cache import KVCache
 
 PREFILL_TOKENS = 1024  # padded prompt tokens one prefill pass may carry (at least one prompt)
 

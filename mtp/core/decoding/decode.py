@@ -45,11 +45,11 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 
 from mtp.core.decoding import tree
-from mtp.core.runtime.cache import KVCache
 from mtp.core.decoding.metrics import DecodeStats, tree_expected_tokens
 from mtp.core.decoding.proposers import DraftRequest, Guesses, MaskProposer, PassView, Proposer, max_appended
 from mtp.core.decoding.sampling import SamplingParams, verify_drafts
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.runtime.cache import KVCache
 
 
 class TokenLogprob(NamedTuple):

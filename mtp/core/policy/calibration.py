@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from mtp.core.decoding.tree import depths as tree_depths
 from mtp.core.decoding.proposers.base import DraftRequest, Guesses, Proposer, WrappedProposer
+from mtp.core.decoding.tree import depths as tree_depths
 
 EPS = 1e-6
 BINS = 10

@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 import torch
 
 from mtp.core.decoding import metrics
-from mtp.core.runtime.cache import KVCache
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.runtime.cache import KVCache
 
 
 class CostModel:

@@ -23,10 +23,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtp.core.runtime.artifacts import base_hash, file_digest, write_text_atomic
-from mtp.core.policy.calibration import Calibration
 from mtp.core.decoding.proposers import check_proposer
 from mtp.core.decoding.strategy import Strategy
+from mtp.core.policy.calibration import Calibration
+from mtp.core.runtime.artifacts import base_hash, file_digest, write_text_atomic
 from mtp.core.runtime.weights import CHOICES as WEIGHTS
 
 FORMAT = "mtp-deploy"

@@ -24,8 +24,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from mtp.core.runtime.artifacts import (
     base_hash,

@@ -32,8 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-import torch
 import safetensors.torch
+import torch
 from safetensors import SafetensorError
 
 

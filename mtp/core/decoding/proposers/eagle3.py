@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp.core.decoding.proposers.base import DraftRequest, Guesses, PassView, Proposer
+from mtp.core.decoding.sampling import pick
 from mtp.core.runtime.artifacts import (
     ArtifactError,
     base_hash,
@@ -47,8 +49,6 @@ from mtp.core.runtime.artifacts import (
     read_config,
 )
 from mtp.core.runtime.model import Linear, ModelConfig, RMSNorm, Transformer, rope_inv_freq, rotate_half
-from mtp.core.decoding.proposers.base import DraftRequest, Guesses, PassView, Proposer
-from mtp.core.decoding.sampling import pick
 
 FORMAT = "mtp-eagle3"
 WEIGHTS = "model.safetensors"

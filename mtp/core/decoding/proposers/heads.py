@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp.core.decoding import tree
-from mtp.core.runtime.artifacts import base_hash, check_finite, check_trained_on, load_safetensors, read_config
-from mtp.core.runtime.model import Block, Linear, ModelConfig, RMSNorm, Transformer
 from mtp.core.decoding.proposers.base import DraftRequest, Guesses, Proposer
 from mtp.core.decoding.sampling import pick
+from mtp.core.runtime.artifacts import base_hash, check_finite, check_trained_on, load_safetensors, read_config
+from mtp.core.runtime.model import Block, Linear, ModelConfig, RMSNorm, Transformer
 
 FORMAT = "mtp-heads"
 WEIGHTS = "heads.safetensors"

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtp.core.runtime.artifacts import base_hash, has_format, load_safetensors, read_config, read_json, write_dir_atomic
 from mtp.core.decoding.proposers.base import DraftRequest, Guesses, Proposer
+from mtp.core.runtime.artifacts import base_hash, has_format, load_safetensors, read_config, read_json, write_dir_atomic
 
 FORMAT = "mtp-datastore"
 WEIGHTS, CONFIG = "datastore.safetensors", "config.json"
