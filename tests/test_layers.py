@@ -148,6 +148,14 @@ def test_every_module_sits_in_a_layer():
     assert loose == []
 
 
+def test_shipped_assets_and_kernel_sources_are_found_where_their_modules_look():
+    """Modules that find files beside themselves (`Path(__file__)`) still find them after a move."""
+    from mtp.core.runtime import artifacts, kernels
+
+    assert artifacts.ASSETS == ROOT / "mtp" / "assets" and (artifacts.ASSETS / "smollm2-135m").is_dir()
+    assert all(p.is_file() for p in kernels.SOURCES + kernels.HEADERS)
+
+
 def test_core_roles_import_downward_only():
     assert core_back_edges(import_graph()) == []
 

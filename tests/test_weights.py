@@ -18,6 +18,7 @@ from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.runtime import kernels, weights
 from mtp.core.runtime.cache import KVCache
 from mtp.core.runtime.model import add_mask_token
+from mtp.core.runtime.runner import KernelLinear
 
 ISAS = ["scalar", "avx2", "avx512"]
 
@@ -160,11 +161,11 @@ def passes(model, tokens: list[int], split: list[int]) -> torch.Tensor:
 
 def test_a_weight_changed_in_place_leaves_the_one_call_layer():
     """A layer whose weight changed after `attach` stops running on the kernel's copy of it
-    (`fused_current` sees the weight's version): Q8_0 blocks are a copy, so a stale call would give
+    (`runner.current` sees the weight's version): Q8_0 blocks are a copy, so a stale call would give
     the logits of before bit for bit."""
     model = tiny_model(12)
     weights.attach(model, "native", quantize="q8_0")
-    assert all(layer.kernel_layer is not None for layer in model.layers)
+    assert all(model.runner.layers[layer].whole is not None for layer in model.layers)
     tokens = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(7)).tolist()
     before = passes(model, tokens, [8])
     assert torch.equal(passes(model, tokens, [8]), before)
@@ -206,13 +207,13 @@ def test_attach_without_kernels_falls_back_to_torch(monkeypatch, capsys):
     line = weights.attach(model, "native")
     assert line.startswith("torch (oneDNN-packed; native needs the kernels")
     assert capsys.readouterr().err.strip() == f"mtp: weights: {line}"  # one line says which path runs
-    assert all(getattr(m, "kernel", None) is None for m in model.modules())
+    assert not any(isinstance(m, KernelLinear) for m in model.modules()) and model.runner is None
 
 
 @pytest.mark.slow
 def test_smollm2_runs_native_blocks_bit_identically(smollm2):
     assert smollm2.weights_line.startswith("native (kernels") and "q4_1" in smollm2.weights_line
-    head = smollm2.model.lm_head.kernel
+    head = smollm2.model.lm_head.parts
     assert [p.fmt for p in head] == ["q8_0"]  # the tied embedding, as stored
     tokens = smollm2.encode("Name three rivers in Europe and one fact about each.")[:40]
     one = passes(smollm2.model, tokens, [1] * (len(tokens) - 1))
@@ -339,7 +340,7 @@ def test_model_runs_whole_layers_with_the_per_op_bits(monkeypatch):
     the logits of the per-op path bit for bit, batch rows mapped to other cache rows included."""
     model = tiny_model(6)
     weights.attach(model, "float32")
-    assert all(layer.kernel_layer is not None for layer in model.layers)
+    assert all(model.runner.layers[layer].whole is not None for layer in model.layers)
     g = torch.Generator().manual_seed(4)
     blocks = [
         (torch.randint(0, 97, (2, 6), generator=g), torch.arange(6).expand(2, 6), torch.tensor([2, 0])),
@@ -348,12 +349,12 @@ def test_model_runs_whole_layers_with_the_per_op_bits(monkeypatch):
     ]
     calls = []
     for layer in model.layers:
-        run = layer.kernel_layer
-        monkeypatch.setattr(layer, "kernel_layer", lambda *a, run=run: calls.append(1) or run(*a))
+        run = model.runner.layers[layer].whole
+        monkeypatch.setattr(model.runner.layers[layer], "whole", lambda *a, run=run: calls.append(1) or run(*a))
     whole = run_passes(model, blocks)
     assert len(calls) == 3 * len(model.layers)
     for layer in model.layers:
-        monkeypatch.setattr(layer, "kernel_layer", None)
+        monkeypatch.setattr(model.runner.layers[layer], "whole", None)
     per_op = run_passes(model, blocks)
     assert all(torch.equal(a, b) for a, b in zip(whole, per_op))
 
@@ -369,14 +370,14 @@ def test_whole_layers_serve_plain_passes_of_an_adapter_model_and_step_aside_for_
         if "lora_b" in name:
             torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(5))
     weights.attach(model, "float32")
-    assert all(layer.kernel_layer is not None for layer in model.layers)
+    assert all(model.runner.layers[layer].whole is not None for layer in model.layers)
     tokens = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(6))
     masked = tokens.clone()
     masked[0, -2:] = model.config.mask_token_id
     pos = torch.arange(10).view(1, 10)
     whole = run_passes(model, [(tokens, pos, None), (masked, pos, None)])
     for layer in model.layers:
-        layer.kernel_layer = None
+        model.runner.layers[layer].whole = None
     per_op = run_passes(model, [(tokens, pos, None), (masked, pos, None)])
     assert torch.equal(whole[0], per_op[0]) and torch.equal(whole[1], per_op[1])
     with torch.inference_mode():
@@ -396,7 +397,7 @@ def test_quantize_makes_a_float32_model_its_quantised_self_on_every_path(fmt):
     before = passes(model, tokens, [24])
     line = weights.attach(model, "native", quantize=fmt)
     assert f"{fmt} linears" in line and f"quantised to {fmt} at load (" in line  # 14 projections + the head
-    q = model.layers[0].self_attn.o_proj.kernel[0]
+    q = model.layers[0].self_attn.o_proj.parts[0]
     assert q.fmt == fmt and torch.equal(q.dequantize(), model.layers[0].self_attn.o_proj.weight)
     native = passes(model, tokens, [24])
     assert torch.equal(passes(model, tokens, [1] * 24), native) and not torch.equal(native, before)
@@ -445,7 +446,7 @@ def test_proposer_modules_run_on_the_kernels_and_drafts_stay_lossless():
     ref = generate(model, prompt, "ntp", SamplingParams(max_new_tokens=30))
     assert generate(model, prompt, "tree:8", SamplingParams(max_new_tokens=30), proposer=proposer).output == ref.output
     assert weights.attach_proposer(proposer, model, "native-int8") == 9
-    assert {m.kernel[0].fmt for m in drafter.modules() if isinstance(m, torch.nn.Linear)} == {"q8_0"}
+    assert {m.parts[0].fmt for m in drafter.modules() if isinstance(m, torch.nn.Linear)} == {"q8_0"}
     with torch.inference_mode():
         assert not torch.equal(drafter.logits(h), kernel_logits)  # int8 activations: other bits
     assert generate(model, prompt, "tree:8", SamplingParams(max_new_tokens=30), proposer=proposer).output == ref.output

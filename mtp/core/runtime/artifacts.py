@@ -53,7 +53,7 @@ def cache_root() -> Path:
     return Path(env or Path.home() / ".cache" / "mtp")
 
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"  # mtp/assets: what the package ships
+ASSETS = Path(__file__).resolve().parents[2] / "assets"  # mtp/assets: what the package ships
 MARKER = ".mtp-save-in-progress"  # in every work folder of a save; nothing else is ever removed
 CONFIG = "config.json"  # an artifact directory's config (its `format`, sizes, the base weights' hash)
 

@@ -12,10 +12,10 @@ Qwen3 (per-head q/k RMSNorm).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -120,11 +120,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    fast = False  # the batch-invariant op (mtp.core.runtime.weights.attach), for float32 inference rows
-
     def forward(self, x):
-        if self.fast and kernel_rows(x):
-            return torch.ops.mtp.rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -146,33 +142,12 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     packed_version: int = -1
-    # the weight as the kernels hold it (mtp.core.runtime.weights.attach): parts along the output dimension
-    # (e.g. the GGUF's blocks, then float32 rows the file lacks); used while the weight is unchanged
-    kernel: list | None = None
-    kernel_version: int = -1
-    kernel_call: Callable | None = None  # x [..., in] -> [..., out] on those parts, bias included
 
     def forward(self, x, gate=None):
-        if self.kernel_call is not None and self.kernel_version == self.weight._version and kernel_rows(x):
-            return self.kernel_call(x)
         if self.packed is not None and self.packed_version == self.weight._version and use_packed(x):
             y = packed_matmul(x, self.packed, self.packed_bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         return super().forward(x)
-
-
-def kernel_rows(x: torch.Tensor) -> bool:
-    """Whether the batch-invariant kernels serve this call: float32 CPU rows without autograd (training
-    and autocast take the torch path)."""
-    return x.dtype == torch.float32 and not torch.is_grad_enabled() and x.device.type == "cpu"
-
-
-def fused_current(linears: tuple) -> bool:
-    """Whether a fused kernel copy of these Linears' weights is still theirs (no weight changed since)."""
-    for m in linears:  # `_parameters` directly: nn.Module's attribute lookup costs ~1 us a call, 7 a layer
-        if m.kernel_call is None or m.kernel_version != m._parameters["weight"]._version:
-            return False
-    return True
 
 
 def use_packed(x: torch.Tensor) -> bool:
@@ -254,8 +229,6 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
-    fast = False  # batch-invariant attention over the cache (mtp.core.runtime.weights.attach)
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -268,41 +241,24 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.norm_eps)
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
-    fused: Callable | None = None  # x -> [..., (H + 2 Hkv) hd]: q, k, v's kernels stacked, one call (weights.attach)
-    fused_from: tuple = ()  # the Linears stacked into `fused` (their weights' versions say whether it is current)
-
     def forward(self, x, cos, sin, mask, kv, gate):
         # x: [B, T, dim]; cos/sin: [B, 1, T, hd]; mask: [B, 1, T, S] bool (True = attend)
         B, T, _ = x.shape
         hd = self.cfg.head_dim
-        if self.fused is not None and gate is None and kernel_rows(x) and fused_current(self.fused_from):
-            qkv = self.fused(x)  # [B, T, (H + 2 Hkv) hd]: the three outputs side by side
-            q, k, v = qkv.split([m.out_features for m in self.fused_from], -1)  # the stacked Linears (an adapter
-            # may wrap them since: without a gate it adds nothing, so their stacked weights still serve)
-            q, k, v = q.view(B, T, -1, hd), k.view(B, T, -1, hd), v.view(B, T, -1, hd)
-        else:
-            q = self.q_proj(x, gate).view(B, T, -1, hd)
-            k = self.k_proj(x, gate).view(B, T, -1, hd)
-            v = self.v_proj(x, gate).view(B, T, -1, hd)
+        q = self.q_proj(x, gate).view(B, T, -1, hd)
+        k = self.k_proj(x, gate).view(B, T, -1, hd)
+        v = self.v_proj(x, gate).view(B, T, -1, hd)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        fast = self.fast and kernel_rows(q) and mask.dtype == torch.bool and cos.dtype == torch.float32
-        if fast:  # the same arithmetic in one call each (mtp/core/runtime/kernels/layer_ops.cpp)
-            q, k = torch.ops.mtp.rope(q, cos, sin), torch.ops.mtp.rope(k, cos, sin)  # [B, H, T, hd]
-            v = v.transpose(1, 2)
-        else:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         if gate is not None:  # a pass with mask rows: a non-finite mask row must not reach other rows
             # (a masked-out NaN key still poisons the softmax: NaN + -inf = NaN), so its keys and values
             # are zeroed; ordinary rows are then computed exactly as without it
             k, v = torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0)
         if kv is not None:  # write this block into the cache, then attend over the cache prefix
             k, v = kv(k, v)
-        if fast:  # one query row at a time over exactly the keys it sees: [B, T, H, hd] (kernels/layer_ops.h)
-            y = torch.ops.mtp.attention(q, k, v, mask.expand(B, -1, T, k.shape[2]), 1.0 / math.sqrt(hd))
-            return self.o_proj(y.view(B, T, -1), gate)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1), gate)
 
@@ -314,21 +270,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.dim, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
-    fast = False  # the batch-invariant SiLU product (mtp.core.runtime.weights.attach)
-    fused: Callable | None = None  # x -> [..., 2 I]: gate's and up's kernels stacked, one call (weights.attach)
-    fused_from: tuple = ()  # the Linears stacked into `fused`
-
     def forward(self, x, gate):
-        if self.fused is not None and gate is None and kernel_rows(x) and fused_current(self.fused_from):
-            gu = self.fused(x)  # [B, T, 2 I]: gate's outputs, then up's
-            n = self.fused_from[0].out_features
-            g, u = gu.reshape(-1, 2 * n).split([n, n], -1)
-            return self.down_proj(torch.ops.mtp.silu_mul(g, u).view(*x.shape[:-1], n), gate)
-        g, u = self.gate_proj(x, gate), self.up_proj(x, gate)
-        if self.fast and kernel_rows(g):
-            n = g.shape[-1]
-            return self.down_proj(torch.ops.mtp.silu_mul(g.reshape(-1, n), u.reshape(-1, n)).view(g.shape), gate)
-        return self.down_proj(F.silu(g) * u, gate)
+        return self.down_proj(F.silu(self.gate_proj(x, gate)) * self.up_proj(x, gate), gate)
 
 
 class Block(nn.Module):
@@ -338,11 +281,6 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
-
-    # the whole layer in one kernel call (mtp.core.runtime.weights.attach; mtp/core/runtime/kernels/layer.py):
-    # (x, cos, sin, mask, kc, vc, rows, positions) -> x, for passes with a KV cache and no adapter gate
-    kernel_layer: Callable | None = None
-    kernel_from: tuple = ()  # the Linears whose weights it holds (their versions say whether it is current)
 
     def forward(self, x, cos, sin, mask, kv=None, gate=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, gate)
@@ -368,6 +306,9 @@ class Transformer(nn.Module):
         self.adapters_enabled = True  # False = the frozen base model (the teacher)
         self.gated_adapters = True  # adapters act on mask positions only (see mtp.core.runtime.adapter)
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    # the kernels' runner of the decoder layers (mtp.core.runtime.runner), set by mtp.core.runtime.weights.attach
+    runner = None
 
     @property
     def device(self):
@@ -472,15 +413,14 @@ class Transformer(nn.Module):
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, 1, T, T)
         taken = {}
         writes = positions if cache_positions is None else cache_positions
-        whole = _whole_layers(x, cos, mask, cache, writes, slots, gate)  # (mask, rows) for kernel_layer, or None
+        if self.runner is not None and self.runner.serves(x):  # the kernels' pass (mtp.core.runtime.runner)
+            step = self.runner.layer_step(x, cos, sin, mask, cache, writes, slots, gate)
+        else:
+            step = functools.partial(_reference_step, cos, sin, mask, cache, writes, slots, gate)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 taken[i] = x
-            if whole is not None and layer.kernel_layer is not None and fused_current(layer.kernel_from):
-                x = layer.kernel_layer(x, cos, sin, whole[0], cache.k[i], cache.v[i], whole[1], writes)
-                continue
-            kv = cache.writer(i, writes, slots) if cache is not None else None
-            x = layer(x, cos, sin, mask, kv, gate)
+            x = step(i, layer, x)
         if not aux_layers:
             return x
         taken[len(self.layers)] = x
@@ -498,21 +438,10 @@ class Transformer(nn.Module):
         return (logits, x) if return_hidden else logits
 
 
-def _whole_layers(x, cos, mask, cache, writes, slots, gate):
-    """(mask [B, 1, T, S], rows [B]) when this pass can run layers as one kernel call each (float32 CPU
-    rows without autograd or adapter gate, a float32 KV cache, a bool mask over exactly the slots the
-    cache writer would show: S = max(writes) + 1); else None (the per-op path)."""
-    if gate is not None or cache is None or not kernel_rows(x) or cos.dtype != torch.float32:
-        return None
-    k = getattr(cache, "k", None)
-    if not isinstance(k, torch.Tensor) or k.dtype != torch.float32 or not k.is_cpu or mask.dtype != torch.bool:
-        return None
-    B, T = x.shape[:2]
-    S = cache.prefix_length(writes)  # checks the capacity, as the writer does
-    if mask.shape[-1] != S:
-        return None
-    rows = torch.arange(B) if slots is None else slots
-    return mask.expand(B, 1, T, S), rows
+def _reference_step(cos, sin, mask, cache, writes, slots, gate, i: int, layer: Block, x: torch.Tensor):
+    """Layer i of a pass in torch's arithmetic (the reference)."""
+    kv = cache.writer(i, writes, slots) if cache is not None else None
+    return layer(x, cos, sin, mask, kv, gate)
 
 
 def add_mask_token(model: Transformer, n_used_tokens: int | None = None, seed: int = 0) -> int:

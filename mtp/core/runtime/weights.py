@@ -18,10 +18,9 @@ float32 values and both kernels share one reduction order), reading 5.5x fewer b
 kernel choices, RMSNorm, attention over the KV cache and the SiLU product run on the layer ops of the
 same library, so the model's logits for a row are bit-identical whatever else shares its pass:
 `ntp`, `verify` and `tree` do the same arithmetic on every position (tests/test_weights.py,
-benchmarks/identity.py). A pass over the KV cache without an adapter gate runs each decoder layer as
-one C++ call (`mtp/core/runtime/kernels/layer.py`: the same ops, the same bits, ~3.5 ms less Python and
-dispatch per pass); q/k-norm models and passes with mask tokens under an adapter run the ops one by
-one. Only rows without autograd use them; training takes the torch path.
+benchmarks/identity.py). How a pass runs on them (the module swap and the `Runner`: whole layers as
+one C++ call, or op by op) is `mtp.core.runtime.runner`'s; this module decides which weights and
+formats go there. Only rows without autograd use them; training takes the torch path.
 
 Where the kernels cannot run (no C++ compiler, a failed build, `MTP_KERNELS=0`), the kernel choices
 fall back to `torch`, and the one-line description says so.
@@ -34,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from mtp.core.runtime import kernels
-from mtp.core.runtime.model import MLP, Attention, Block, Linear, RMSNorm, pack_weights
+from mtp.core.runtime import kernels, runner
+from mtp.core.runtime.model import Linear, RMSNorm, pack_weights
+from mtp.core.runtime.runner import KernelLinear, KernelRMSNorm
 
 CHOICES = ("native", "native-int8", "float32", "torch")
 
@@ -107,6 +107,7 @@ def quantize_linears(model: torch.nn.Module, fmt: str) -> dict:
 
 
 def _attach(model: torch.nn.Module, weights: str, gguf: Path | None, quantized: dict) -> str:
+    disable(model)
     if weights != "torch" and not kernels.load(quiet=True):
         pack_weights(model)
         line = (
@@ -124,29 +125,18 @@ def _attach(model: torch.nn.Module, weights: str, gguf: Path | None, quantized: 
     blocks = (gguf_weights(gguf) if gguf is not None else quantized) if native else {}
     counts: dict[str, int] = {}
     with torch.no_grad():
-        for name, mod in model.named_modules():
+        for name, mod in list(model.named_modules()):
             if isinstance(mod, Linear):
                 w, key = mod.weight.detach(), _param_name(name)
                 parts = _native_parts(blocks.get(key), w) or [KernelWeight.from_float(w.contiguous(), key)]
-                _bind(mod, parts, int8)
+                KernelLinear.bind(mod, parts, int8)
                 for part in parts:
                     counts[part.fmt] = counts.get(part.fmt, 0) + 1
-            elif isinstance(mod, (RMSNorm, Attention, MLP)):
-                mod.fast = True
+            elif isinstance(mod, RMSNorm):
+                KernelRMSNorm.bind(mod)
             elif hasattr(mod, "unpack"):  # an adapter's fused oneDNN weights
                 mod.unpack()
-        stacked = {}
-        for mod in model.modules():  # projections read from one input: one call (output columns independent)
-            if isinstance(mod, Attention):
-                mod.fused_from = (_plain(mod.q_proj), _plain(mod.k_proj), _plain(mod.v_proj))
-            elif isinstance(mod, MLP):
-                mod.fused_from = (_plain(mod.gate_proj), _plain(mod.up_proj))
-            if isinstance(mod, (Attention, MLP)):
-                stacked[mod] = _stacked(list(mod.fused_from))
-                mod.fused = None if stacked[mod] is None else kernel_call([stacked[mod][0]], stacked[mod][1], int8)
-        for mod in model.modules():
-            if isinstance(mod, Block):
-                mod.kernel_layer, mod.kernel_from = _whole_layer(mod, stacked, int8)
+        model.runner = runner.build(model, weights)
     what = ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     isa = kernels.ISA_NAMES[kernels.resolve_isa(int8=int8)]
     if native and gguf is None and not quantized:
@@ -177,10 +167,10 @@ def attach_proposer(proposer, model: torch.nn.Module, weights: str = "native") -
                         continue
                     q = int8 and mod.in_features % 32 == 0
                     kw = KernelWeight.quantize(w, "q8_0", name) if q else KernelWeight.from_float(w.contiguous(), name)
-                    _bind(mod, [kw], int8)
+                    KernelLinear.bind(mod, [kw], int8)
                     n += 1
                 elif isinstance(mod, RMSNorm):
-                    mod.fast = True
+                    KernelRMSNorm.bind(mod)
             if hasattr(module, "layer_kernel"):  # an EAGLE-3 drafter: its layer as one call
                 module.layer_kernel = _drafter_layer(module, int8)
     if hasattr(proposer, "set_readout"):
@@ -198,15 +188,16 @@ def _drafter_layer(drafter, int8: bool):
 
     m, cfg = drafter.midlayer, drafter.config
     attn, mlp = m.self_attn, m.mlp
-    qkv, gu = _stacked([attn.q_proj, attn.k_proj, attn.v_proj]), _stacked([mlp.gate_proj, mlp.up_proj])
+    qkv = runner.stacked([attn.q_proj, attn.k_proj, attn.v_proj])
+    gu = runner.stacked([mlp.gate_proj, mlp.up_proj])
     o, down = attn.o_proj, mlp.down_proj
     if qkv is None or gu is None or qkv[1] is not None or gu[1] is not None:
         return None
-    if any(mod.kernel is None or len(mod.kernel) != 1 or mod.bias is not None for mod in (o, down)):
+    if any(not isinstance(mod, KernelLinear) or len(mod.parts) != 1 or mod.bias is not None for mod in (o, down)):
         return None
     return bind_layer(
-        m.input_layernorm.weight, qkv[0], None, o.kernel[0], m.post_attention_layernorm.weight, gu[0],
-        down.kernel[0], cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps, int8, ln_hidden=m.hidden_norm.weight,
+        m.input_layernorm.weight, qkv[0], None, o.parts[0], m.post_attention_layernorm.weight, gu[0],
+        down.parts[0], cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps, int8, ln_hidden=m.hidden_norm.weight,
     )  # fmt: skip
 
 
@@ -215,96 +206,23 @@ def _head_rows(model: torch.nn.Module, rows: torch.Tensor | None, int8: bool):
     kernel (its GGUF blocks as attached), or None where the head has no kernel or rows reach past its
     first part."""
     head = model.lm_head
-    if head.kernel is None or head.kernel_version != head.weight._version:
+    if not isinstance(head, KernelLinear) or head.bound_version != head.weight._version:
         return None
     if rows is None:
         return lambda h: head(model.norm(h))
     from mtp.core.runtime.kernels.qlinear import KernelWeight
 
-    first = head.kernel[0]
+    first = head.parts[0]
     rows = rows.cpu()
     if int(rows.max()) >= first.shape[0]:
         return None
-    call = kernel_call([KernelWeight(first.fmt, first.data[rows], first.name + "[draft vocab]")], None, int8)
+    call = runner.kernel_call([KernelWeight(first.fmt, first.data[rows], first.name + "[draft vocab]")], None, int8)
     return lambda h: call(model.norm(h))
 
 
 def _param_name(module_name: str) -> str:
     """A Linear's weight under the model's parameter names (an adapter's LoRALinear wraps it as `.base`)."""
     return module_name.replace(".base", "") + ".weight"
-
-
-def _bind(mod: Linear, parts: list, int8: bool) -> None:
-    """Run Linear `mod` on these kernel parts from now on (while its weight is unchanged)."""
-    mod.kernel, mod.kernel_version = parts, mod.weight._version
-    mod.kernel_call = kernel_call(parts, mod.bias, int8)
-    mod.packed = mod.packed_bias = None
-
-
-def kernel_call(parts: list, bias: torch.Tensor | None, int8: bool):
-    """x [..., K] -> x @ the weight held as kernel parts (`KernelWeight`s along the output dimension)
-    (+ bias); `int8`: quantised parts take int8 activations (`qlinear.linear_int8`, packed here, not in
-    the first pass), float32 parts the float32 kernel. Ops and ISA bound once (`qlinear.bind`)."""
-    from mtp.core.runtime.kernels.qlinear import bind
-
-    calls = [bind(p, int8) for p in parts]
-    b = None if bias is None else bias.detach()
-    if len(calls) == 1:
-        one = calls[0]
-        return one if b is None else (lambda x: one(x) + b)
-
-    def call(x):
-        y = torch.cat([c(x) for c in calls], dim=-1)
-        return y if b is None else y + b
-
-    return call
-
-
-def _plain(m: torch.nn.Module) -> torch.nn.Module:
-    """The Linear a projection computes in passes without an adapter gate: itself, or the base Linear an
-    adapter wraps (mtp.core.runtime.adapter.LoRALinear adds nothing without a gate), which the fused calls serve."""
-    base = getattr(m, "base", None)
-    return base if not isinstance(m, Linear) and type(base) is Linear else m
-
-
-def _stacked(linears: list):
-    """(KernelWeight, bias or None): the Linears' weights stacked along the output dimension (and their
-    biases), when they are plain Linears of one single-part format; else None (an adapter wraps one, or
-    a part was split). Each output column keeps its own bits: the kernels compute columns independently."""
-    from mtp.core.runtime.kernels.qlinear import KernelWeight
-
-    if not all(type(m) is Linear and m.kernel is not None and len(m.kernel) == 1 for m in linears):
-        return None
-    parts = [m.kernel[0] for m in linears]
-    if len({p.fmt for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
-        return None
-    if len({m.bias is None for m in linears}) != 1:
-        return None
-    part = KernelWeight(parts[0].fmt, torch.cat([p.data for p in parts]), "+".join(p.name for p in parts))
-    bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
-    return part, bias
-
-
-def _whole_layer(block: Block, stacked: dict, int8: bool) -> tuple:
-    """(the layer's one-call kernel, the Linears it holds), or (None, ()) where the layer has what the
-    call lacks: q/k norms, a projection wrapped by an adapter or split into parts, biases beyond q/k/v's,
-    norms with different eps."""
-    from mtp.core.runtime.kernels.layer import bind_layer
-
-    attn, mlp = block.self_attn, block.mlp
-    qkv, gu = stacked.get(attn), stacked.get(mlp)
-    o, down = _plain(attn.o_proj), _plain(mlp.down_proj)
-    if qkv is None or gu is None or gu[1] is not None or attn.cfg.qk_norm:
-        return None, ()
-    if any(type(m) is not Linear or m.kernel is None or len(m.kernel) != 1 or m.bias is not None for m in (o, down)):
-        return None, ()
-    if block.input_layernorm.eps != block.post_attention_layernorm.eps:
-        return None, ()
-    run = bind_layer(
-        block.input_layernorm.weight, qkv[0], qkv[1], o.kernel[0], block.post_attention_layernorm.weight, gu[0],
-        down.kernel[0], attn.cfg.n_heads, attn.cfg.n_kv_heads, block.input_layernorm.eps, int8,
-    )  # fmt: skip
-    return run, (*attn.fused_from, o, *mlp.fused_from, down)
 
 
 def _native_parts(kw, w: torch.Tensor) -> list | None:
@@ -323,13 +241,12 @@ def _native_parts(kw, w: torch.Tensor) -> list | None:
 
 
 def disable(model: torch.nn.Module) -> None:
-    """Back to the plain torch path (e.g. before training the model in place)."""
+    """Back to the plain torch path (e.g. before training the model in place): the kernel modules become
+    the reference's again and the runner goes."""
     for mod in model.modules():
-        if isinstance(mod, Linear):
-            mod.kernel = mod.kernel_call = None
-        elif isinstance(mod, (RMSNorm, Attention, MLP)):
-            mod.fast = False
-            if not isinstance(mod, RMSNorm):
-                mod.fused = None
-        elif isinstance(mod, Block):
-            mod.kernel_layer, mod.kernel_from = None, ()
+        if isinstance(mod, KernelLinear):
+            KernelLinear.unbind(mod)
+        elif isinstance(mod, KernelRMSNorm):
+            KernelRMSNorm.unbind(mod)
+    if isinstance(model, torch.nn.Module) and "runner" in vars(model):
+        del model.runner

@@ -13,7 +13,7 @@ along the output dimension; gate_up: gate and up stacked; all four projections `
 part each. cos, sin: [B, 1, T, head_dim]; mask: [B, 1, T, S] bool over the cache slots 0..S-1; kc, vc:
 the layer's cache buffers [rows, kv_heads, capacity, head_dim]; rows: [B] int64 cache rows of the batch;
 positions: [B, T] int64 slots the block's keys and values go to. Float32 CPU rows without autograd only
-(the caller checks: `mtp.core.runtime.model.kernel_rows`).
+(the caller checks: `mtp.core.runtime.runner.kernel_rows`).
 """
 
 from __future__ import annotations

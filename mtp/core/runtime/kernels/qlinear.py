@@ -266,7 +266,7 @@ def bind(weight: KernelWeight, int8: bool = False, isa: str | int | None = None)
     """x [..., K] -> `linear(x, weight)` (or `linear_int8` with `int8` on a quantised weight) with the op,
     its weight data and the ISA path resolved once, here (`MTP_KERNEL_ISA` is read now): what a model
     calls every pass. x must be float32 CPU rows without autograd (the caller checks:
-    `mtp.core.runtime.model.kernel_rows`); a wrong last dimension is a ValueError."""
+    `mtp.core.runtime.runner.kernel_rows`); a wrong last dimension is a ValueError."""
     if not kernels.available():
         return lambda x: linear(x, weight)
     n, k = weight.shape
