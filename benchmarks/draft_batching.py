@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     checks = []
     for strategy in ("tree:8", "verify:4"):
         counts = {"drafts": 0, "tokens_differ": 0, "confidences_differ": 0}
-        wrap = lambda name, p: Compare(p, counts) if name == "heads" else p
+        wrap = lambda name, p, counts=counts: Compare(p, counts) if name == "heads" else p  # run() calls it now
         run(engine, prompts, strategy, "heads+suffix+lookup", args.check_passes, wrap)
         checks.append({"strategy": strategy, "B": len(prompts), **counts})
         print(f"{strategy}: batched vs alone heads drafts at B={len(prompts)}: {counts}", flush=True)

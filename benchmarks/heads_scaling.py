@@ -37,7 +37,7 @@ def held_out(key: str, fraction: float) -> bool:
     return int.from_bytes(hashlib.sha256(f"val:{key}".encode()).digest()[:8], "big") / 2**64 < fraction
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", required=True)
     ap.add_argument("--sizes", default="100,300,1000")
@@ -67,16 +67,54 @@ def main() -> int:
         "(rows are independent: each carries its own targets); held-out rows are never repeated",
     )
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def emit(path: Path, rec: dict) -> None:
+    """One result: printed, and appended to `path` as a JSON line (`mask_scaling.py` writes its points the same way)."""
+    print(json.dumps(rec), flush=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def read_records(src: Path) -> list[dict]:
+    """The answers of an `mtp data` folder (its shards, then its working file) or of a JSONL file."""
+    if src.is_dir():
+        return list(shards.read(src, "train", repair=False)[0].values())
+    return [json.loads(x) for x in src.read_text().splitlines() if x.strip()]
+
+
+def by_source(heads, model, part: dict, rows: torch.Tensor, readout, val_source: list[str]) -> dict:
+    """Held-out tokens per pass over `rows` of `part`, overall and per source (rows follow val_source)."""
+    rec = {"all": evaluate(heads, model, part, rows, readout)["val_tokens_per_pass"]}
+    for s in sorted(set(val_source)):
+        mine = rows[torch.tensor([x == s for x in val_source])]
+        if len(mine):
+            rec[s] = evaluate(heads, model, part, mine, readout)["val_tokens_per_pass"]
+    return rec
+
+
+def repeated(rows: torch.Tensor, spec: str, row_source: list[str]) -> torch.Tensor:
+    """`--repeat SOURCE:N`: `rows`, then those whose answer is from SOURCE (`row_source`, per row) N - 1 times more."""
+    source, times = spec.rsplit(":", 1)
+    mine = torch.tensor([s == source for s in row_source])
+    again = mine.nonzero().squeeze(1).repeat(int(times) - 1)
+    n_rows = len(rows)
+    rows = rows[torch.cat([torch.arange(n_rows), again])]
+    print(
+        f"--repeat {spec}: {int(mine.sum()):,} of {n_rows:,} training rows from {source}, "
+        f"{len(rows):,} rows after repeating",
+        flush=True,
+    )
+    return rows
+
+
+def main() -> int:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    src = Path(args.examples)  # an `mtp data` folder (its shards, then its working file) or a JSONL of answers
-    records = (
-        list(shards.read(src, "train", repair=False)[0].values())
-        if src.is_dir()
-        else [json.loads(x) for x in src.read_text().splitlines() if x.strip()]
-    )
+    records = read_records(Path(args.examples))
     ids = [r.get("id", str(i)) for i, r in enumerate(records)]
     sources = [r.get("source", "?") for r in records]
     examples = load_examples(args.examples)
@@ -101,38 +139,16 @@ def main() -> int:
     val_rows = (example >= n_train_max).nonzero().squeeze(1)
     val_source = [sources[order[int(e)]] for e in example[val_rows]]
     readout = bf16_readout(model)
-
-    def by_source(heads, part: dict, rows: torch.Tensor) -> dict:
-        """Held-out tokens per pass over `rows` of `part`, overall and per source (rows follow val_source)."""
-        rec = {"all": evaluate(heads, model, part, rows, readout)["val_tokens_per_pass"]}
-        for s in sorted(set(val_source)):
-            mine = rows[torch.tensor([x == s for x in val_source])]
-            if len(mine):
-                rec[s] = evaluate(heads, model, part, mine, readout)["val_tokens_per_pass"]
-        return rec
-
-    def emit(rec: dict) -> None:
-        print(json.dumps(rec), flush=True)
-        with open(out / "results.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
+    results = out / "results.jsonl"
     if args.reference != "none":
         ref_dir = SHIPPED["smollm2-135m"] / "heads" if args.reference == "shipped" else Path(args.reference)
-        emit({"reference": args.reference, **by_source(load_heads(model, ref_dir), feats, val_rows)})
+        heads = load_heads(model, ref_dir)
+        emit(results, {"reference": args.reference, **by_source(heads, model, feats, val_rows, readout, val_source)})
     for n in sizes:
         # row indices, never copies: the whole-set features are ~2.3 KB per row
         rows = (example < n).nonzero().squeeze(1)
         if args.repeat:
-            source, times = args.repeat.rsplit(":", 1)
-            mine = torch.tensor([sources[order[int(e)]] == source for e in example[rows]])
-            again = mine.nonzero().squeeze(1).repeat(int(times) - 1)
-            n_rows = len(rows)
-            rows = rows[torch.cat([torch.arange(n_rows), again])]
-            print(
-                f"--repeat {args.repeat}: {int(mine.sum()):,} of {n_rows:,} training rows from {source}, "
-                f"{len(rows):,} rows after repeating",
-                flush=True,
-            )
+            rows = repeated(rows, args.repeat, [sources[order[int(e)]] for e in example[rows]])
         cfg = TrainHeadsConfig(
             depths=args.depths,
             blocks=args.blocks,
@@ -154,7 +170,7 @@ def main() -> int:
             "steps": args.steps,
             "train_s": round(time.perf_counter() - t0, 1),
         }
-        emit({**rec, **by_source(load_heads(model, run), feats, val_rows)})
+        emit(results, {**rec, **by_source(load_heads(model, run), model, feats, val_rows, readout, val_source)})
     return 0
 
 

@@ -53,7 +53,7 @@ def adapter_params(path: Path) -> int:
     return sum(t.numel() for t in load_file(str(path / "adapter.safetensors")).values())
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument(
@@ -69,14 +69,13 @@ def main() -> None:
     p.add_argument("--k", default="2,3,4", help="verify block sizes to run (each capped at depths + 1)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", default="runs/heads-tradeoff")
-    args = p.parse_args()
-    ks = sorted({int(k) for k in args.k.split(",")})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return p.parse_args()
 
-    base = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads))
-    cands = []  # (name, engine, proposer, strategy, params, kind)
-    for spec in args.heads:
+
+def heads_candidates(base: Engine, specs: list[str], ks: list[int]) -> list[dict]:
+    """A row per heads checkpoint (`DIR`, or `DIR@2,4` for its own K) and K up to its depths + 1."""
+    cands = []
+    for spec in specs:
         d, _, own_k = spec.partition("@")
         cfg = read_heads_config(d)
         proposer = load_heads_proposer(base.model, d)
@@ -95,65 +94,57 @@ def main() -> None:
                         "size": f"L={cfg['blocks']} width={cfg['width']} D={cfg['depths']}",
                     }
                 )
-    mask_engine = None
-    if args.adapter != "none":
-        mask_engine = Engine.load(EngineConfig(model=args.model, adapter=args.adapter, threads=args.threads))
-        if mask_engine.adapter_dir is None:
-            mask_engine = None
-            print("no mask-token adapter found (pass --adapter DIR); skipping that point", file=sys.stderr)
-        else:
-            n = adapter_params(mask_engine.adapter_dir)
-            for k in ks:
-                if k >= 2:
-                    cands.append(
-                        {
-                            "name": f"mask adapter verify:{k}",
-                            "kind": "mask",
-                            "k": k,
-                            "dir": str(mask_engine.adapter_dir),
-                            "engine": mask_engine,
-                            "proposer": MaskProposer(),
-                            "params": n,
-                            "size": "gated LoRA + mask token",
-                        }
-                    )
-    rows = [
-        {"name": "ntp", "kind": "ntp", "k": 1, "engine": base, "proposer": MaskProposer(), "params": 0, "size": "-"}
-    ] + cands
-    for r in rows:
-        strategy = Strategy.parse("ntp" if r["k"] == 1 else f"verify:{r['k']}")
-        r.update(stats=[], draft_s=0.0, outputs=[], strategy=strategy)
+    return cands
 
-    prompts = load_prompts(args.data, args.limit)
 
-    def decode(row, ids, max_new, record=True):
-        eng = row["engine"]
-        seq = Sequence(
-            ids,
-            row["strategy"],
-            SamplingParams(max_new_tokens=max_new),
-            row["proposer"],
-            eos_ids=eng.loaded.eos_ids,
-            decode_text=eng.decode_text,
-        )
-        d0 = getattr(row["proposer"], "draft_s", 0.0)
-        for _ in eng.stream(seq):
-            pass
-        if record:
-            row["stats"].append(seq.stats)
-            row["draft_s"] += getattr(row["proposer"], "draft_s", 0.0) - d0
-            row["outputs"].append(list(seq.output))
+def mask_candidates(args, ks: list[int]) -> list[dict]:
+    """A row per K >= 2 for the mask-token adapter (none with `--adapter none`, or when none is found)."""
+    if args.adapter == "none":
+        return []
+    mask_engine = Engine.load(EngineConfig(model=args.model, adapter=args.adapter, threads=args.threads))
+    if mask_engine.adapter_dir is None:
+        print("no mask-token adapter found (pass --adapter DIR); skipping that point", file=sys.stderr)
+        return []
+    n = adapter_params(mask_engine.adapter_dir)
+    return [
+        {
+            "name": f"mask adapter verify:{k}",
+            "kind": "mask",
+            "k": k,
+            "dir": str(mask_engine.adapter_dir),
+            "engine": mask_engine,
+            "proposer": MaskProposer(),
+            "params": n,
+            "size": "gated LoRA + mask token",
+        }
+        for k in ks
+        if k >= 2
+    ]
 
-    ids_all = [base.encode(q) for q in prompts]
-    for row in rows:  # untimed warm-up
-        decode(row, ids_all[0], 8, record=False)
-    t0 = time.perf_counter()
-    for i, ids in enumerate(ids_all):
-        order = rows[i % len(rows) :] + rows[: i % len(rows)]
-        for row in order:
-            decode(row, ids, args.max_new_tokens)
-        print(f"prompt {i + 1}/{len(ids_all)} done ({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
 
+def decode(row: dict, ids: list[int], max_new: int, record: bool = True) -> None:
+    """`row` decodes prompt `ids`; with `record`, its stats, drafting time and output are kept."""
+    eng = row["engine"]
+    seq = Sequence(
+        ids,
+        row["strategy"],
+        SamplingParams(max_new_tokens=max_new),
+        row["proposer"],
+        eos_ids=eng.loaded.eos_ids,
+        decode_text=eng.decode_text,
+    )
+    d0 = getattr(row["proposer"], "draft_s", 0.0)
+    for _ in eng.stream(seq):
+        pass
+    if record:
+        row["stats"].append(seq.stats)
+        row["draft_s"] += getattr(row["proposer"], "draft_s", 0.0) - d0
+        row["outputs"].append(list(seq.output))
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """A result per row: acceptance, tokens per pass, drafting and verification ms per pass, tokens/s and
+    the speedup over the `ntp` row (the first), and whether its outputs equal ntp's."""
     ntp = rows[0]
     ntp_sum = metrics.merge(ntp["stats"])
     results = []
@@ -179,14 +170,10 @@ def main() -> None:
                 "forward_passes": passes,
             }
         )
-    meta = {
-        "prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens,
-        "threads": torch.get_num_threads(),
-        "data": Path(args.data).name,
-        "command": " ".join(sys.argv),
-    }
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+    return results
+
+
+def table_md(results: list[dict]) -> list[str]:
     table = [
         "| candidate | size | params | acceptance by position | tokens/pass | draft ms/pass | "
         "verify ms/pass | tokens/s | speedup vs ntp | lossless |",
@@ -200,6 +187,46 @@ def main() -> None:
             f"{r['tokens_per_s']:.1f} | "
             f"{r['speedup_vs_ntp']:.2f}x | {'yes' if r['lossless'] else 'NO'} |"
         )
+    return table
+
+
+def main() -> None:
+    args = parse_args()
+    ks = sorted({int(k) for k in args.k.split(",")})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    base = Engine.load(EngineConfig(model=args.model, adapter="none", threads=args.threads))
+    cands = heads_candidates(base, args.heads, ks)  # (name, engine, proposer, strategy, params, kind)
+    cands += mask_candidates(args, ks)
+    rows = [
+        {"name": "ntp", "kind": "ntp", "k": 1, "engine": base, "proposer": MaskProposer(), "params": 0, "size": "-"}
+    ] + cands
+    for r in rows:
+        strategy = Strategy.parse("ntp" if r["k"] == 1 else f"verify:{r['k']}")
+        r.update(stats=[], draft_s=0.0, outputs=[], strategy=strategy)
+
+    prompts = load_prompts(args.data, args.limit)
+    ids_all = [base.encode(q) for q in prompts]
+    for row in rows:  # untimed warm-up
+        decode(row, ids_all[0], 8, record=False)
+    t0 = time.perf_counter()
+    for i, ids in enumerate(ids_all):
+        order = rows[i % len(rows) :] + rows[: i % len(rows)]
+        for row in order:
+            decode(row, ids, args.max_new_tokens)
+        print(f"prompt {i + 1}/{len(ids_all)} done ({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+
+    results = summarise(rows)
+    meta = {
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "data": Path(args.data).name,
+        "command": " ".join(sys.argv),
+    }
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+    table = table_md(results)
     (out / "table.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
     plot(results, out / "tradeoff.png", meta)

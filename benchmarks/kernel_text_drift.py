@@ -95,6 +95,52 @@ def pass_ms(model, ctx: int = 64, reps: int = 20) -> float:
     return times[len(times) // 2] * 1e3
 
 
+def decode_modes(loaded, weights, args, report: dict) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """Per mode: its M=1 pass time (into `report`), and (prompt ids, greedy continuation) of every prompt."""
+    model, tok = loaded.model, loaded.tokenizer
+    params = SamplingParams(max_new_tokens=args.tokens)
+    outs = {}
+    for mode in args.modes:
+        install(model, weights, mode)
+        report["pass_ms"][mode] = pass_ms(model)
+        outs[mode] = []
+        for prompt in PROMPTS[: args.prompts]:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            seq = generate(model, ids, "ntp", params, eos_ids=loaded.eos_ids)
+            outs[mode].append((ids, list(seq.output)))
+    return outs
+
+
+def compare(loaded, weights, modes: list[str], outs: dict, i: int, ids: list[int], ref_out: list[int]) -> dict:
+    """Prompt i's continuation in each mode against the reference `ref_out`: where it first diverges, its
+    text, and teacher-forced on the reference, its top-1 agreement and largest logit difference with the
+    torch (else the first) mode's."""
+    model, tok = loaded.model, loaded.tokenizer
+    row = {"prompt": PROMPTS[i], "modes": {}}
+    forced = {}
+    for mode in modes:
+        install(model, weights, mode)
+        forced[mode] = teacher_forced(model, ids + ref_out, len(ids)) if ref_out else None
+    for mode in modes:
+        out = outs[mode][i][1]
+        diverge = next(
+            (j for j, (a, b) in enumerate(zip(out, ref_out)) if a != b),
+            None if len(out) == len(ref_out) else min(len(out), len(ref_out)),
+        )
+        entry = {
+            "first_divergence": diverge,
+            "identical": out == ref_out,
+            "text": tok.decode(out, skip_special_tokens=True),
+        }
+        if forced[mode] is not None:
+            base = forced[modes[0] if "torch" not in forced else "torch"]
+            entry["top1_agree"] = float((forced[mode].argmax(-1) == base.argmax(-1)).float().mean())
+            entry["max_abs_logit_diff"] = float((forced[mode] - base).abs().max())
+        row["modes"][mode] = entry
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=64)
@@ -107,9 +153,7 @@ def main(argv=None):
     if not kernels.load():
         sys.exit(f"kernel_text_drift: the kernels are not available ({kernels.why_unavailable()})")
     loaded = load("smollm2-135m")
-    model, tok = loaded.model, loaded.tokenizer
     weights = gguf_weights(resolve("smollm2-135m"))
-    params = SamplingParams(max_new_tokens=args.tokens)
     report = {
         "threads": args.threads,
         "tokens": args.tokens,
@@ -117,41 +161,11 @@ def main(argv=None):
         "pass_ms": {},
         "prompts": [],
     }
-    outs = {}
-    for mode in args.modes:
-        install(model, weights, mode)
-        report["pass_ms"][mode] = pass_ms(model)
-        outs[mode] = []
-        for prompt in PROMPTS[: args.prompts]:
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-            seq = generate(model, ids, "ntp", params, eos_ids=loaded.eos_ids)
-            outs[mode].append((ids, list(seq.output)))
+    outs = decode_modes(loaded, weights, args, report)
     ref = outs.get("torch") or outs[args.modes[0]]
     for i, (ids, ref_out) in enumerate(ref):
-        row = {"prompt": PROMPTS[i], "modes": {}}
-        forced = {}
-        for mode in args.modes:
-            install(model, weights, mode)
-            forced[mode] = teacher_forced(model, ids + ref_out, len(ids)) if ref_out else None
-        for mode in args.modes:
-            out = outs[mode][i][1]
-            diverge = next(
-                (j for j, (a, b) in enumerate(zip(out, ref_out)) if a != b),
-                None if len(out) == len(ref_out) else min(len(out), len(ref_out)),
-            )
-            entry = {
-                "first_divergence": diverge,
-                "identical": out == ref_out,
-                "text": tok.decode(out, skip_special_tokens=True),
-            }
-            if forced[mode] is not None:
-                base = forced[args.modes[0] if "torch" not in forced else "torch"]
-                entry["top1_agree"] = float((forced[mode].argmax(-1) == base.argmax(-1)).float().mean())
-                entry["max_abs_logit_diff"] = float((forced[mode] - base).abs().max())
-            row["modes"][mode] = entry
-        report["prompts"].append(row)
-    install(model, weights, "torch")
+        report["prompts"].append(compare(loaded, weights, args.modes, outs, i, ids, ref_out))
+    install(loaded.model, weights, "torch")
     for mode in args.modes:
         rows = [r["modes"][mode] for r in report["prompts"]]
         same = sum(r["identical"] for r in rows)

@@ -1,5 +1,5 @@
 """How many decoded prompts the mask adapter's calibration needs: its (confidence, right) pairs from
-`verify:4` chains (what `mtp tune` records), then `mtp.tune.run.fit_held_out` (two-fold cross-fitted ECE)
+`verify:4` chains (what `mtp tune` records), then `mtp.tune.calibrate.fit_held_out` (two-fold cross-fitted ECE)
 on the first 16, 32, 48, ... of them.
 
     python benchmarks/mask_calibration.py --data gsm8k:$MTP_DATA_DIR/gsm8k/test.jsonl --limit 64 \
@@ -20,8 +20,8 @@ from pathlib import Path
 from mtp.core.decoding.strategy import Strategy
 from mtp.core.engine import Engine, EngineConfig
 from mtp.eval.bench import load_data
+from mtp.tune.calibrate import fit_held_out
 from mtp.tune.offline import chain_pairs, decode_all
-from mtp.tune.run import fit_held_out
 
 
 def main(argv=None) -> None:

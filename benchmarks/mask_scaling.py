@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from heads_scaling import held_out
+from heads_scaling import emit, held_out
 
 from mtp.cli.train import parse_layers
 from mtp.core.engine import Engine, EngineConfig
@@ -45,7 +45,8 @@ def score(model, val, val_source, k, stride, seq_len) -> dict:
     return rec
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.Namespace, tuple[int, int] | None]:
+    """The flags, and the LoRA layers `--lora-layers` names (checked against the model's; None: all)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", required=True)
     ap.add_argument("--val-fraction", type=float, default=0.1)
@@ -77,32 +78,36 @@ def main() -> int:
         layers = check_layers(parse_layers(args.lora_layers, n_layers), n_layers) if args.lora_layers else None
     except ValueError as e:
         ap.error(str(e))
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    records = [json.loads(x) for x in Path(args.examples).read_text().splitlines() if x.strip()]
-    examples = load_examples(args.examples)
+    return args, layers
+
+
+def held_out_split(args, records: list[dict], examples: list) -> tuple[list, list, list[str]]:
+    """(the training answers, the held-out answers scored: up to half of `--val-answers` from sources
+    other than GSM8K, the rest GSM8K, and their sources), by the held-out hash of `heads_scaling.py`."""
     is_val = [held_out(r.get("id", str(i)), args.val_fraction) for i, r in enumerate(records)]
     train_ex = prepare_examples([e for e, v in zip(examples, is_val) if not v], args.seq_len)
     val_idx = [i for i, v in enumerate(is_val) if v]
     other = [i for i in val_idx if records[i].get("source") != "gsm8k"][: args.val_answers // 2]
     val_idx = other + [i for i in val_idx if records[i].get("source") == "gsm8k"][: args.val_answers - len(other)]
-    val = [examples[i] for i in val_idx]
-    val_source = [records[i].get("source", "?") for i in val_idx]
+    return train_ex, [examples[i] for i in val_idx], [records[i].get("source", "?") for i in val_idx]
+
+
+def main() -> int:
+    args, layers = parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = [json.loads(x) for x in Path(args.examples).read_text().splitlines() if x.strip()]
+    examples = load_examples(args.examples)
+    train_ex, val, val_source = held_out_split(args, records, examples)
     print(
         f"{len(train_ex)} training answers, {len(val)} held-out scored "
         f"({', '.join(f'{s} {val_source.count(s)}' for s in sorted(set(val_source)))})",
         flush=True,
     )
     results = out / "results.jsonl"
-
-    def emit(rec):
-        print(json.dumps(rec), flush=True)
-        with open(results, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
     shipped = Engine.load(EngineConfig(adapter="auto", pack=False)).model
-    emit({"point": "shipped adapter", **score(shipped, val, val_source, args.k, args.stride, args.seq_len)})
+    emit(results, {"point": "shipped adapter", **score(shipped, val, val_source, args.k, args.stride, args.seq_len)})
     del shipped
 
     engine = Engine.load(EngineConfig(adapter="none", pack=False))
@@ -132,6 +137,7 @@ def main() -> int:
         model.train()
         eval_total[0] += time.perf_counter() - t0
         emit(
+            results,
             {
                 "point": "from scratch",
                 **({"lora_layers": f"{layers[0]}:{layers[1]}"} if layers else {}),
@@ -139,7 +145,7 @@ def main() -> int:
                 "answers_seen": step * args.batch_size,
                 "train_s": round(time.perf_counter() - t_start - eval_total[0], 1),
                 **rec,
-            }
+            },
         )
 
     train(cfg, model, train_ex, n_used_tokens=len(engine.tokenizer), progress=False, on_step=on_step)

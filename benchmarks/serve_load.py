@@ -168,7 +168,7 @@ def uncapped_outputs(client, args, prompts: list[str], strategies: list[str]) ->
     out = {}
     with ThreadPoolExecutor(max(1, n)) as pool:
         for s in strategies:
-            rs = pool.map(lambda i: ask(client, prompts[i], s, args.max_tokens, adaptive=False), range(n))
+            rs = pool.map(lambda i, s=s: ask(client, prompts[i], s, args.max_tokens, adaptive=False), range(n))
             out[("uncapped", s)] = {"outputs": {i: r.choices[0].message.content for i, r in enumerate(rs)}}
     return out
 
@@ -201,7 +201,8 @@ def fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> tuple[argparse.Namespace, list[str], str]:
+    """(the flags, the strategies with ntp first, the GSM8K data)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--adapter", default="auto")
@@ -228,55 +229,40 @@ def main(argv=None) -> int:
     data = args.data or (os.path.join(os.environ["MTP_DATA_DIR"], "gsm8k") if os.environ.get("MTP_DATA_DIR") else None)
     if not data:
         p.error("give --data GSM8K_DIR or set MTP_DATA_DIR")
-    n_prompts = max(max(args.requests, 4), max(args.concurrency))
-    prompts = [item["prompt"] for item in gsm8k.load(data, limit=n_prompts)]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return args, strategies, data
 
-    import openai
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port, out / "server.log")
+def measure(client, args, prompts: list[str], strategies: list[str]) -> dict[tuple[int, str], list[dict]]:
+    """One warm-up request per strategy (not counted), then `--rounds` cells per (concurrency, strategy),
+    the strategies' order rotated each round."""
+    for s in strategies:  # warm-up, excluded
+        client.chat.completions.create(
+            model="bench",
+            messages=[{"role": "user", "content": prompts[0]}],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"mtp": {"strategy": s}},
+        )
     cells: dict[tuple[int, str], list[dict]] = {}
-    try:
-        wait_ready(url, proc, args.startup_timeout)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
-        for s in strategies:  # warm-up, excluded
-            client.chat.completions.create(
-                model="bench",
-                messages=[{"role": "user", "content": prompts[0]}],
-                max_tokens=4,
-                temperature=0,
-                extra_body={"mtp": {"strategy": s}},
-            )
-        for c in args.concurrency:
-            n = args.requests or max(4, c)
-            for r in range(args.rounds):
-                order = strategies[r % len(strategies) :] + strategies[: r % len(strategies)]
-                for s in order:
-                    cell = run_cell(client, prompts, s, c, n, args.max_tokens, args.cell_timeout)
-                    cells.setdefault((c, s), []).append(cell)
-                    print(
-                        f"c={c:<3} {s:<18} {cell['requests']} req {cell['tokens']} tok {cell['wall_s']:.1f} s "
-                        f"{cell['tokens_per_s']:.1f} tok/s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-        uncapped = uncapped_outputs(client, args, prompts, strategies) if args.check else {}
-        import httpx
+    for c in args.concurrency:
+        n = args.requests or max(4, c)
+        for r in range(args.rounds):
+            order = strategies[r % len(strategies) :] + strategies[: r % len(strategies)]
+            for s in order:
+                cell = run_cell(client, prompts, s, c, n, args.max_tokens, args.cell_timeout)
+                cells.setdefault((c, s), []).append(cell)
+                print(
+                    f"c={c:<3} {s:<18} {cell['requests']} req {cell['tokens']} tok {cell['wall_s']:.1f} s "
+                    f"{cell['tokens_per_s']:.1f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return cells
 
-        metrics_text = httpx.get(url + "/metrics", timeout=30).text
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    (out / "metrics.prom").write_text(metrics_text)
-    table = {key: merge_cells(v) for key, v in cells.items()}
-    same = check_identical(args, prompts, strategies, {**table, **uncapped}) if args.check else {}
 
+def report(args, strategies: list[str], table: dict, same: dict, uncapped: dict) -> tuple[list[dict], str]:
+    """(a row per cell, the Markdown table): tokens/s and its ratio to ntp's at the same concurrency,
+    latencies, tokens per pass, capped passes, and how many outputs equal `Engine.generate`'s."""
     rows, lines = (
         [],
         [
@@ -312,7 +298,39 @@ def main(argv=None) -> int:
             "identical to `Engine.generate`: "
             + ", ".join(f"{s} {same[('uncapped', s)][0]}/{same[('uncapped', s)][1]}" for s in strategies),
         ]
-    text = "\n".join(lines)
+    return rows, "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args, strategies, data = parse_args(argv)
+    n_prompts = max(max(args.requests, 4), max(args.concurrency))
+    prompts = [item["prompt"] for item in gsm8k.load(data, limit=n_prompts)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import openai
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(args, port, out / "server.log")
+    try:
+        wait_ready(url, proc, args.startup_timeout)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+        cells = measure(client, args, prompts, strategies)
+        uncapped = uncapped_outputs(client, args, prompts, strategies) if args.check else {}
+        import httpx
+
+        metrics_text = httpx.get(url + "/metrics", timeout=30).text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    (out / "metrics.prom").write_text(metrics_text)
+    table = {key: merge_cells(v) for key, v in cells.items()}
+    same = check_identical(args, prompts, strategies, {**table, **uncapped}) if args.check else {}
+    rows, text = report(args, strategies, table, same, uncapped)
     (out / "serve_load.md").write_text(text + "\n")
     (out / "serve_load.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     print(text)

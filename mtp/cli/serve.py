@@ -30,6 +30,16 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and shadow mode")
     add_model_args(p, AUTO)  # the shipped model: its best measured merge (mtp.core.decoding.proposers)
     add_sampling_args(p)
+    _add_endpoint_args(p)
+    _add_limit_args(p)
+    _add_rollout_args(p)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=run)
+
+
+def _add_endpoint_args(p) -> None:
+    """Where the server listens, who may call it, and the model name clients use."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -45,6 +55,10 @@ def add_parser(sub) -> None:
         help=f"read the API key from this file (default: ${API_KEY_ENV}, if set)",
     )
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+
+
+def _add_limit_args(p) -> None:
+    """What the server takes on: batch, lengths, the cache budget, K per pass (adaptive), request sizes."""
     p.add_argument(
         "--max-batch",
         type=int,
@@ -91,6 +105,10 @@ def add_parser(sub) -> None:
         default=MAX_MESSAGES,
         help=f"most messages in a chat request (default {MAX_MESSAGES})",
     )
+
+
+def _add_rollout_args(p) -> None:
+    """`mtp tune`'s deploy file rolled out, and the shadow comparisons against ntp that guard it."""
     p.add_argument(
         "--deploy",
         default=None,
@@ -125,9 +143,6 @@ def add_parser(sub) -> None:
         help="fraction of MTP requests re-decoded with ntp (default 0; 1 with --deploy)",
     )
     p.add_argument("--shadow-log", default="mtp-shadow.jsonl", help="JSONL log of shadow comparisons")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
-    p.add_argument("--log-level", default="info")
-    p.set_defaults(func=run)
 
 
 def api_key(args) -> str | None:

@@ -22,6 +22,8 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: JSON config files only
     tomllib = None
+# what reading an unreadable --config file raises (a name: `except` takes classes or a tuple of them)
+CONFIG_ERRORS = (json.JSONDecodeError, UnicodeDecodeError) + ((tomllib.TOMLDecodeError,) if tomllib else ())
 
 FIELDS = {
     "data": str,
@@ -97,7 +99,7 @@ def read_config(path: str) -> dict:
     try:
         text = p.read_text(encoding="utf-8")
         data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) + ((tomllib.TOMLDecodeError,) if tomllib else ()) as e:
+    except CONFIG_ERRORS as e:
         raise ValueError(f"--config {path}: not valid {'JSON' if p.suffix == '.json' else 'TOML'} ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a table of options")

@@ -52,6 +52,11 @@ SOURCE_COLOURS = {
 SOURCE_CSS = "".join(f".from-{name}{{border-bottom:3px solid {c}}}" for name, c in SOURCE_COLOURS.items())
 
 
+def number(x, digits: int = 2, none: str = "—") -> str:
+    """A figure as console and log lines print it: `digits` decimals, `none` for None."""
+    return none if x is None else f"{x:.{digits}f}"
+
+
 def shares_text(share: dict | None) -> str:
     """`heads 62% lookup 41%`: accepted_share, largest first (a token several parts drafted counts for
     each, so a merge's shares may sum to more than 100%)."""

@@ -99,21 +99,11 @@ def launch_local(stages: int, fn, args: tuple = (), grace_s: float = 3.0) -> int
     ctx = mp.get_context("spawn")
     me = os.getpid()
     procs = [ctx.Process(target=_local_entry, args=(r, stages, store.port, fn, args, me)) for r in range(stages)]
-    deadline, killed = None, set()
     try:
         with _stage_environment():
             for p in procs:
                 p.start()
-        while any(p.exitcode is None for p in procs):
-            codes = [p.exitcode for p in procs]
-            if deadline is None and any(c not in (None, 0) for c in codes):
-                deadline = time.monotonic() + grace_s
-            if deadline is not None and time.monotonic() > deadline:
-                for r, p in enumerate(procs):
-                    if p.exitcode is None:
-                        p.kill()
-                        killed.add(r)
-            time.sleep(0.05)
+        killed = _wait(procs, grace_s)
     except KeyboardInterrupt:
         return 130
     finally:  # Ctrl-C, SystemExit (a SIGTERM handler), any error: no stage is left running
@@ -123,7 +113,29 @@ def launch_local(stages: int, fn, args: tuple = (), grace_s: float = 3.0) -> int
         for p in procs:
             if p.pid is not None:
                 p.join()
-    codes = [p.exitcode for p in procs]
+    return _status([p.exitcode for p in procs], killed)
+
+
+def _wait(procs: list, grace_s: float) -> set[int]:
+    """Until every stage has exited; once one exits non-zero the others have `grace_s` to follow, then
+    the stragglers are killed. Returns the ranks killed."""
+    deadline, killed = None, set()
+    while any(p.exitcode is None for p in procs):
+        codes = [p.exitcode for p in procs]
+        if deadline is None and any(c not in (None, 0) for c in codes):
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            for r, p in enumerate(procs):
+                if p.exitcode is None:
+                    p.kill()
+                    killed.add(r)
+        time.sleep(0.05)
+    return killed
+
+
+def _status(codes: list[int | None], killed: set[int]) -> int:
+    """The pipeline's exit status from its stages' (`killed`: the ranks `_wait` killed): stage 0's, or the
+    first failure's; 1 for a stage 0 killed by a signal (said on stderr when the signal came from outside)."""
     if codes[0] is not None and codes[0] < 0:
         if 0 not in killed:  # stage 0 killed by a signal from outside: nobody printed why
             print(f"mtp: error: pipeline: stage 0 was killed by signal {-codes[0]}", file=sys.stderr)

@@ -32,6 +32,8 @@ Run: `mtp pipeline --stages P PROMPT ...` (P local processes), or across machine
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -238,53 +240,85 @@ def serve(model: Transformer, link: Link, watchdog: Watchdog | None = None) -> d
             link.send(0 if last else nxt, [hdr] + ([moves] if moves is not None and not last else []))
             return {"cache": cache, "passes": passes}
         link.delay_s = delay_us / 1e6  # stage 0 sets the delay of the whole ring
-        layout = bool(flags & F_LAYOUT)
-        n_ints = (
-            B * T
-            + (B if flags & F_SLOTS else 0)
-            + (B * N if flags & F_OUT else 0)
-            + (B * T if layout else 0)
-            + (n_moves if flags & F_MOVES else 0)
-        )
-        ints = link.recv(prev, (n_ints,), torch.long)
-        has_gate = bool(flags & F_GATE)
-        floats = link.recv(prev, (B, T, cfg.dim + has_gate), dtype).to(dev)
-        mask_u8 = link.recv(prev, (B, T, S), torch.uint8) if layout else None
-        positions = ints[: B * T].view(B, T).to(dev)
-        rest = ints[B * T :]
-        slots = out_index = cache_positions = attn_mask = None
-        if flags & F_SLOTS:
-            slots, rest = rest[:B].to(dev), rest[B:]
-        if flags & F_OUT:
-            out_index, rest = rest[: B * N].view(B, N).to(dev), rest[B * N :]
-        if layout:
-            cache_positions, rest = rest[: B * T].view(B, T).to(dev), rest[B * T :]
-            attn_mask = mask_u8.to(dev, torch.bool)
-        x = floats[..., : cfg.dim]  # [B, T, dim]
-        gate = floats[..., cfg.dim :] if has_gate else None  # [B, T, 1]
+        msg = _receive(link, prev, hdr, cfg.dim, dtype, dev)
         if flags & F_CACHE and ep != epoch:
             cache = KVCache(len(model.layers), rows, cfg.n_kv_heads, cap, cfg.head_dim, dtype, dev)
             epoch = ep
         if flags & F_MOVES:  # stage 0's tree compactions since the last pass, before this pass reads them
-            apply_moves(cache, rest.tolist())
-        with torch.inference_mode():
-            x = model.forward_layers(
-                x, positions, cache if flags & F_CACHE else None, slots, attn_mask, gate, cache_positions
-            )
-            if last:
-                out = model.forward_head(x, out_index, bool(flags & F_HIDDEN))
-                logits, hidden = out if flags & F_HIDDEN else (out, None)
-                payload = logits if hidden is None else torch.cat([logits, hidden.to(logits.dtype)], -1)
-                link.send(
-                    0, [message_header(OP_RESULT, B, logits.shape[1], logits.shape[2], hidden is not None), payload]
-                )
-            else:
-                link.send(
-                    nxt,
-                    [hdr, ints, x if gate is None else torch.cat([x, gate], -1)]
-                    + ([] if mask_u8 is None else [mask_u8]),
-                )
+            apply_moves(cache, msg.rest.tolist())
+        _forward(model, link, hdr, msg, cache if flags & F_CACHE else None, nxt if not last else None)
         passes += 1
+
+
+@dataclass
+class _Pass:
+    """One pass's message to a stage after the first, received and unpacked (on the stage's device)."""
+
+    flags: int
+    ints: torch.Tensor  # every integer as received (passed on to the next stage)
+    mask_u8: torch.Tensor | None  # the attention layout as received, [B, T, S] (with F_LAYOUT)
+    x: torch.Tensor  # [B, T, dim]
+    gate: torch.Tensor | None  # [B, T, 1]
+    positions: torch.Tensor  # [B, T]
+    slots: torch.Tensor | None
+    out_index: torch.Tensor | None  # [B, N]
+    cache_positions: torch.Tensor | None  # [B, T]
+    attn_mask: torch.Tensor | None  # [B, T, S], bool
+    rest: torch.Tensor  # the integers after those: stage 0's cache moves (with F_MOVES)
+
+
+def _receive(link: Link, prev: int, hdr: torch.Tensor, dim: int, dtype, dev) -> _Pass:
+    """The rest of the pass whose header is `hdr`: its integers, its activations (and gate), its layout."""
+    _, B, T, N, flags, _, _, _, _, S, n_moves = hdr[:11].tolist()
+    layout = bool(flags & F_LAYOUT)
+    n_ints = (
+        B * T
+        + (B if flags & F_SLOTS else 0)
+        + (B * N if flags & F_OUT else 0)
+        + (B * T if layout else 0)
+        + (n_moves if flags & F_MOVES else 0)
+    )
+    ints = link.recv(prev, (n_ints,), torch.long)
+    has_gate = bool(flags & F_GATE)
+    floats = link.recv(prev, (B, T, dim + has_gate), dtype).to(dev)
+    mask_u8 = link.recv(prev, (B, T, S), torch.uint8) if layout else None
+    positions = ints[: B * T].view(B, T).to(dev)
+    rest = ints[B * T :]
+    slots = out_index = cache_positions = attn_mask = None
+    if flags & F_SLOTS:
+        slots, rest = rest[:B].to(dev), rest[B:]
+    if flags & F_OUT:
+        out_index, rest = rest[: B * N].view(B, N).to(dev), rest[B * N :]
+    if layout:
+        cache_positions, rest = rest[: B * T].view(B, T).to(dev), rest[B * T :]
+        attn_mask = mask_u8.to(dev, torch.bool)
+    x = floats[..., :dim]  # [B, T, dim]
+    gate = floats[..., dim:] if has_gate else None  # [B, T, 1]
+    return _Pass(flags, ints, mask_u8, x, gate, positions, slots, out_index, cache_positions, attn_mask, rest)
+
+
+def _forward(model: Transformer, link: Link, hdr: torch.Tensor, msg: _Pass, cache, nxt: int | None) -> None:
+    """This stage's layers on the pass; then its activations on to stage `nxt`, or for the last stage
+    (`nxt` None) the logits (and hidden states when asked) back to stage 0."""
+    with torch.inference_mode():
+        x = model.forward_layers(msg.x, msg.positions, cache, msg.slots, msg.attn_mask, msg.gate, msg.cache_positions)
+        if nxt is None:
+            out = model.forward_head(x, msg.out_index, bool(msg.flags & F_HIDDEN))
+            logits, hidden = out if msg.flags & F_HIDDEN else (out, None)
+            payload = logits if hidden is None else torch.cat([logits, hidden.to(logits.dtype)], -1)
+            link.send(
+                0,
+                [
+                    message_header(OP_RESULT, msg.x.shape[0], logits.shape[1], logits.shape[2], hidden is not None),
+                    payload,
+                ],
+            )
+        else:
+            link.send(
+                nxt,
+                [hdr, msg.ints, x if msg.gate is None else torch.cat([x, msg.gate], -1)]
+                + ([] if msg.mask_u8 is None else [msg.mask_u8]),
+            )
 
 
 def run_stage(rank: int, world: int, model: Transformer, config: PipelineConfig, stage0_fn=None):

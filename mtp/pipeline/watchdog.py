@@ -74,7 +74,7 @@ class Watchdog:
         """Every live peer (not yet done) with the seconds since its heartbeat last moved."""
         now, out = time.monotonic(), []
         with self.lock:
-            for r, (count, since) in self.seen.items():
+            for r, (count, _since) in self.seen.items():
                 if self.store.check([f"done/{r}"]):
                     continue
                 c = int(self.store.add(f"hb/{r}", 0))

@@ -89,24 +89,34 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
 
     if config.api_key:
         app.add_middleware(APIKeyAuth, key=config.api_key)
+    _completion_routes(app, state)
+    _info_routes(app, state)
+    return app
 
-    async def read_body(request: HTTPRequest) -> bytes:
-        """The body, refused with 413 as soon as it exceeds the limit (declared or streamed)."""
-        limit = config.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        too_big = APIError(413, f"request body over this server's limit of {limit} bytes", code="body_too_large")
-        if declared.isdigit() and int(declared) > limit:
+
+async def read_body(request: HTTPRequest, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it exceeds `limit` bytes (declared or streamed)."""
+    declared = request.headers.get("content-length", "")
+    too_big = APIError(413, f"request body over this server's limit of {limit} bytes", code="body_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
             raise too_big
-        chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _completion_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/completions and /v1/chat/completions: the body read, parsed and tokenised off the event
+    loop, then answered (`mtp.serving.completions.complete`)."""
+    config = state.config
 
     async def parse(request: HTTPRequest, schema):
-        raw = await read_body(request)  # then parsed off the event loop: a 4 MiB body never stalls streams
+        # read, then parsed off the event loop: a 4 MiB body never stalls streams
+        raw = await read_body(request, config.max_body_bytes)
         return await asyncio.to_thread(parse_request, raw, schema, config.max_messages)
 
     @app.post("/v1/completions")
@@ -121,6 +131,11 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         ids = await asyncio.to_thread(state.chat_ids, body)  # tokenising never blocks other streams
         return await complete(state, request, body, ids, max_tokens, chat=True)
+
+
+def _info_routes(app: FastAPI, state: ServerState) -> None:
+    """GET /v1/models, /health (also HEAD) and /metrics (Prometheus text)."""
+    config = state.config
 
     @app.get("/v1/models")
     async def models():
@@ -145,8 +160,6 @@ def create_app(engine: Engine, config: ServeConfig, pass_time=None):
     @app.get("/metrics")
     async def prometheus():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
 
 
 # ---- running it ---------------------------------------------------------------------------------

@@ -59,6 +59,33 @@ async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
+    tokens, gone = await _gather(state, request, reqs, queue)
+    if gone:
+        state.metrics.count(endpoint, "cancelled")
+        return JSONResponse(APIError(499, "client closed the request", code="client_closed").body(), status_code=499)
+    for r in reqs:
+        if r.seq.finish_reason == "error":
+            state.metrics.count(endpoint, "error")
+            raise APIError(500, f"decoding failed: {r.error}", type="server_error")
+    if any(r.seq.finish_reason == "cancelled" for r in reqs):
+        state.metrics.count(endpoint, "cancelled")
+        raise shutting_down()
+    choices = [answer.choice(index, tokens[answer.row(index)]) for index in range(asked.n)]
+    out = {
+        **base,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": choices,
+        "usage": answer.usage([tokens[answer.row(index)] for index in range(asked.n)]),
+        "mtp": answer.summary(),
+    }
+    state.metrics.count(endpoint, "ok")
+    state.maybe_shadow(req)
+    return JSONResponse(out)
+
+
+async def _gather(state: ServerState, request: HTTPRequest, reqs: list[Request], queue: asyncio.Queue):
+    """(every row's tokens, whether the client went away): the rows' tokens gathered until each is final,
+    the client watched meanwhile (its leaving cancels the rows); a row left unfinished is cancelled."""
     tokens: list[list[int]] = [[] for _ in reqs]
     gone = asyncio.Event()
 
@@ -83,27 +110,7 @@ async def complete(state: ServerState, request: HTTPRequest, body, ids: list[int
         for r in reqs:
             if not r.done.is_set():
                 state.scheduler.cancel(r)
-    if gone.is_set():
-        state.metrics.count(endpoint, "cancelled")
-        return JSONResponse(APIError(499, "client closed the request", code="client_closed").body(), status_code=499)
-    for r in reqs:
-        if r.seq.finish_reason == "error":
-            state.metrics.count(endpoint, "error")
-            raise APIError(500, f"decoding failed: {r.error}", type="server_error")
-    if any(r.seq.finish_reason == "cancelled" for r in reqs):
-        state.metrics.count(endpoint, "cancelled")
-        raise shutting_down()
-    choices = [answer.choice(index, tokens[answer.row(index)]) for index in range(asked.n)]
-    out = {
-        **base,
-        "object": "chat.completion" if chat else "text_completion",
-        "choices": choices,
-        "usage": answer.usage([tokens[answer.row(index)] for index in range(asked.n)]),
-        "mtp": answer.summary(),
-    }
-    state.metrics.count(endpoint, "ok")
-    state.maybe_shadow(req)
-    return JSONResponse(out)
+    return tokens, gone.is_set()
 
 
 class Answer:
@@ -192,105 +199,137 @@ class _Streamed:
         self.echoed = False
 
 
-async def stream(
-    state: ServerState, answer: Answer, queue: asyncio.Queue, base: dict, include_usage: bool, endpoint: str
-):
-    """The event stream of one request; a client that goes away frees its rows at the next pass."""
-    reqs, asked, chat = answer.reqs, answer.asked, answer.chat
-    rows = [_Streamed() for _ in reqs]
-    totals = [[] for _ in reqs]
-    decode = state.engine.decode_text
+class _Events:
+    """The server-sent events of one streamed request, made from its rows' tokens as they arrive (`take`);
+    each method yields the events of one moment of the stream."""
 
-    def chunks(row: int, text=None, finish=None, role=False, logprobs=None):
+    def __init__(self, state: ServerState, answer: Answer, base: dict):
+        self.answer, self.base = answer, base
+        self.reqs, self.asked = answer.reqs, answer.asked
+        self.decode = state.engine.decode_text
+        self.rows = [_Streamed() for _ in answer.reqs]
+
+    def chunks(self, row: int, text=None, finish=None, role=False, logprobs=None):
         """The same delta for every choice that row `row` answers."""
-        indices = range(asked.n) if len(reqs) == 1 else [row]
+        indices = range(self.asked.n) if len(self.reqs) == 1 else [row]
         for index in indices:
-            if chat:
+            if self.answer.chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
                 c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
                 c = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
-            yield _sse({**base, "choices": [c]})
+            yield _sse({**self.base, "choices": [c]})
 
+    def roles(self):
+        """A chat stream opens with the assistant's role for every row."""
+        if self.answer.chat:
+            for i in range(len(self.reqs)):
+                yield from self.chunks(i, role=True)
+
+    def take(self, i: int, new: list[int], records: list) -> None:
+        st = self.rows[i]
+        st.tokens += new
+        st.records += records
+
+    def echo(self, i: int):
+        """With `echo`, the prompt (and its log-probabilities) before row i's first tokens."""
+        st = self.rows[i]
+        if self.asked.echo and not st.echoed:
+            st.echoed = True
+            yield from self.chunks(i, self.answer.echo, logprobs=self.answer.echo_logprobs())
+
+    def error(self, i: int) -> APIError | None:
+        """What answers a row that ended in an error (500) or that the server cancelled (503); None otherwise."""
+        r = self.reqs[i]
+        if r.seq.finish_reason not in ("error", "cancelled"):
+            return None
+        if r.seq.finish_reason == "cancelled":
+            return shutting_down()
+        return APIError(500, f"decoding failed: {r.error}", type="server_error")
+
+    def delta(self, i: int, new: list[int]):
+        """Row i's new text that can no longer change: none inside a possible stop string or an incomplete
+        UTF-8 character; with the log-probabilities of the tokens whose text it completes."""
+        r, st = self.reqs[i], self.rows[i]
+        if not new or not self.asked.generate:
+            return
+        full = self.decode(st.tokens)
+        if full.endswith("\ufffd"):
+            return  # an incomplete UTF-8 character: wait for the rest
+        stops = r.seq.params.stop
+        safe = full[: len(full) - _stop_holdback(full, stops)] if stops else full
+        if len(safe) > len(st.sent) and safe.startswith(st.sent):
+            lp = None
+            if self.asked.logprobs is not None:  # the tokens whose text this delta completes
+                k = st.n_sent
+                while k < len(st.records) and len(self.decode(st.tokens[: k + 1])) <= len(safe):
+                    k += 1
+                lp = self.answer.logprobs(st.tokens[st.n_sent : k], st.records[st.n_sent : k], st.tokens[: st.n_sent])
+                st.n_sent = k
+            yield from self.chunks(i, safe[len(st.sent) :], logprobs=lp)
+            st.sent = safe
+
+    def final(self, i: int):
+        """Row i is done: the rest of its text (and log-probabilities), then its finish reason."""
+        r, st = self.reqs[i], self.rows[i]
+        if self.asked.generate:
+            rest = self.answer.text(r, st.tokens)[len(st.sent) :]
+            output = r.seq.output  # final: the engine no longer changes it
+            ids, recs = output[st.n_sent :], r.seq.token_logprobs[st.n_sent : len(output)]
+            lp = self.answer.logprobs(ids, recs, output[: st.n_sent]) if ids else None
+            if rest or lp is not None:
+                yield from self.chunks(i, rest, logprobs=lp)
+        yield from self.chunks(i, None, self.answer.finish_reason(r))
+
+    def usage(self) -> bytes:
+        """`stream_options.include_usage`: the token counts and mtp's summary, after every choice's end."""
+        answer = self.answer
+        tokens = [self.rows[answer.row(index)].tokens for index in range(self.asked.n)]
+        return _sse({**self.base, "choices": [], "usage": answer.usage(tokens), "mtp": answer.summary()})
+
+
+async def stream(
+    state: ServerState, answer: Answer, queue: asyncio.Queue, base: dict, include_usage: bool, endpoint: str
+):
+    """The event stream of one request; a client that goes away frees its rows at the next pass."""
+    reqs = answer.reqs
+    events = _Events(state, answer, base)
     finished = False
     try:
-        if chat:
-            for i in range(len(reqs)):
-                for c in chunks(i, role=True):
-                    yield c
+        for c in events.roles():
+            yield c
         left = len(reqs)
         while left:
             i, new, final, records = await queue.get()
-            r, st = reqs[i], rows[i]
-            st.tokens += new
-            st.records += records
-            totals[i] = st.tokens
-            if asked.echo and not st.echoed:
-                st.echoed = True
-                for c in chunks(i, answer.echo, logprobs=answer.echo_logprobs()):
-                    yield c
-            if final:
-                if r.seq.finish_reason in ("error", "cancelled"):
-                    err = (
-                        shutting_down()
-                        if r.seq.finish_reason == "cancelled"
-                        else APIError(500, f"decoding failed: {r.error}", type="server_error")
-                    )
-                    yield _sse(err.body())
-                    yield b"data: [DONE]\n\n"
-                    state.metrics.count(endpoint, r.seq.finish_reason)
-                    finished = True
-                    for other in reqs:
-                        state.scheduler.cancel(other)
-                    return
-                if asked.generate:
-                    rest = answer.text(r, st.tokens)[len(st.sent) :]
-                    output = r.seq.output  # final: the engine no longer changes it
-                    ids, recs = output[st.n_sent :], r.seq.token_logprobs[st.n_sent : len(output)]
-                    lp = answer.logprobs(ids, recs, output[: st.n_sent]) if ids else None
-                    if rest or lp is not None:
-                        for c in chunks(i, rest, logprobs=lp):
-                            yield c
-                for c in chunks(i, None, answer.finish_reason(r)):
-                    yield c
-                left -= 1
-                continue
-            if not new or not asked.generate:
-                continue
-            full = decode(st.tokens)
-            if full.endswith("\ufffd"):
-                continue  # an incomplete UTF-8 character: wait for the rest
-            stops = r.seq.params.stop
-            safe = full[: len(full) - _stop_holdback(full, stops)] if stops else full
-            if len(safe) > len(st.sent) and safe.startswith(st.sent):
-                lp = None
-                if asked.logprobs is not None:  # the tokens whose text this delta completes
-                    k = st.n_sent
-                    while k < len(st.records) and len(decode(st.tokens[: k + 1])) <= len(safe):
-                        k += 1
-                    lp = answer.logprobs(st.tokens[st.n_sent : k], st.records[st.n_sent : k], st.tokens[: st.n_sent])
-                    st.n_sent = k
-                for c in chunks(i, safe[len(st.sent) :], logprobs=lp):
-                    yield c
-                st.sent = safe
+            events.take(i, new, records)
+            for c in events.echo(i):
+                yield c
+            err = events.error(i) if final else None
+            if err is not None:  # this row's error ends the stream; the other rows stop
+                yield _sse(err.body())
+                yield b"data: [DONE]\n\n"
+                state.metrics.count(endpoint, reqs[i].seq.finish_reason)
+                finished = True
+                _cancel(state, reqs)
+                return
+            for c in events.final(i) if final else events.delta(i, new):
+                yield c
+            left -= final
         if include_usage:
-            yield _sse(
-                {
-                    **base,
-                    "choices": [],
-                    "usage": answer.usage([totals[answer.row(index)] for index in range(asked.n)]),
-                    "mtp": answer.summary(),
-                }
-            )
+            yield events.usage()
         yield b"data: [DONE]\n\n"
         finished = True
         state.metrics.count(endpoint, "ok")
     finally:
         if not finished:  # the client went away: free the rows at the next pass
-            for r in reqs:
-                state.scheduler.cancel(r)
+            _cancel(state, reqs)
             state.metrics.count(endpoint, "cancelled")
     state.maybe_shadow(reqs[0])
+
+
+def _cancel(state: ServerState, reqs: list[Request]) -> None:
+    for r in reqs:
+        state.scheduler.cancel(r)
 
 
 def shutting_down() -> APIError:

@@ -497,7 +497,6 @@ def train(
     params = add_adapters(
         model, cfg.rank, cfg.alpha, tuple(cfg.targets), cfg.mode, n_used_tokens, layers=cfg.lora_layers
     )
-    mask_id = model.config.mask_token_id
     teacher_model = copy.deepcopy(model).requires_grad_(False) if cfg.mode == "full" else None  # the base
     if init is not None:
         load_trainable(model, init)  # step 0 = the source adapter; the optimizer starts fresh
@@ -505,37 +504,39 @@ def train(
     student = model
     if dist is not None:
         student = DistributedDataParallel(model, device_ids=None if cfg.device == "cpu" else [model.device])
-    dev = model.device
-    use_amp = cfg.amp
-    split = cfg.mode == "gated" and not cfg.full_layout
+    step_fn = _step_fn(cfg, model, student, teacher_model, examples, rank, world)
+    if progress is None:
+        progress = sys.stderr.isatty() and rank == 0
+    trainer = _trainer(cfg, model, params, opt, step_fn, settings, progress)
+    model.train()
+    try:
+        state = trainer.run(cfg.resume, on_step)
+    finally:
+        model.eval()
+    if dist is not None:  # DDP keeps replicas identical; prove it
+        state["ranks_in_sync"] = ranks_in_sync(dist, params)
+        state["world"] = world
+    if cfg.export and rank == 0:
+        write_dir_atomic(
+            Path(cfg.export), adapter_files(model, _meta(state, settings), dtype=torch.float16), kind=is_adapter_dir
+        )
+    return state
 
-    def step_fn(step: int):
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + rank)
-        idx = batch_indices(step, len(examples), cfg.batch_size, cfg.seed, rank, world)
-        batch = make_batch([examples[i] for i in idx], mask_id, cfg.spans, cfg.k_max, cfg.seq_len, gen)
-        s_logits, proposals, t_logits = forward_pair(student, model, teacher_model, batch, cfg.teacher, split, use_amp)
-        loss, agree = distill_loss(s_logits, t_logits, _to(batch, dev), cfg.teacher, proposals)
-        agree_d = agreement_by_depth(agree.cpu(), batch, cfg.k_max)
-        return loss, {
-            "agree": [None if a is None else round(a, 4) for a in agree_d[:6]],
-            "tokens": batch.n_tokens * world,
-            "predictions": int(batch.valid.sum()) * world,
-        }
+
+def _trainer(cfg: TrainConfig, model, params, opt, step_fn, settings: dict, progress: bool) -> Trainer:
+    """The run's `Trainer`: --out is the adapter and the checkpoint at once (its files: the adapter's)."""
 
     def files_fn():
-        meta = {"step": trainer.state["step"], "training": settings, "wall_s": round(trainer.state["wall_s"], 1)}
-        return adapter_files(model, meta)
+        return adapter_files(model, _meta(trainer.state, settings))
 
     def load_fn(ckpt: Path):
         load_trainable(model, load_safetensors(ckpt / WEIGHTS))
 
-    if progress is None:
-        progress = sys.stderr.isatty() and rank == 0
     trainer = Trainer(
         TrainerConfig(cfg.steps, cfg.lr, cfg.warmup, cfg.save_every, cfg.log_every, clip_norm=1.0),
         params,
         opt,
-        out,
+        Path(cfg.out),
         step_fn,
         files_fn,
         load_fn,
@@ -545,29 +546,45 @@ def train(
         describe=describe,
         progress=progress,
     )
-    model.train()
-    try:
-        state = trainer.run(cfg.resume, on_step)
-    finally:
-        model.eval()
-    if dist is not None:  # DDP keeps replicas identical; prove it
-        sums = torch.stack([p.detach().double().sum() for p in params]).cpu()
-        lo, hi = sums.clone(), sums.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        state["ranks_in_sync"] = bool(torch.equal(lo, hi))
-        state["world"] = world
-    if cfg.export and rank == 0:
-        write_dir_atomic(
-            Path(cfg.export),
-            adapter_files(
-                model,
-                {"step": state["step"], "training": settings, "wall_s": round(state["wall_s"], 1)},
-                dtype=torch.float16,
-            ),
-            kind=is_adapter_dir,
-        )
-    return state
+    return trainer
+
+
+def _meta(state: dict, settings: dict) -> dict:
+    """What an adapter written by this run records: its step, the settings, the wall time so far."""
+    return {"step": state["step"], "training": settings, "wall_s": round(state["wall_s"], 1)}
+
+
+def _step_fn(cfg: TrainConfig, model, student, teacher_model, examples: list[Example], rank: int, world: int):
+    """`Trainer`'s step: step -> (the loss of this rank's batch, its log figures: agreement with the
+    teacher per depth, tokens and predictions over all ranks). The batch and its masks are fixed by
+    (seed, step, rank), so a resumed run draws the same ones."""
+    mask_id = model.config.mask_token_id
+    dev = model.device
+    split = cfg.mode == "gated" and not cfg.full_layout
+
+    def step_fn(step: int):
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + rank)
+        idx = batch_indices(step, len(examples), cfg.batch_size, cfg.seed, rank, world)
+        batch = make_batch([examples[i] for i in idx], mask_id, cfg.spans, cfg.k_max, cfg.seq_len, gen)
+        s_logits, proposals, t_logits = forward_pair(student, model, teacher_model, batch, cfg.teacher, split, cfg.amp)
+        loss, agree = distill_loss(s_logits, t_logits, _to(batch, dev), cfg.teacher, proposals)
+        agree_d = agreement_by_depth(agree.cpu(), batch, cfg.k_max)
+        return loss, {
+            "agree": [None if a is None else round(a, 4) for a in agree_d[:6]],
+            "tokens": batch.n_tokens * world,
+            "predictions": int(batch.valid.sum()) * world,
+        }
+
+    return step_fn
+
+
+def ranks_in_sync(dist, params) -> bool:
+    """Whether every rank holds the same trainable weights (each tensor's sum, its least and greatest over ranks)."""
+    sums = torch.stack([p.detach().double().sum() for p in params]).cpu()
+    lo, hi = sums.clone(), sums.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(lo, hi))
 
 
 def _to(batch: Batch, dev) -> Batch:

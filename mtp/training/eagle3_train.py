@@ -370,7 +370,7 @@ def init_drafter(model: Transformer, cfg: Eagle3Config, vocab: torch.Tensor, see
     torch.manual_seed(seed)
     d = Eagle3Drafter(cfg)
     with torch.no_grad():
-        for name, p in d.named_parameters():
+        for _name, p in d.named_parameters():
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.02)
         dim = cfg.target_dim

@@ -317,13 +317,7 @@ def train_heads(
     readout = bf16_readout(model) if model.device.type == "cpu" else None
     # with a draft vocabulary the heads train on the softmax they will draft from: ~V/Vd times cheaper
     vocab = draft_vocab_from(feats, train_rows, cfg.draft_vocab) if cfg.draft_vocab else None
-    if vocab is not None:
-        w = model.lm_head.weight.detach()[vocab.to(model.device)]
-        train_readout = (
-            bf16_readout(model, vocab) if model.device.type == "cpu" else (lambda x: F.linear(model.norm(x), w).float())
-        )
-    else:
-        train_readout = readout
+    train_readout = readout if vocab is None else _draft_readout(model, vocab)
     settings = {**asdict(cfg), **{f"heads_{k}": v for k, v in asdict(hcfg).items()}}
 
     def step_fn(step: int):
@@ -372,6 +366,13 @@ def train_heads(
         out, heads_files(heads, model, {**(meta or {}), "train": asdict(cfg), "metrics": metrics}), kind=is_heads_dir
     )
     return metrics
+
+
+def _draft_readout(model: Transformer, vocab: torch.Tensor):
+    """The trunk's final norm and output head restricted to the draft vocabulary `vocab` (the rows of
+    the logits the heads draft from): bf16 on a CPU, else float32 logits."""
+    w = model.lm_head.weight.detach()[vocab.to(model.device)]
+    return bf16_readout(model, vocab) if model.device.type == "cpu" else (lambda x: F.linear(model.norm(x), w).float())
 
 
 is_heads_dir, is_heads_checkpoint = run_dir_kinds(FORMAT, WEIGHTS)

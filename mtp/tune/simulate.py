@@ -25,6 +25,7 @@ of the same answer whichever candidate asks, so its answers are kept across repl
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -105,7 +106,7 @@ def replay(
     passes; `memo` (prompt index -> kept answers) the heads' repeated answers across replays."""
     if not strategy.verifies:
         raise ValueError(f"only lossless strategies can be replayed, not {strategy}")
-    proposing_s, guesses = 0.0, 0
+    spent = Spent()
     eos = list(engine.loaded.eos_ids[:1])
     outs, saved = [], 0.0
     for j, (prompt, ref) in enumerate(zip(prompts, answers)):
@@ -120,53 +121,76 @@ def replay(
             return memos[-1]
 
         base = engine.proposer(proposer, wrap=keep)
-        # pass e reads the hidden state at P + e - 2 < P + len(ref.ids): the answer without its EOS is enough
-        hidden = None
-        if base.needs_hidden and hidden_cache is not None and j in hidden_cache:
-            hidden = hidden_cache[j]
-        elif base.needs_hidden:
-            hidden = teacher_forced(engine.model, prompt, ref.ids)[1] if ref.ids else torch.empty(0)
-            if hidden_cache is not None:
-                hidden_cache[j] = hidden
+        hidden = hidden_states(engine.model, base, prompt, ref.ids, hidden_cache, j)
         aux = trunk_streams(engine.model, prompt, ref.ids, base.aux_layers, hidden_cache, j)
         logs, trees = [], []
         prop = RecordingProposer(base, logs, trees) if record else base
-        P = len(prompt)
-        chunks, blocks = [1], [P]  # the prompt's pass emits the first token
-        e, state, start = 1, {}, 0  # start: the cache length before the pass that emitted seq[e - 1]
-        trust: list = []  # a tree row's record of promised against accepted nodes (tree.trusted), as decoding keeps
-        with torch.inference_mode():
-            while e < len(seq):
-                # that pass committed positions start .. P + e - 2 (the prompt's pass: the whole prompt)
-                view = PassView(
-                    context=list(prompt) + seq[:e],
-                    mask_logits=torch.empty(0),
-                    hidden=None if hidden is None else hidden[P + e - 2],
-                    masks_valid=False,
-                    aux=None if aux is None else aux[start : P + e - 1],
-                    start=start,
-                    state=state,
-                )
-                t0 = time.perf_counter()
-                g = prop.propose(DraftRequest(view, strategy.k - 1, strategy.is_tree))
-                proposing_s += time.perf_counter() - t0
-                guesses += len(g)
-                if strategy.auto and g.tokens:
-                    believed = tree.trusted(g.parents, g.confidences, trust)
-                    g = g.select(tree.keep(g.parents, believed, engine.pass_time()))
-                elif not strategy.is_tree:
-                    g = g.prefix(strategy.k - 1)
-                a = accepted(g, seq[e:], strategy.is_tree)
-                if strategy.is_tree:
-                    tree.record_trust(trust, g.parents, g.confidences[: len(g)], a)
-                n = min(a + 1, len(seq) - e)
-                chunks.append(n)
-                blocks.append(1 + len(g.tokens))
-                start = P + e - 1
-                e += n
+        chunks, blocks = passes(engine, prop, strategy, prompt, seq, hidden, aux, spent)
         outs.append(Output(list(ref.ids), ref.text, chunks, blocks, ref.finish, logs, trees))
         saved += sum(m.saved for m in memos)
-    return RunStats(outs, proposing_s + saved, guesses)
+    return RunStats(outs, spent.proposing_s + saved, spent.guesses)
+
+
+@dataclass
+class Spent:
+    """What a replay's proposer spent over every prompt: seconds proposing, guesses made."""
+
+    proposing_s: float = 0.0
+    guesses: int = 0
+
+
+def passes(engine, prop, strategy: Strategy, prompt: list[int], seq: list[int], hidden, aux, spent: Spent):
+    """(chunks, blocks) of `strategy`'s passes over answer `seq` (EOS included) of `prompt`, `prop` drafting
+    at each from what a decode would hand it (`hidden`, `aux`: the teacher-forced pass's); the model accepts
+    the drafts that match `seq` (`accepted`). `spent` adds the proposer's time and guesses."""
+    P = len(prompt)
+    chunks, blocks = [1], [P]  # the prompt's pass emits the first token
+    e, state, start = 1, {}, 0  # start: the cache length before the pass that emitted seq[e - 1]
+    trust: list = []  # a tree row's record of promised against accepted nodes (tree.trusted), as decoding keeps
+    with torch.inference_mode():
+        while e < len(seq):
+            # that pass committed positions start .. P + e - 2 (the prompt's pass: the whole prompt)
+            view = PassView(
+                context=list(prompt) + seq[:e],
+                mask_logits=torch.empty(0),
+                hidden=None if hidden is None else hidden[P + e - 2],
+                masks_valid=False,
+                aux=None if aux is None else aux[start : P + e - 1],
+                start=start,
+                state=state,
+            )
+            t0 = time.perf_counter()
+            g = prop.propose(DraftRequest(view, strategy.k - 1, strategy.is_tree))
+            spent.proposing_s += time.perf_counter() - t0
+            spent.guesses += len(g)
+            if strategy.auto and g.tokens:
+                believed = tree.trusted(g.parents, g.confidences, trust)
+                g = g.select(tree.keep(g.parents, believed, engine.pass_time()))
+            elif not strategy.is_tree:
+                g = g.prefix(strategy.k - 1)
+            a = accepted(g, seq[e:], strategy.is_tree)
+            if strategy.is_tree:
+                tree.record_trust(trust, g.parents, g.confidences[: len(g)], a)
+            n = min(a + 1, len(seq) - e)
+            chunks.append(n)
+            blocks.append(1 + len(g.tokens))
+            start = P + e - 1
+            e += n
+    return chunks, blocks
+
+
+def hidden_states(model, proposer, prompt: list[int], answer: list[int], cache: dict | None, j: int):
+    """The last layer's hidden state at every position of prompt + answer, from one teacher-forced pass (kept
+    in `cache` under j); None for a proposer that does not read it. Pass e reads the hidden state at
+    P + e - 2 < P + len(answer): the answer without its EOS is enough."""
+    if not proposer.needs_hidden:
+        return None
+    if cache is not None and j in cache:
+        return cache[j]
+    hidden = teacher_forced(model, prompt, answer)[1] if answer else torch.empty(0)
+    if cache is not None:
+        cache[j] = hidden
+    return hidden
 
 
 def trunk_streams(

@@ -420,7 +420,7 @@ def _draft(seqs: list[Sequence], views: list[PassView]) -> list[_Drafted]:
         guesses = s.proposer.propose(request)
         seconds, count = share + time.perf_counter() - t0, len(guesses)
         if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows (and their masks) here
-            appended = lambda n: s.proposer.n_appended(s.strategy.guess_k(s.k), n)  # noqa: E731
+            appended = lambda n, s=s: s.proposer.n_appended(s.strategy.guess_k(s.k), n)  # noqa: E731
             believed = tree.trusted(guesses.parents, guesses.confidences, s.tree_trust)
             guesses = guesses.select(tree.keep(guesses.parents, believed, s.pass_time, appended=appended))
         out.append(_Drafted(finite_prefix(guesses), seconds, count))

@@ -130,12 +130,7 @@ class Strategy:
             if kind == "ntp" and not args:
                 return cls("ntp", 1)
             if kind in ("static", "verify") and len(args) == 1:
-                k = ascii_int(args[0])
-                if k < 1:
-                    raise StrategyError(f"K must be >= 1 in {text!r}")
-                if k > K_LIMIT:
-                    raise StrategyError(f"K is at most {K_LIMIT} in {text!r}")
-                return cls(kind, k)
+                return cls(kind, _k_in_range(ascii_int(args[0]), "K", text))
             if kind == "tree" and args == ["auto"]:
                 return cls("tree", AUTO_TREE_NODES + 1, auto=True)
             if kind == "tree" and len(args) == 1:
@@ -150,17 +145,22 @@ class Strategy:
                 tau = ascii_float(args[0])
                 if not 0 < tau <= 1:
                     raise StrategyError(f"tau must be in (0, 1] in {text!r}")
-                k = ascii_int(args[1]) if len(args) == 2 else 16
-                if k < 1:
-                    raise StrategyError(f"KMAX must be >= 1 in {text!r}")
-                if k > K_LIMIT:
-                    raise StrategyError(f"KMAX is at most {K_LIMIT} in {text!r}")
+                k = _k_in_range(ascii_int(args[1]) if len(args) == 2 else 16, "KMAX", text)
                 return cls("conf_adapt", k, tau)
         except StrategyError:
             raise
         except ValueError:
             pass
         raise StrategyError(f"malformed strategy {text!r}; {USAGE}")
+
+
+def _k_in_range(k: int, name: str, text: str) -> int:
+    """`k` (named `name` in strategy `text`) when in 1..K_LIMIT; else a StrategyError saying which bound."""
+    if k < 1:
+        raise StrategyError(f"{name} must be >= 1 in {text!r}")
+    if k > K_LIMIT:
+        raise StrategyError(f"{name} is at most {K_LIMIT} in {text!r}")
+    return k
 
 
 def expand_sweep(text: str) -> list[Strategy]:

@@ -101,44 +101,16 @@ def fit_depth(pairs: list[tuple[float, bool]], iterations: int = 50, l2: float =
     if max(xs) - min(xs) < 1e-3:  # one confidence for every guess (prompt lookup's 1.0): its rate is all to learn
         return DepthMap(1.0, _logit(sum(ys) / len(ys)) - mean_x)
 
-    def loss(w, b):
-        total = 0.0
-        for x, y in zip(xs, ys):
-            z = w * x + b
-            total += (math.log1p(math.exp(-abs(z))) + max(z, 0.0)) - y * z  # log(1 + e^z) - y z, stable
-        return total + 0.5 * l2 * ((w - 1) ** 2 + b * b)
-
     w, b = 1.0, 0.0
-    current = loss(w, b)
+    current = _log_loss(xs, ys, w, b, l2)
     for _ in range(iterations):
-        gw, gb = l2 * (w - 1), l2 * b
-        hww = hbb = l2
-        hwb = 0.0
-        for x, y in zip(xs, ys):
-            p = _sigmoid(w * x + b)
-            e, v = p - y, p * (1 - p)
-            gw += e * x
-            gb += e
-            hww += v * x * x
-            hwb += v * x
-            hbb += v
+        gw, gb, hww, hwb, hbb = _gradient_hessian(xs, ys, w, b, l2)
         det = hww * hbb - hwb * hwb
         if det <= 0:
             break
         # the joint Newton step, else (a bound on w holds it) a step in the bias alone; backtracked
-        found = None
-        for dw, db in (((hbb * gw - hwb * gb) / det, (hww * gb - hwb * gw) / det), (0.0, gb / hbb)):
-            step = 1.0
-            for _ in range(30):
-                nw = min(max(w - step * dw, W_RANGE[0]), W_RANGE[1])
-                nb = min(max(b - step * db, B_RANGE[0]), B_RANGE[1])
-                new = loss(nw, nb)
-                if new < current - 1e-12:
-                    found = (nw, nb, new)
-                    break
-                step /= 2
-            if found:
-                break
+        directions = (((hbb * gw - hwb * gb) / det, (hww * gb - hwb * gw) / det), (0.0, gb / hbb))
+        found = _backtrack(xs, ys, l2, w, b, current, directions)
         if found is None:
             break
         nw, nb, new = found
@@ -147,6 +119,46 @@ def fit_depth(pairs: list[tuple[float, bool]], iterations: int = 50, l2: float =
         if moved < 1e-7:
             break
     return DepthMap(1 / w, b)
+
+
+def _log_loss(xs: list[float], ys: list[float], w: float, b: float, l2: float) -> float:
+    """The log loss of sigmoid(w * x + b) on (x, y), with the pull towards the identity (w, b) = (1, 0)."""
+    total = 0.0
+    for x, y in zip(xs, ys):
+        z = w * x + b
+        total += (math.log1p(math.exp(-abs(z))) + max(z, 0.0)) - y * z  # log(1 + e^z) - y z, stable
+    return total + 0.5 * l2 * ((w - 1) ** 2 + b * b)
+
+
+def _gradient_hessian(xs: list[float], ys: list[float], w: float, b: float, l2: float) -> tuple[float, ...]:
+    """(d/dw, d/db, d2/dw2, d2/dwdb, d2/db2) of `_log_loss` at (w, b)."""
+    gw, gb = l2 * (w - 1), l2 * b
+    hww = hbb = l2
+    hwb = 0.0
+    for x, y in zip(xs, ys):
+        p = _sigmoid(w * x + b)
+        e, v = p - y, p * (1 - p)
+        gw += e * x
+        gb += e
+        hww += v * x * x
+        hwb += v * x
+        hbb += v
+    return gw, gb, hww, hwb, hbb
+
+
+def _backtrack(xs, ys, l2: float, w: float, b: float, current: float, directions) -> tuple[float, float, float] | None:
+    """The first step that lowers the loss below `current`: along each of `directions` (dw, db) in turn,
+    the whole step then halved up to 30 times, each clamped to W_RANGE and B_RANGE; (w, b, loss) or None."""
+    for dw, db in directions:
+        step = 1.0
+        for _ in range(30):
+            nw = min(max(w - step * dw, W_RANGE[0]), W_RANGE[1])
+            nb = min(max(b - step * db, B_RANGE[0]), B_RANGE[1])
+            new = _log_loss(xs, ys, nw, nb, l2)
+            if new < current - 1e-12:
+                return nw, nb, new
+            step /= 2
+    return None
 
 
 def fit(pairs_by_depth: list[list[tuple[float, bool]]]) -> Calibration:

@@ -127,85 +127,96 @@ def _walk_gguf(buf) -> tuple[dict, list[tuple[str, list[int], int, int]]]:
     if buf[:4] != b"GGUF":
         raise ValueError("no GGUF magic at its start")
     order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a big-endian file reads 0 here
-    pos = 4
-    budget = GGUF_MAX_ITEMS  # array items walked one by one (strings), over the whole header
-
-    def take(fmt: str):
-        nonlocal pos
-        values = struct.unpack_from(order + fmt, buf, pos)
-        pos += struct.calcsize(order + fmt)
-        return values if len(values) > 1 else values[0]
-
-    def string() -> str:
-        nonlocal pos
-        n = take("Q")
-        if n > len(buf) - pos:
-            raise ValueError(f"a string of {n} bytes runs past the end of the file (truncated?)")
-        pos += n
-        return bytes(buf[pos - n : pos]).decode("utf-8")
-
-    def value(kind: int):
-        nonlocal pos, budget
-        if kind in _GGUF_SCALARS:
-            return take(_GGUF_SCALARS[kind])
-        if kind == _GGUF_STRING:
-            return string()
-        if kind != _GGUF_ARRAY:
-            raise ValueError(f"unknown metadata type {kind}")
-        item, n = take("I"), take("Q")
-        if item in _GGUF_SCALARS:
-            size = n * struct.calcsize(order + _GGUF_SCALARS[item])
-            if size > len(buf) - pos:
-                raise ValueError(f"an array of {n} items runs past the end of the file (truncated?)")
-            pos += size
-            return n
-        budget -= n
-        if budget < 0:
-            raise ValueError("implausibly many array items")
-        if item == _GGUF_STRING:  # e.g. a vocabulary: skip each string (the hot loop of the walk)
-            length = struct.Struct(order + "Q")
-            for _ in range(n):
-                pos += 8 + length.unpack_from(buf, pos)[0]
-            if pos > len(buf):
-                raise ValueError("a string array runs past the end of the file (truncated?)")
-        else:
-            for _ in range(n):
-                value(item)
-        return n
-
-    version, n_tensors, n_fields = take("I"), take("Q"), take("Q")
+    r = _HeaderReader(buf, order)
+    version, n_tensors, n_fields = r.take("I"), r.take("Q"), r.take("Q")
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} (supported: 2, 3)")
     if n_tensors > GGUF_MAX_TENSORS or n_fields > GGUF_MAX_FIELDS:
         raise ValueError(f"implausible header: {n_tensors} tensors, {n_fields} metadata fields")
     meta = {}
     for _ in range(n_fields):
-        key = string()
-        meta[key] = value(take("I"))
+        key = r.string()
+        meta[key] = r.value(r.take("I"))
     infos = []
     for _ in range(n_tensors):
-        name, n_dims = string(), take("I")
+        name, n_dims = r.string(), r.take("I")
         if not 1 <= n_dims <= 4:
             raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
-        dims = [take("Q") for _ in range(n_dims)]
-        infos.append((name, dims, take("I"), take("Q")))
+        dims = [r.take("Q") for _ in range(n_dims)]
+        infos.append((name, dims, r.take("I"), r.take("Q")))
     align = meta.get("general.alignment", 32)
     if type(align) is not int or align < 1 or align & (align - 1):
         raise ValueError(f"general.alignment {align!r} is not a power of two")
-    start = -(-pos // align) * align
+    start = -(-r.pos // align) * align
+    _check_extents(infos, start, len(buf))
+    return meta, [(name, dims, kind, start + offset) for name, dims, kind, offset in infos]
+
+
+class _HeaderReader:
+    """A GGUF header read front to back from `buf` in byte `order`: each read moves `pos` past the value;
+    a string or array that would run past the end is refused, and the array items walked one by one (those
+    of string arrays and nested arrays) count against one budget over the whole header (GGUF_MAX_ITEMS)."""
+
+    def __init__(self, buf, order: str):
+        self.buf, self.order, self.pos = buf, order, 4
+        self.budget = GGUF_MAX_ITEMS
+
+    def take(self, fmt: str):
+        values = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(self.order + fmt)
+        return values if len(values) > 1 else values[0]
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if n > len(self.buf) - self.pos:
+            raise ValueError(f"a string of {n} bytes runs past the end of the file (truncated?)")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8")
+
+    def value(self, kind: int):
+        """A metadata value of GGUF type `kind`: a scalar or string as read, an array as its length."""
+        if kind in _GGUF_SCALARS:
+            return self.take(_GGUF_SCALARS[kind])
+        if kind == _GGUF_STRING:
+            return self.string()
+        if kind != _GGUF_ARRAY:
+            raise ValueError(f"unknown metadata type {kind}")
+        item, n = self.take("I"), self.take("Q")
+        if item in _GGUF_SCALARS:
+            size = n * struct.calcsize(self.order + _GGUF_SCALARS[item])
+            if size > len(self.buf) - self.pos:
+                raise ValueError(f"an array of {n} items runs past the end of the file (truncated?)")
+            self.pos += size
+            return n
+        self.budget -= n
+        if self.budget < 0:
+            raise ValueError("implausibly many array items")
+        if item == _GGUF_STRING:  # e.g. a vocabulary: skip each string (the hot loop of the walk)
+            length, pos = struct.Struct(self.order + "Q"), self.pos
+            for _ in range(n):
+                pos += 8 + length.unpack_from(self.buf, pos)[0]
+            self.pos = pos
+            if pos > len(self.buf):
+                raise ValueError("a string array runs past the end of the file (truncated?)")
+        else:
+            for _ in range(n):
+                self.value(item)
+        return n
+
+
+def _check_extents(infos: list[tuple[str, list[int], int, int]], start: int, size: int) -> None:
+    """Every tensor of a known GGML type, its rows filling whole blocks, and its data (at `start` + its
+    offset) inside the `size`-byte file."""
     for name, dims, kind, offset in infos:
         try:
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
         except (ValueError, KeyError):
             raise ValueError(f"tensor {name!r} has unknown type {kind}") from None
         if dims[0] % block:
             raise ValueError(f"tensor {name!r}: {dims[0]} columns do not fill {block}-wide blocks")
-        end = start + offset + math.prod(dims) // block * size
-        if end > len(buf):
-            raise ValueError(
-                f"tensor {name!r} ends at byte {end}, past the end of the {len(buf)}-byte file (truncated?)"
-            )
-    return meta, [(name, dims, kind, start + offset) for name, dims, kind, offset in infos]
+        end = start + offset + math.prod(dims) // block * nbytes
+        if end > size:
+            raise ValueError(f"tensor {name!r} ends at byte {end}, past the end of the {size}-byte file (truncated?)")
 
 
 def read_gguf(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:

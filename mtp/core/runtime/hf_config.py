@@ -49,30 +49,11 @@ def check_hf_config(hf: dict, where) -> dict:
         ModelConfig.arch_of(hf)
     except UnsupportedModelError as e:
         raise ModelLoadError(str(e)) from None
-
-    def fail(name: str, what: str):
-        raise ModelLoadError(f"{where}: field {name!r} must be {what}, got {hf.get(name)!r}")
-
-    def positive_number(value) -> bool:
-        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-
-    for name in _INT_FIELDS:
-        if name not in hf:
-            raise ModelLoadError(f"{where}: missing field {name!r}")
-    for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
-        v = hf.get(name)
-        if (v is not None or name in _INT_FIELDS) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            fail(name, "a positive integer")
-    for name in _OPTIONAL_FLOAT_FIELDS:
-        if hf.get(name) is not None and not positive_number(hf[name]):
-            fail(name, "a positive number")
-    for name in _BOOL_FIELDS:
-        if hf.get(name) is not None and not isinstance(hf[name], bool):
-            fail(name, "true or false")
+    _check_types(hf, where)
     if (hf.get("max_position_embeddings") or 0) > MAX_POSITIONS:
-        fail("max_position_embeddings", f"at most {MAX_POSITIONS}")
+        _fail(hf, where, "max_position_embeddings", f"at most {MAX_POSITIONS}")
     if hf.get("head_dim") and hf["head_dim"] % 2:
-        fail("head_dim", "even (rotary embeddings rotate pairs)")
+        _fail(hf, where, "head_dim", "even (rotary embeddings rotate pairs)")
     vocab = hf["vocab_size"]
     eos = hf.get("eos_token_id")
     for name, ids in (
@@ -80,21 +61,10 @@ def check_hf_config(hf: dict, where) -> dict:
         ("mtp_mask_token_id", [hf.get("mtp_mask_token_id")]),
     ):
         if ids != [None] and not all(type(i) is int and 0 <= i < vocab for i in ids):
-            fail(name, f"a token id (or, for eos, a list of them) below vocab_size {vocab}")
+            _fail(hf, where, name, f"a token id (or, for eos, a list of them) below vocab_size {vocab}")
     for name in ("rope_scaling", "rope_parameters"):
-        rope = hf.get(name)
-        if rope is None:
-            continue
-        if not isinstance(rope, dict):
-            fail(name, "an object")
-        kind = rope.get("rope_type", rope.get("type"))
-        for key in _ROPE_NUMBERS.get(kind, ()) + (("rope_theta",) if "rope_theta" in rope else ()):
-            if not positive_number(rope.get(key)):
-                raise ModelLoadError(
-                    f"{where}: field {name!r}: {key!r} must be a positive number, got {rope.get(key)!r}"
-                )
-        if kind == "llama3" and rope["low_freq_factor"] == rope["high_freq_factor"]:
-            raise ModelLoadError(f"{where}: field {name!r}: low_freq_factor and high_freq_factor must differ")
+        if hf.get(name) is not None:
+            _check_rope(hf, where, name)
     heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     if heads % kv:
         raise ModelLoadError(f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv})")
@@ -103,6 +73,46 @@ def check_hf_config(hf: dict, where) -> dict:
             f"{where}: hidden_size ({hf['hidden_size']}) does not split into {heads} attention heads of an even size"
         )
     return hf
+
+
+def _fail(hf: dict, where, name: str, what: str):
+    raise ModelLoadError(f"{where}: field {name!r} must be {what}, got {hf.get(name)!r}")
+
+
+def _positive_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _check_types(hf: dict, where) -> None:
+    """The required size fields present; every size field a positive integer, every float field a positive
+    number and every flag a boolean when given."""
+    for name in _INT_FIELDS:
+        if name not in hf:
+            raise ModelLoadError(f"{where}: missing field {name!r}")
+    for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+        v = hf.get(name)
+        if (v is not None or name in _INT_FIELDS) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            _fail(hf, where, name, "a positive integer")
+    for name in _OPTIONAL_FLOAT_FIELDS:
+        if hf.get(name) is not None and not _positive_number(hf[name]):
+            _fail(hf, where, name, "a positive number")
+    for name in _BOOL_FIELDS:
+        if hf.get(name) is not None and not isinstance(hf[name], bool):
+            _fail(hf, where, name, "true or false")
+
+
+def _check_rope(hf: dict, where, name: str) -> None:
+    """Field `name` (rope_scaling or rope_parameters): an object whose numbers for its rope type (and its
+    rope_theta, when given) are positive; llama3's two frequency factors differ."""
+    rope = hf[name]
+    if not isinstance(rope, dict):
+        _fail(hf, where, name, "an object")
+    kind = rope.get("rope_type", rope.get("type"))
+    for key in _ROPE_NUMBERS.get(kind, ()) + (("rope_theta",) if "rope_theta" in rope else ()):
+        if not _positive_number(rope.get(key)):
+            raise ModelLoadError(f"{where}: field {name!r}: {key!r} must be a positive number, got {rope.get(key)!r}")
+    if kind == "llama3" and rope["low_freq_factor"] == rope["high_freq_factor"]:
+        raise ModelLoadError(f"{where}: field {name!r}: low_freq_factor and high_freq_factor must differ")
 
 
 def check_sizes(hf: dict, shapes: dict[str, tuple[int, ...]], where) -> None:

@@ -169,7 +169,8 @@ def _attention_ops(attn: Attention, calls: LayerCalls, x, cos, sin, mask, kv, ga
         v = attn.v_proj(x, gate).view(B, T, -1, hd)
     if attn.cfg.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    ops = mask.dtype == torch.bool and cos.dtype == torch.float32
+    # an adapter under autocast may hand back bf16 projections: those rows take torch's ops
+    ops = kernel_rows(q) and kernel_rows(k) and mask.dtype == torch.bool and cos.dtype == torch.float32
     if ops:
         q, k = torch.ops.mtp.rope(q, cos, sin), torch.ops.mtp.rope(k, cos, sin)  # [B, H, T, hd]
         v = v.transpose(1, 2)
@@ -196,6 +197,8 @@ def _mlp_ops(mlp: MLP, calls: LayerCalls, x, gate):
         g, u = gu.reshape(-1, 2 * n).split([n, n], -1)
         return mlp.down_proj(torch.ops.mtp.silu_mul(g, u).view(*x.shape[:-1], n), gate)
     g, u = mlp.gate_proj(x, gate), mlp.up_proj(x, gate)
+    if not (kernel_rows(g) and kernel_rows(u)):  # bf16 from an adapter under autocast
+        return mlp.down_proj(F.silu(g) * u, gate)
     n = g.shape[-1]
     return mlp.down_proj(torch.ops.mtp.silu_mul(g.reshape(-1, n), u.reshape(-1, n)).view(g.shape), gate)
 

@@ -383,7 +383,7 @@ def load_heads(model: Transformer, path) -> MTPHeads:
     try:
         heads.load_state_dict({k: v.float() for k, v in state.items()})
     except RuntimeError as e:
-        raise ValueError(f"heads tensors in {path} do not match their config: {str(e).splitlines()[0]}")
+        raise ValueError(f"heads tensors in {path} do not match their config: {str(e).splitlines()[0]}") from e
     w = model.embed_tokens.weight
     return heads.to(w.device, w.dtype).eval().requires_grad_(False)
 
