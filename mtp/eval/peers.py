@@ -29,8 +29,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
-from transformers.utils import logging as hf_logging
 
 from mtp.core.runtime import loading
 from mtp.core.runtime.artifacts import read_json
@@ -75,6 +73,9 @@ class HFPeer(Peer):
     lookup = 0
 
     def setup(self, engine) -> None:
+        from transformers import AutoModelForCausalLM  # here, not at import: every `mtp` start builds this parser
+        from transformers.utils import logging as hf_logging
+
         hf_logging.disable_progress_bar()
         src = engine.loaded.source
         if not os.path.isdir(src):

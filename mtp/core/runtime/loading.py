@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from transformers import AutoTokenizer
 
 from mtp.core.runtime.artifacts import (
     ArtifactError,
@@ -121,7 +120,7 @@ def load_tokenizer(path: Path):
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise ModelLoadError(f"no tokenizer.json in {path}")
     try:
-        tok = AutoTokenizer.from_pretrained(str(path))
+        tok = tokenizer_class(path).from_pretrained(str(path))
     except Exception as e:  # parsing user files: any failure is theirs to fix, reported in one line
         raise ModelLoadError(f"{path}: the tokenizer does not load ({first_line(e)})") from None
     if getattr(tok, "chat_template", None):
@@ -130,6 +129,27 @@ def load_tokenizer(path: Path):
         except Exception as e:  # a template is a program: syntax, sandbox and runtime errors alike
             raise ModelLoadError(f"{chat_template_file(path)}: broken chat template ({first_line(e)})") from None
     return tok
+
+
+FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # one class in transformers 5 (the second an alias)
+
+
+def tokenizer_class(path: Path):
+    """What loads the tokenizer of directory `path`: transformers' tokenizers-backed class itself when
+    `tokenizer_config.json` names it (as the directories mtp writes do), which is the class AutoTokenizer
+    would pick, without AutoTokenizer's import of every model configuration (~1 s of every start);
+    else AutoTokenizer."""
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in FAST_CLASSES and (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def chat_template_file(path: Path) -> Path:
@@ -234,7 +254,9 @@ def load_hf_dir(path: Path, dtype=torch.float32, device="cpu") -> Transformer:
             state[k.removeprefix("model.")] = v
     for k in tied:
         state.pop(k, None)
-    model.load_state_dict(state, strict=False)  # names and shapes match (checked above)
+    # names and shapes match (checked above). Copied, not assigned: the read tensors may map the file,
+    # which a later conversion of the cache replaces (tests/test_hostile_loading.py)
+    model.load_state_dict(state, strict=False)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model._rope_cache = None
@@ -349,6 +371,8 @@ def gguf_to_hf_dir(gguf_path: Path, rebuild: bool = False) -> Path:
                     if f.name not in ("config.json", "model.safetensors"):
                         shutil.copy(f, tmp / f.name)
             if not (tmp / "tokenizer.json").exists():
+                from transformers import AutoTokenizer
+
                 tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
                 tok.save_pretrained(str(tmp))
     return out
