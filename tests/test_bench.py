@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import Oracle, tiny_model
 
 from mtp.core.decoding import metrics
 from mtp.core.decoding.decode import generate
@@ -439,23 +439,6 @@ def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
     assert page.count("<h4>") == 5  # the chunk view shows every engine row for one prompt
 
 
-class Oracle(Proposer):
-    """A merge part that knows each prompt's greedy continuation: its next two tokens as a chain."""
-
-    name = "oracle"
-
-    def __init__(self, truths: list[list[int]]):
-        self.truths = truths
-
-    def propose(self, request):
-        ctx = request.view.context
-        truth = next((t for t in self.truths if t[: len(ctx)] == ctx), [])
-        nxt = truth[len(ctx) : len(ctx) + 2]
-        if not request.tree:
-            nxt = nxt[: request.n]
-        return Guesses(nxt, [1.0] * len(nxt))  # a chain either way
-
-
 def test_bench_attributes_accepted_drafts_to_merge_parts_and_profiles_trees(tiny_engine, tmp_path, monkeypatch):
     """Merged rows: results.jsonl, the printed table and report.html say which part drafted the accepted
     tokens; the chunk view marks each pass's accepted branch; `--profile` names the tree each tree row
@@ -471,7 +454,8 @@ def test_bench_attributes_accepted_drafts_to_merge_parts_and_profiles_trees(tiny
     for it in items:
         ids = tiny_engine.encode(it["prompt"], chat=True)
         truths.append(ids + tiny_engine.generate(ids, "ntp", SamplingParams(max_new_tokens=12)).token_ids)
-    monkeypatch.setitem(REGISTRY, "oracle", ProposerSpec(lambda: Oracle(truths)))
+    # a merge part that knows each prompt's greedy continuation: its next two tokens as a chain
+    monkeypatch.setitem(REGISTRY, "oracle", ProposerSpec(lambda: Oracle.following(truths, depth=2, confidence=1.0)))
     cfg = BenchConfig(
         bench.parse_strategies("tree:4@oracle+lookup,tree:auto@oracle+lookup,verify:3@oracle"),
         max_new_tokens=12,

@@ -8,18 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_cli
 
 from mtp.cli import main
-
-
-def run_cli(args, capsys, stdin=None, monkeypatch=None):
-    if stdin is not None:
-        import io
-
-        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_generate_json(tiny_hf_dir, capsys):
@@ -192,7 +183,7 @@ def test_bench_max_new_tokens_beyond_the_context_is_refused_before_loading(tiny_
 
 
 def test_max_new_tokens_of_the_shipped_model_is_checked_from_its_header(capsys, no_load):
-    from conftest import require_smollm2
+    from helpers import require_smollm2
 
     require_smollm2()
     code, _, err = run_cli(["generate", "hi", "--max-new-tokens", "100000"], capsys)

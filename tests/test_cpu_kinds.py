@@ -15,9 +15,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import tiny_model
-from test_data import make_tiny_model_dir, write_jsonl
-from test_train import examples
+from helpers import make_tiny_model_dir, tiny_model, write_examples, write_jsonl
 
 from mtp.core.runtime.model import Linear, pack_weights, use_packed
 
@@ -66,9 +64,7 @@ def test_every_trainer_runs_amp_on_without_native_bf16(tmp_path):
     """`--amp on` where bf16 is not native: all three trainers train (autocast around the unpacked
     path); the mask adapter's self-generation and the feature caches included."""
     model = make_tiny_model_dir(tmp_path / "tiny")
-    ex = write_jsonl(
-        tmp_path / "ex.jsonl", [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(6)]
-    )
+    ex = write_examples(tmp_path / "ex.jsonl", 6)
     prompts = write_jsonl(
         tmp_path / "train.jsonl", [{"question": f"w{i} w{i + 1} w{i + 2} w{i + 3}"} for i in range(4)]
     )

@@ -3,51 +3,12 @@ decoding loop, cached, resumable) on a tiny random model with a tiny word-level 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import WORDS, make_tiny_model_dir, prompts_file, tiny_model, write_jsonl
 
 from mtp.training import data
 from mtp.training.data import Example, build_examples, load_examples, load_prompts
-
-WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(95)]  # 97 = the tiny model's vocabulary
-
-
-def make_tiny_model_dir(path, seed: int = 0):
-    """A loadable HF directory: a tiny random model and a word-level tokenizer (no chat template)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from mtp.core.runtime.loading import save_hf_dir
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
-    save_hf_dir(tiny_model(seed), path, fast)
-    return path
-
-
-@pytest.fixture
-def tiny_engine(tmp_path, monkeypatch):
-    from mtp.core.engine import Engine, EngineConfig
-
-    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
-    return Engine.load(EngineConfig(model=str(make_tiny_model_dir(tmp_path / "tiny")), adapter="none"))
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def prompts_file(tmp_path, n=5):
-    rows = [
-        {"question": " ".join(f"w{(3 * i + j) % 90}" for j in range(4 + i % 3)), "answer": f"w{i} w{i + 1}"}
-        for i in range(n)
-    ]
-    return write_jsonl(tmp_path / "train.jsonl", rows)
 
 
 def test_load_prompts_fields_and_limit(tmp_path):
@@ -96,40 +57,40 @@ def test_load_examples(tmp_path):
         load_examples(path)
 
 
-def test_examples_from_responses(tiny_engine, tmp_path):
+def test_examples_from_responses(word_engine, tmp_path):
     prompts = load_prompts(prompts_file(tmp_path), "question", "answer", limit=2)
-    got = build_examples(tiny_engine, prompts, self_generate=False)
+    got = build_examples(word_engine, prompts, self_generate=False)
     eos = WORDS.index("<eos>")
     assert got[0] == Example([2, 3, 4, 5], [2, 3, eos])
     with pytest.raises(ValueError, match="--response-field"):
-        build_examples(tiny_engine, load_prompts(prompts_file(tmp_path)), self_generate=False)
+        build_examples(word_engine, load_prompts(prompts_file(tmp_path)), self_generate=False)
 
 
-def test_self_generate_equals_greedy_and_is_cached(tiny_engine, tmp_path, monkeypatch):
+def test_self_generate_equals_greedy_and_is_cached(word_engine, tmp_path, monkeypatch):
     """Batched, continuously refilled generation gives each prompt its own greedy answer."""
     from mtp.core.decoding.decode import generate
 
     prompts = load_prompts(prompts_file(tmp_path, n=5))
-    got = build_examples(tiny_engine, prompts, self_generate=True, max_new_tokens=7, batch_size=2)
-    eos = tiny_engine.loaded.eos_ids
+    got = build_examples(word_engine, prompts, self_generate=True, max_new_tokens=7, batch_size=2)
+    eos = word_engine.loaded.eos_ids
     for p, ex in zip(prompts, got):
-        ids = tiny_engine.encode(p["prompt"])
-        seq = generate(tiny_engine.model, ids, "ntp", eos_ids=eos, params=_params(7))
+        ids = word_engine.encode(p["prompt"])
+        seq = generate(word_engine.model, ids, "ntp", eos_ids=eos, params=_params(7))
         assert ex.prompt_ids == ids
         assert ex.response_ids == seq.output + ([WORDS.index("<eos>")] if seq.finish_reason == "stop" else [])
     # cached: a second call never decodes
     monkeypatch.setattr("mtp.core.decoding.decode.decode_step", _boom)
-    assert build_examples(tiny_engine, prompts, self_generate=True, max_new_tokens=7, batch_size=2) == got
+    assert build_examples(word_engine, prompts, self_generate=True, max_new_tokens=7, batch_size=2) == got
 
 
-def test_self_generate_resumes_after_a_torn_write(tiny_engine, tmp_path):
+def test_self_generate_resumes_after_a_torn_write(word_engine, tmp_path):
     prompts = load_prompts(prompts_file(tmp_path, n=4))
-    full = build_examples(tiny_engine, prompts, self_generate=True, max_new_tokens=5, batch_size=3)
-    ids = [tiny_engine.encode(p["prompt"]) for p in prompts]
-    path = data.selfgen_cache_path(tiny_engine, ids, 5)
+    full = build_examples(word_engine, prompts, self_generate=True, max_new_tokens=5, batch_size=3)
+    ids = [word_engine.encode(p["prompt"]) for p in prompts]
+    path = data.selfgen_cache_path(word_engine, ids, 5)
     lines = path.read_text().splitlines(keepends=True)
     path.write_text(lines[0] + lines[1][:7])  # killed while writing the second answer
-    assert build_examples(tiny_engine, prompts, self_generate=True, max_new_tokens=5, batch_size=3) == full
+    assert build_examples(word_engine, prompts, self_generate=True, max_new_tokens=5, batch_size=3) == full
     assert len(path.read_text().splitlines()) == 4
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_data import make_tiny_model_dir, tiny_engine, write_jsonl  # noqa: F401
+from helpers import data_config, data_records, data_sources, make_tiny_model_dir, write_jsonl
 
 from mtp.cli import main
 from mtp.core.decoding.decode import generate as greedy
@@ -17,66 +17,26 @@ from mtp.training import shards
 from mtp.training.data import load_examples
 
 
-def sources(tmp_path, n_gsm=6, n_tasks=12):
-    gsm = write_jsonl(
-        tmp_path / "train.jsonl", [{"question": f"w{i} w{i + 1} w{i + 2}", "answer": "w1"} for i in range(n_gsm)]
-    )
-    tasks = write_jsonl(
-        tmp_path / "tasks.jsonl",
-        [
-            {
-                "id": f"t{i}",
-                "instruction": f"w{10 + i} w{20 + i} w{30 + i} w{40 + i}",
-                "instances": [{"input": f"w{50 + i}", "output": "w1"}, {"input": "", "output": "w2"}],
-            }
-            for i in range(n_tasks)
-        ],
-    )
-    return gsm, tasks
-
-
-def config(tmp_path, gsm, tasks, **kw):
-    return E.DataConfig(
-        **{
-            **dict(
-                out=str(tmp_path / "out"),
-                gsm8k=str(gsm),
-                self_instruct=str(tasks),
-                self_written=4,
-                max_new_tokens=6,
-                batch_size=3,
-                heldout_fraction=0.25,
-            ),
-            **kw,
-        }
-    )
-
-
 def lines(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def records(out, log="train"):
-    """Everything on disk for `log`: the sealed shards (checked) and the working file."""
-    return list(shards.read(out, log, repair=False)[0].values())
-
-
-def test_answers_are_greedy_and_held_out_prompts_are_never_answered(tiny_engine, tmp_path):
-    gsm, tasks = sources(tmp_path)
-    card = E.run(tiny_engine, config(tmp_path, gsm, tasks), progress=False)
+def test_answers_are_greedy_and_held_out_prompts_are_never_answered(word_engine, tmp_path):
+    gsm, tasks = data_sources(tmp_path)
+    card = E.run(word_engine, data_config(tmp_path, gsm, tasks), progress=False)
     out = tmp_path / "out"
     assert not (out / E.TRAIN).read_text()  # sealed when the run ended
-    recs = records(out)
+    recs = data_records(out)
     assert len({r["id"] for r in recs}) == len(recs) == card["answers"]
     for r in recs[:8]:
         seq = greedy(
-            tiny_engine.model,
+            word_engine.model,
             r["prompt_ids"],
             "ntp",
             SamplingParams(max_new_tokens=6),
-            eos_ids=tiny_engine.loaded.eos_ids,
+            eos_ids=word_engine.loaded.eos_ids,
         )
-        eos = [tiny_engine.tokenizer.eos_token_id] if seq.finish_reason == "stop" else []
+        eos = [word_engine.tokenizer.eos_token_id] if seq.finish_reason == "stop" else []
         assert r["response_ids"] == seq.output + eos and r["finish"] == seq.finish_reason
     held = [json.loads(x) for f in (out / E.HELDOUT).glob("*.jsonl") for x in f.read_text().splitlines()]
     assert held and all(h["prompt"] for h in held)
@@ -86,7 +46,7 @@ def test_answers_are_greedy_and_held_out_prompts_are_never_answered(tiny_engine,
     assert {r["source"] for r in recs} >= {"gsm8k", "self_instruct"}
     assert card["by_source"]["gsm8k"]["answers"] == 6
     assert (out / "card.md").read_text().startswith("# Data card")
-    written = {r["id"]: r["text"] for r in records(out, "instructions")}
+    written = {r["id"]: r["text"] for r in data_records(out, "instructions")}
     firsts = [E.first_word(written[r["id"]]) for r in recs if r["source"] == "self_written"]
     assert firsts and sum(c for _, c in card["self_written_first_words"]["top"]) == len(firsts)
     assert card["self_written_first_words"]["distinct"] == len(set(firsts))
@@ -97,10 +57,10 @@ def test_answers_are_greedy_and_held_out_prompts_are_never_answered(tiny_engine,
         load_examples(next((out / E.HELDOUT).glob("*.jsonl")))
 
 
-def test_a_killed_run_resumes_without_duplicates_or_losses(tiny_engine, tmp_path, monkeypatch):
-    gsm, tasks = sources(tmp_path)
+def test_a_killed_run_resumes_without_duplicates_or_losses(word_engine, tmp_path, monkeypatch):
+    gsm, tasks = data_sources(tmp_path)
     full = tmp_path / "full"
-    E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(full)), progress=False)
+    E.run(word_engine, data_config(tmp_path, gsm, tasks, out=str(full)), progress=False)
     real = E.generate
     calls = {"n": 0}
 
@@ -116,26 +76,26 @@ def test_a_killed_run_resumes_without_duplicates_or_losses(tiny_engine, tmp_path
     monkeypatch.setattr(E, "generate", killed)
     cut = tmp_path / "cut"
     with pytest.raises(KeyboardInterrupt):
-        E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(cut)), progress=False)
+        E.run(word_engine, data_config(tmp_path, gsm, tasks, out=str(cut)), progress=False)
     card = json.loads((cut / "card.json").read_text())  # written on the way out: it counts what is on disk
-    assert card["answers"] == len(records(cut)) > 0
+    assert card["answers"] == len(data_records(cut)) > 0
     assert "train-00001.jsonl.gz" in card["shards"]
     with open(cut / E.TRAIN, "a") as f:
         f.write('{"id": "gsm8k-0", "prompt_ids": [1, 2')  # torn by the kill
     monkeypatch.setattr(E, "generate", real)
-    E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(cut)), progress=False)
-    a, b = records(full), records(cut)
+    E.run(word_engine, data_config(tmp_path, gsm, tasks, out=str(cut)), progress=False)
+    a, b = data_records(full), data_records(cut)
     b_lines = [r for e in shards.shard_entries(shards.read_manifest(cut), "train") for r in shards.read_shard(cut, e)]
     assert len(b_lines) == len({r["id"] for r in b_lines}) == len(b)  # nothing twice, in two shards
     assert sorted(a, key=lambda r: r["id"]) == sorted(b, key=lambda r: r["id"])  # nothing lost, same answers
-    assert len(records(full, "instructions")) == len(records(cut, "instructions"))
+    assert len(data_records(full, "instructions")) == len(data_records(cut, "instructions"))
 
 
-def test_corrupt_lines_are_skipped_and_counted(tiny_engine, tmp_path, monkeypatch):
-    gsm, tasks = sources(tmp_path)
-    cfg = config(tmp_path, gsm, tasks, self_written=0)
+def test_corrupt_lines_are_skipped_and_counted(word_engine, tmp_path, monkeypatch):
+    gsm, tasks = data_sources(tmp_path)
+    cfg = data_config(tmp_path, gsm, tasks, self_written=0)
     monkeypatch.setattr(shards, "seal", lambda out, key="id": [])  # a kill -9: nothing sealed, the working file stays
-    E.run(tiny_engine, cfg, progress=False)
+    E.run(word_engine, cfg, progress=False)
     path = tmp_path / "out" / E.TRAIN
     good = lines(path)
     text = path.read_text().splitlines(keepends=True)
@@ -143,7 +103,7 @@ def test_corrupt_lines_are_skipped_and_counted(tiny_engine, tmp_path, monkeypatc
         text[0] + "not json\n" + '{"id": "x", "prompt_ids": ["a"], "response_ids": []}\n' + "".join(text[2:])
     )  # answer 2 corrupted, two bad lines
     assert len(load_examples(path, log=lambda m: None)) == len(good) - 1  # the trainers' reader skips them too
-    card = E.run(tiny_engine, cfg, progress=False)
+    card = E.run(word_engine, cfg, progress=False)
     assert card["corrupt_lines_skipped"] == 2
     ids = [r["id"] for r in lines_ok(path)]
     assert sorted(ids) == sorted(r["id"] for r in good)  # the corrupted answer was made again
@@ -161,16 +121,16 @@ def lines_ok(path):
     return out
 
 
-def test_other_settings_and_foreign_folders_are_refused(tiny_engine, tmp_path):
-    gsm, tasks = sources(tmp_path)
-    E.run(tiny_engine, config(tmp_path, gsm, tasks, self_written=0), progress=False)
+def test_other_settings_and_foreign_folders_are_refused(word_engine, tmp_path):
+    gsm, tasks = data_sources(tmp_path)
+    E.run(word_engine, data_config(tmp_path, gsm, tasks, self_written=0), progress=False)
     with pytest.raises(ValueError, match="other settings"):
-        E.run(tiny_engine, config(tmp_path, gsm, tasks, self_written=0, max_new_tokens=9), progress=False)
+        E.run(word_engine, data_config(tmp_path, gsm, tasks, self_written=0, max_new_tokens=9), progress=False)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match="not an mtp data set"):
-        E.run(tiny_engine, config(tmp_path, gsm, tasks, out=str(mine)), progress=False)
+        E.run(word_engine, data_config(tmp_path, gsm, tasks, out=str(mine)), progress=False)
     assert (mine / "notes.txt").read_text() == "x"
 
 
@@ -230,16 +190,16 @@ def test_bad_sources_one_line(tmp_path, capsys, args, words):
     assert code == 2 and err.startswith("mtp: error:") and err.count("\n") == 1 and words in err, err
 
 
-def test_card_counts_prompts_skipped_as_too_long_and_a_resume_says_what_it_replays(tiny_engine, tmp_path):
-    _, tasks = sources(tmp_path)
+def test_card_counts_prompts_skipped_as_too_long_and_a_resume_says_what_it_replays(word_engine, tmp_path):
+    _, tasks = data_sources(tmp_path)
     long = " ".join(f"w{i % 90}" for i in range(300))
     gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"question": q, "answer": "w1"} for q in ("w1 w2 w3", long)])
     logged = []
-    cfg = config(tmp_path, gsm, tasks, max_prompt_tokens=128)
-    card = E.run(tiny_engine, cfg, progress=False, log=logged.append)
+    cfg = data_config(tmp_path, gsm, tasks, max_prompt_tokens=128)
+    card = E.run(word_engine, cfg, progress=False, log=logged.append)
     assert card["skipped_prompts_too_long"] == {"gsm8k": 1}, card  # the long question only
     on_disk = json.loads((tmp_path / "out" / "card.json").read_text())
     assert on_disk["skipped_prompts_too_long"] == card["skipped_prompts_too_long"]
     logged.clear()
-    E.run(tiny_engine, cfg, progress=False, log=logged.append)  # a resume: the written requests are replayed
+    E.run(word_engine, cfg, progress=False, log=logged.append)  # a resume: the written requests are replayed
     assert any(m.startswith("data: replaying 4 self-written requests") for m in logged), logged

@@ -11,8 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_data import make_tiny_model_dir, tiny_engine, write_jsonl  # noqa: F401
-from test_data_engine import config, records, sources
+from helpers import data_config, data_records, data_sources, make_tiny_model_dir, require_smollm2, write_jsonl
 
 from mtp.cli import main
 from mtp.training import data_engine as E
@@ -114,33 +113,33 @@ def test_a_crash_while_sealing_loses_and_duplicates_nothing(tmp_path, monkeypatc
     assert shards.seal(out) == [] and (out / "train.jsonl").read_bytes() == b""
 
 
-def test_a_second_run_on_the_same_folder_is_refused(tiny_engine, tmp_path):
-    gsm, tasks = sources(tmp_path)
-    cfg = config(tmp_path, gsm, tasks, self_written=0)
-    E.run(tiny_engine, cfg, progress=False)
+def test_a_second_run_on_the_same_folder_is_refused(word_engine, tmp_path):
+    gsm, tasks = data_sources(tmp_path)
+    cfg = data_config(tmp_path, gsm, tasks, self_written=0)
+    E.run(word_engine, cfg, progress=False)
     with E.locked(Path(cfg.out)):
         with pytest.raises(ValueError, match=f"another `mtp data` run holds it \\(pid {os.getpid()}\\)"):
-            E.run(tiny_engine, cfg, progress=False)
+            E.run(word_engine, cfg, progress=False)
         with pytest.raises(ValueError, match="another"):
             E.seal(cfg.out)
-    assert E.run(tiny_engine, cfg, progress=False)["answers"] == len(records(Path(cfg.out)))  # free again
+    assert E.run(word_engine, cfg, progress=False)["answers"] == len(data_records(Path(cfg.out)))  # free again
 
 
-def test_resume_keys_prompts_by_content(tiny_engine, tmp_path):
+def test_resume_keys_prompts_by_content(word_engine, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"w{i} w{i + 1} w{i + 2}"} for i in range(4)])
     cfg = E.DataConfig(
         out=str(tmp_path / "out"), prompts=str(prompts), max_new_tokens=4, batch_size=2, heldout_fraction=0.0
     )
-    E.run(tiny_engine, cfg, progress=False)
-    first = {r["id"]: r for r in records(Path(cfg.out))}
+    E.run(word_engine, cfg, progress=False)
+    first = {r["id"]: r for r in data_records(Path(cfg.out))}
     assert len(first) == 4
     write_jsonl(prompts, [{"prompt": "w40 w41 w42"}] + [{"prompt": f"w{i} w{i + 1} w{i + 2}"} for i in range(4)])
-    E.run(tiny_engine, cfg, progress=False)  # a line added at the top: only it is answered
-    second = records(Path(cfg.out))
+    E.run(word_engine, cfg, progress=False)  # a line added at the top: only it is answered
+    second = data_records(Path(cfg.out))
     assert len(second) == 5 == len({r["id"] for r in second})
     assert {r["id"]: r for r in second if r["id"] in first} == first
     new = next(r for r in second if r["id"] not in first)
-    assert new["prompt_ids"] == tiny_engine.encode("w40 w41 w42", chat=True)
+    assert new["prompt_ids"] == word_engine.encode("w40 w41 w42", chat=True)
 
 
 @pytest.mark.parametrize(
@@ -169,16 +168,16 @@ def test_a_training_file_holding_an_evaluation_prompt_is_refused(tmp_path):
     check_not_evaluation(["w1 w2", "an ordinary request"], path)  # no match: no error
 
 
-def test_a_prompts_file_with_an_evaluation_prompt_stops_mtp_data(tiny_engine, tmp_path):
+def test_a_prompts_file_with_an_evaluation_prompt_stops_mtp_data(word_engine, tmp_path):
     diverse = json.loads((ROOT / "benchmarks/results/final/diverse60.jsonl").read_text().splitlines()[0])["prompt"]
     path = write_jsonl(tmp_path / "mine.jsonl", [{"prompt": "w1 w2"}, {"prompt": diverse}])
     cfg = E.DataConfig(out=str(tmp_path / "o"), prompts=str(path), max_new_tokens=2, heldout_fraction=0.0)
     with pytest.raises(ValueError, match="evaluation set"):
-        E.run(tiny_engine, cfg, progress=False)
-    assert records(Path(cfg.out)) == []
+        E.run(word_engine, cfg, progress=False)
+    assert data_records(Path(cfg.out)) == []
 
 
-def test_card_reads_a_folder_without_changing_it(tiny_engine, tmp_path, capsys):
+def test_card_reads_a_folder_without_changing_it(word_engine, tmp_path, capsys):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "train.jsonl").write_text('{"a": 1}\n{"b": 2}')  # the user's last line has no newline
@@ -190,19 +189,19 @@ def test_card_reads_a_folder_without_changing_it(tiny_engine, tmp_path, capsys):
     assert main(["data", "--card", "--out", str(mine)]) == 2
     assert "not an mtp data set" in capsys.readouterr().err
 
-    gsm, tasks = sources(tmp_path)
-    cfg = config(tmp_path, gsm, tasks, self_written=0, max_new_tokens=5)
-    E.run(tiny_engine, cfg, progress=False)
+    gsm, tasks = data_sources(tmp_path)
+    cfg = data_config(tmp_path, gsm, tasks, self_written=0, max_new_tokens=5)
+    E.run(word_engine, cfg, progress=False)
     with open(Path(cfg.out) / "train.jsonl", "a") as f:
         f.write('{"id": "torn", "prompt_ids": [1')
     assert main(["data", "--card", "--out", cfg.out, "--max-new-tokens", "99"]) == 0  # no source flag needed
     card = json.loads(capsys.readouterr().out)
-    assert card["max_new_tokens"] == 5 and card["answers"] == len(records(Path(cfg.out)))
+    assert card["max_new_tokens"] == 5 and card["answers"] == len(data_records(Path(cfg.out)))
     assert (Path(cfg.out) / "train.jsonl").read_text().endswith("[1")  # a read-only command cuts nothing
 
 
 def test_self_written_needs_three_tasks_in_one_line(tmp_path, capsys):
-    _, tasks = sources(tmp_path)
+    _, tasks = data_sources(tmp_path)
     model = make_tiny_model_dir(tmp_path / "m")
     code = main(
         [
@@ -351,8 +350,6 @@ def test_the_shipped_heads_recipe_trains_from_a_committed_shard(tmp_path, capsys
     """`git clone` + the README's train-heads command on the committed data: a few steps on one real
     shard (the smallest) with the real model; the manifest's base_hash matches SmolLM2, the heads are
     written with the steps asked for and load onto the model."""
-    from conftest import require_smollm2
-
     require_smollm2()
     from mtp.core.decoding.proposers.heads import load_heads
     from mtp.core.engine import Engine, EngineConfig

@@ -3,41 +3,22 @@ EOS / stop strings inside accepted blocks, max_new_tokens, rejection sampling.""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from functools import partial
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import SCRIPT_MASK as MASK
+from helpers import SCRIPT_TARGET as TARGET
+from helpers import Oracle, ScriptedModel, mask_model, tiny_model
 
 from mtp.core.decoding.decode import Sequence, _branch_layout, decode_step, generate
-from mtp.core.decoding.proposers import Guesses, MaskProposer, PromptLookupProposer, Proposer
+from mtp.core.decoding.proposers import Guesses, MaskProposer, PromptLookupProposer
 from mtp.core.decoding.sampling import SamplingParams, verify_drafts
 from mtp.core.decoding.strategy import Strategy, StrategyError, expand_sweep
 from mtp.core.runtime.cache import KVCache
-from mtp.core.runtime.model import add_mask_token
-
-V = 50
-MASK = 49
-TARGET = [(7 * p + 3) % 40 for p in range(200)]  # the stub model's "true" token at each position
 
 
-class LogitStub:
-    """What the decoding loop needs of a model, for stubs that compute their logits by hand: a one-layer,
-    one-head config with the mask token, the device, and every call's tokens and positions recorded."""
-
-    def __init__(self):
-        self.config = SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=1, mask_token_id=MASK)
-        self.embed_tokens = SimpleNamespace(weight=torch.zeros(1))
-        self.device = "cpu"
-        self.calls, self.positions = [], []
-
-    def record(self, tokens, positions) -> tuple[int, int]:
-        self.calls.append(tokens.clone())
-        self.positions.append(positions.clone())
-        return tokens.shape
-
-
-class StubModel(LogitStub):
+class StubModel(ScriptedModel):
     """Fixed logits (litgpt-style): a real token at position p predicts TARGET[p+1]; the j-th mask
     after it predicts TARGET[p+1] when j <= `good_depth` (else a wrong token), with confidence
     `conf[j]`. Drafts are therefore accepted exactly up to `good_depth`."""
@@ -46,19 +27,8 @@ class StubModel(LogitStub):
         super().__init__()
         self.good_depth, self.conf = good_depth, conf
 
-    def __call__(
-        self,
-        tokens,
-        positions,
-        cache=None,
-        slots=None,
-        out_index=None,
-        return_hidden=False,
-        attn_mask=None,
-        cache_positions=None,
-    ):
-        B, T = self.record(tokens, positions)
-        logits = torch.full((B, T, V), -20.0)
+    def script(self, logits, tokens, positions, attn_mask, cache_positions):
+        B, T = tokens.shape
         for b in range(B):
             depth = 0
             for t in range(T):
@@ -74,23 +44,11 @@ class StubModel(LogitStub):
                 # two-way split so the top-1 probability is exactly c
                 logits[b, t, tok] = 0.0
                 logits[b, t, 45] = torch.log(torch.tensor((1 - c) / c))
-        return logits.gather(1, out_index.unsqueeze(-1).expand(-1, -1, V))
 
 
 def run_stub(strategy, good_depth, max_new=13, conf=(0.99,) * 16, eos=(), branch=True):
     stub = StubModel(good_depth, conf)
-    prompt = TARGET[:5]
-    seq = Sequence(
-        prompt,
-        Strategy.parse(strategy),
-        SamplingParams(max_new_tokens=max_new),
-        MaskProposer(branch),
-        eos_ids=tuple(eos),
-    )
-    cache = KVCache(1, 1, 1, 64, 1)
-    with torch.inference_mode():
-        while not seq.finished:
-            decode_step(stub, cache, [seq], MASK)
+    seq, cache = stub.run(strategy, max_new, eos, branch)
     return seq, cache, stub
 
 
@@ -187,17 +145,11 @@ def test_stop_string_inside_block_cuts_output():
 # --- real (tiny random) models: verify output == ntp output, token for token -----------------
 
 
-def tiny_with_mask(seed=0):
-    m = tiny_model(seed)
-    add_mask_token(m)
-    return m
-
-
 @pytest.mark.parametrize("k", [2, 3, 4, 8])
 @pytest.mark.parametrize("proposer", ["mask", "lookup"])
 @pytest.mark.parametrize("weights", ["plain", "torch", "float32"])
 def test_verify_equals_ntp_tiny(k, proposer, weights):
-    model = tiny_with_mask()
+    model = mask_model()
     if weights != "plain":  # torch: oneDNN-packed; float32: the batch-invariant kernels
         from mtp.core.runtime.weights import attach
 
@@ -213,7 +165,7 @@ def test_verify_equals_ntp_tiny(k, proposer, weights):
 
 
 def test_batched_ragged_rows_equal_single_rows():
-    model = tiny_with_mask(1)
+    model = mask_model(1)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [1, 2], [4, 4, 2, 9]]
     strategies = ["ntp", "verify:3", "static:2", "verify:4"]  # verify:4 with branched mask groups
     singles = [
@@ -263,7 +215,7 @@ def test_kv_rollback_then_rerun_matches_fresh_forward():
 
 
 def test_sampling_is_reproducible_with_seed():
-    model = tiny_with_mask()
+    model = mask_model()
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=7, max_new_tokens=20)
     a = generate(model, [1, 2, 3], "verify:3", p).output
     b = generate(model, [1, 2, 3], "verify:3", p).output
@@ -330,7 +282,7 @@ def test_verify_equals_ntp_smollm2(smollm2, k):
 def test_branched_mask_groups_equal_separate_passes(weights):
     """Group a of a branched verify pass gives the logits the masks would give right after draft a
     (on the batch-invariant kernels, `float32`: the same bits)."""
-    model = tiny_with_mask(2)
+    model = mask_model(2)
     if weights != "plain":
         from mtp.core.runtime.weights import attach
 
@@ -375,22 +327,10 @@ def _capped(model, prompt, strategy, params, proposer, caps):
     return seq
 
 
-class _Knows(Proposer):
+def knows(truth: list[int], prompt_len: int) -> Oracle:
     """Drafts the continuation it is told (`truth`, after a prompt of `prompt_len` tokens), every third
     pass with its second guess wrong: under sampling, drafts that match the model's samples."""
-
-    name = "knows"
-
-    def __init__(self, truth: list[int], prompt_len: int):
-        self.truth, self.prompt_len, self.calls = truth, prompt_len, 0
-
-    def propose(self, request):
-        done = len(request.view.context) - self.prompt_len
-        want = list(self.truth[done : done + request.n])
-        self.calls += 1
-        if self.calls % 3 == 0 and len(want) > 1:
-            want[1] = (want[1] + 1) % 97
-        return Guesses(want, [0.9] * len(want))
+    return Oracle(truth, prompt_len, wrong_every=3, name="knows")
 
 
 @pytest.mark.parametrize("proposer", ["mask", "lookup", "knows"])
@@ -398,14 +338,14 @@ def test_seeded_lossless_sampling_equals_ntp_draw_for_draw(proposer):
     """Under a seed, `verify:K` and `tree:N` emit exactly ntp's sampled tokens whatever K, and also when
     K changes from pass to pass (the server's adaptive caps), alone or batched with other rows: a draft
     is accepted iff it equals the model's own sample at its position, drawn as ntp draws it."""
-    model = tiny_with_mask()
+    model = mask_model()
     caps = [None, 1, 3, 2, None, 1, 4, 2] * 10
     multi = 0  # passes that emitted more than one token: drafts were really accepted
     for seed in range(2):
         prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
         params = SamplingParams(temperature=0.8, top_k=40, seed=5 + seed, max_new_tokens=30)
         ref = generate(model, prompt, "ntp", params).output
-        make = {"mask": MaskProposer, "lookup": PromptLookupProposer, "knows": lambda: _Knows(ref, len(prompt))}
+        make = {"mask": MaskProposer, "lookup": PromptLookupProposer, "knows": partial(knows, ref, len(prompt))}
         for strategy in ("verify:3", "verify:6", "tree:5"):
             out = generate(model, prompt, strategy, params, proposer=make[proposer]())
             assert out.output == ref, (seed, strategy)
@@ -420,7 +360,7 @@ def test_seeded_lossless_sampling_equals_ntp_draw_for_draw(proposer):
     cache = KVCache.for_model(model, 3, 128)
     make = {"mask": MaskProposer, "lookup": PromptLookupProposer}.get(proposer)
     seqs = [
-        Sequence(prompt, Strategy.parse(s), p, make() if make else _Knows(ref, len(prompt)), slot=i)
+        Sequence(prompt, Strategy.parse(s), p, make() if make else knows(ref, len(prompt)), slot=i)
         for i, (s, p, ref) in enumerate(zip(["verify:4", "verify:3", "tree:4"], params, refs))
     ]
     with torch.inference_mode():

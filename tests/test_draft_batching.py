@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import random_heads, tiny_model
 
 from mtp.core.decoding import decode
 from mtp.core.decoding.decode import Sequence, decode_step, generate
@@ -26,8 +26,7 @@ V = 97
 
 
 def heads_proposer(model, depths=3, vocab=None, dtype="float32", seed=0):
-    torch.manual_seed(seed)
-    heads = N.MTPHeads(N.HeadsConfig.for_model(model.config, depths)).eval().requires_grad_(False)
+    heads = random_heads(model, depths, seed=seed)
     heads.draft_vocab = vocab
     return N.HeadsProposer(model, heads, dtype)
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import AUX, committed_kv, committed_state, examples_of, random_drafter, save_drafter, tiny_model
 
 from mtp.cli import main
 from mtp.core.decoding import tree
@@ -21,16 +21,14 @@ from mtp.core.decoding.proposers.eagle3 import (
     Eagle3Drafter,
     Eagle3Proposer,
     default_aux_layers,
-    drafter_files,
     load_drafter,
     load_eagle3_proposer,
 )
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
-from mtp.core.runtime.artifacts import ArtifactError, write_dir_atomic
+from mtp.core.runtime.artifacts import ArtifactError
 from mtp.core.runtime.cache import KVCache
 from mtp.interop.vllm_export import export_vllm_eagle3
-from mtp.training.data import Example
 from mtp.training.eagle3_train import (
     TrainEagle3Config,
     batch_examples,
@@ -45,32 +43,9 @@ from mtp.training.eagle3_train import (
 )
 from mtp.training.trainer import use_bf16
 
-AUX = (0, 1, 2)
-
-
-def random_drafter(model, draft_vocab=60, seed=1, aux=AUX) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    d = Eagle3Drafter(Eagle3Config.for_model(model.config, draft_vocab, aux))
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.dim() == 2:
-                p.normal_(std=0.3)
-    ids = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
-    d.set_vocab(ids.sort().values)
-    return d.eval().requires_grad_(False)
-
 
 def greedy(model, prompt, strategy, proposer=None, n=24):
     return generate(model, prompt, strategy, SamplingParams(max_new_tokens=n), proposer=proposer)
-
-
-def examples_of(model, n=10, new=24, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        p = torch.randint(0, model.config.vocab_size, (4,), generator=g).tolist()
-        out.append(Example(p, greedy(model, p, "ntp", n=new).output))
-    return out
 
 
 def test_aux_layers_are_the_residual_streams(tiny):
@@ -379,12 +354,6 @@ def test_shape_bucket_padding_changes_neither_loss_nor_gradient():
     assert one == three
 
 
-def save_drafter(model, path, d=None):
-    d = d or random_drafter(model)
-    write_dir_atomic(path, drafter_files(d, model))
-    return d
-
-
 def test_export_then_reload_proposes_exactly_the_same(tmp_path):
     model = tiny_model(3, n_layers=3)  # vLLM fuses layers below the last: 0, 1, 2 of 3
     d = save_drafter(model, tmp_path / "d")
@@ -672,19 +641,6 @@ def branching_copy_target(scale=0.5):
             lin.weight.normal_(std=0.02, generator=g)
         d.lm_head.weight.mul_(scale)
     return model, d
-
-
-def committed_kv(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's committed keys and values in a sequence's state: slots 0..len-1 of its buffers."""
-    return state["kc"][:, :, : state["len"]], state["vc"][:, :, : state["len"]]
-
-
-def committed_state(model, proposer, tokens, n):
-    """The drafter state of a sequence whose first n tokens were all fed in one pass (token n known)."""
-    _, _, aux = model(torch.tensor([tokens[:n]]), aux_layers=proposer.aux_layers)
-    st: dict = {}
-    proposer.ingest(PassView(tokens[: n + 1], torch.zeros(0), None, True, aux=aux[0], start=0, state=st))
-    return st
 
 
 def assert_state_is_the_committed_prefix(model, proposer, seq, n):

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_data import WORDS, make_tiny_model_dir, write_jsonl
+from helpers import WORDS, require_smollm2, write_jsonl
 
 from mtp.cli import main
 from mtp.training import eval_guard
@@ -34,11 +34,6 @@ def eval_set(tmp_path, monkeypatch):
     eval_guard.write_hashes(path, {"GSM8K test": [QUESTION, WORD_QUESTION], "BIG-Bench Hard": [SHORT]})
     monkeypatch.setattr(eval_guard, "HASHES", path)
     return path
-
-
-@pytest.fixture(scope="module")
-def word_model(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("word") / "tiny")
 
 
 @pytest.fixture(autouse=True)
@@ -212,8 +207,6 @@ def test_token_ids_of_a_data_folder_are_checked(eval_set, word_model, tmp_path, 
 
 # ---- the real evaluation data (MTP_DATA_DIR) and the committed training data ---------------------------
 def smollm2_tokenizer():
-    from conftest import require_smollm2
-
     require_smollm2()
     from mtp.core.runtime.loading import model_tokenizer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from mtp.core.runtime.artifacts import ArtifactError
 from mtp.training import eagle3_train as E

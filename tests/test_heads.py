@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import random_heads, saved_heads, tiny_model
 
 from mtp.cli import main as cli_main
 from mtp.core.decoding.decode import generate
@@ -17,19 +17,6 @@ from mtp.core.decoding.sampling import SamplingParams
 from mtp.training import heads_train as H
 from mtp.training.data import Example
 from mtp.training.trainer import STATE
-
-
-def random_heads(model, depths=3, blocks=0, width=0, seed=1) -> N.MTPHeads:
-    torch.manual_seed(seed)
-    return N.MTPHeads(N.HeadsConfig.for_model(model.config, depths, blocks, width)).eval().requires_grad_(False)
-
-
-def saved_heads(model, tmp_path, **kw):
-    from mtp.core.runtime.artifacts import write_dir_atomic
-
-    path = tmp_path / "heads"
-    write_dir_atomic(path, N.heads_files(random_heads(model, **kw), model))
-    return path
 
 
 def greedy(model, prompt, strategy, proposer=None, n=40):

@@ -14,21 +14,12 @@ import sys
 import threading
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
-from test_data import make_tiny_model_dir
-from test_reliability import one_line_error, run_cli  # noqa: F401
+from helpers import one_line_error, run_cli, write_tiny_gguf
 
 from mtp.core.decoding.strategy import Strategy, StrategyError, expand_sweep
 from mtp.core.runtime import loading
-
-
-@pytest.fixture(scope="module")
-def word_model(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("word") / "tiny")
 
 
 @pytest.fixture(autouse=True)
@@ -43,53 +34,6 @@ def with_config(word_model, tmp_path, **changes) -> Path:
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, **changes}))
     return bad
-
-
-def write_tiny_gguf(path: Path, **meta) -> Path:
-    """The tiny random model as a float32 llama GGUF with a 97-token byte-level tokenizer; `meta`
-    overrides integer header fields (`block_count=...` writes `llama.block_count`)."""
-    m = tiny_model(0)
-    cfg = m.config
-    fields = dict(
-        block_count=cfg.n_layers,
-        context_length=cfg.max_seq_len,
-        embedding_length=cfg.dim,
-        feed_forward_length=cfg.intermediate_size,
-        **{"attention.head_count": cfg.n_heads, "attention.head_count_kv": cfg.n_kv_heads},
-    )
-    fields.update({k.replace("__", "."): v for k, v in meta.items()})
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in fields.items():
-        w.add_uint32(f"llama.{key}", value)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    tokens = [chr(c) for c in range(33, 33 + 96)] + ['!"']
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges(['! "'])
-    w.add_eos_token_id(2)
-    from mtp.core.runtime.gguf import GGUF_NAMES
-
-    gguf_names = {v: k for k, v in GGUF_NAMES.items()}
-    top = {
-        "embed_tokens.weight": "token_embd.weight",
-        "norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    for name, t in m.state_dict().items():
-        if name in top:
-            w.add_tensor(top[name], t.numpy().astype(np.float32))
-            continue
-        _, i, rest = name.split(".", 2)
-        module, suffix = rest.rsplit(".", 1)
-        w.add_tensor(f"blk.{i}.{gguf_names[module]}.{suffix}", t.numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")

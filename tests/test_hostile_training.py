@@ -10,14 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import (
+    distill_cfg,
+    make_tiny_model_dir,
+    one_line_error,
+    random_drafter,
+    random_examples,
+    run_cli,
+    save_drafter,
+    saved_heads,
+    tiny_model,
+    write_examples,
+)
 from safetensors.torch import load_file, save_file
-from test_data import WORDS, make_tiny_model_dir, write_jsonl
-from test_eagle3 import random_drafter, save_drafter
-from test_heads import saved_heads
-from test_train import cfg, examples
 
-from mtp.cli import main
 from mtp.core.decoding.proposers import heads as N
 from mtp.core.decoding.proposers.eagle3 import WEIGHTS as DRAFTER_WEIGHTS
 from mtp.core.decoding.proposers.eagle3 import default_aux_layers, load_drafter
@@ -32,28 +38,9 @@ TRAIN_ARGS = TINY_ARGS + ["--k-max", "3", "--spans", "1", "--seq-len", "32"]
 
 
 @pytest.fixture(scope="module")
-def word_model(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("word") / "tiny")
-
-
-def make_word_model_dir(path, **overrides):
-    """`test_data.make_tiny_model_dir` with other sizes (e.g. n_layers=4)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from mtp.core.runtime.loading import save_hf_dir
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
-    save_hf_dir(tiny_model(0, **overrides), path, fast)
-    return path
-
-
-@pytest.fixture(scope="module")
 def word_model_4(tmp_path_factory):
     """A 4-layer tiny model (vLLM's default EAGLE-3 layers 2, 4 // 2, 4 - 3 collide on it)."""
-    return make_word_model_dir(tmp_path_factory.mktemp("word4") / "tiny4", n_layers=4)
+    return make_tiny_model_dir(tmp_path_factory.mktemp("word4") / "tiny4", n_layers=4)
 
 
 @pytest.fixture(autouse=True)
@@ -63,22 +50,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def examples_file(tmp_path, name="examples.jsonl"):
-    return write_jsonl(
-        tmp_path / name, [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(6)]
-    )
-
-
-def run_cli(args, capsys):
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def one_line_error(code, err, *words):
-    assert code == 2, err
-    assert err.startswith("mtp: error:") and err.count("\n") == 1, err
-    for w in words:
-        assert w in err, (w, err)
+    return write_examples(tmp_path / name, 6)
 
 
 def poison(model, value):
@@ -123,7 +95,7 @@ def test_d2_export_over_a_run_keeps_its_checkpoint(word_model, tmp_path, capsys)
     assert json.loads((run / "trainer_state.json").read_text())["step"] == 2
     assert (run / "optimizer.safetensors").exists()
     with pytest.raises(ValueError, match="apart from --out"):  # the library refuses it too
-        train(cfg(run, export=str(run / "sub")), tiny_model(0), examples(), progress=False)
+        train(distill_cfg(run, export=str(run / "sub")), tiny_model(0), random_examples(), progress=False)
 
 
 # ---- D4. a save removes only the work folders mtp itself made ------------------------------------
@@ -143,8 +115,8 @@ def test_d4_saves_and_resume_keep_user_folders_named_like_temps(tmp_path):
     save_adapter(model, tmp_path / "a")  # the first save
     save_adapter(model, tmp_path / "a")  # a replacing save
     mine += user_folders(tmp_path, "run")
-    train(cfg(tmp_path / "run", steps=2), tiny_model(0), examples(), progress=False)
-    train(cfg(tmp_path / "run", steps=3, resume=True), tiny_model(0), examples(), progress=False)
+    train(distill_cfg(tmp_path / "run", steps=2), tiny_model(0), random_examples(), progress=False)
+    train(distill_cfg(tmp_path / "run", steps=3, resume=True), tiny_model(0), random_examples(), progress=False)
     assert all((d / "thesis.txt").read_text() == "mine" for d in mine)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["a", "run"]
     assert len(list(tmp_path.iterdir())) == 2 + len(mine)  # and nothing of mtp's was left behind
@@ -168,13 +140,13 @@ write_dir_atomic(sys.argv[1], {"x.json": {"v": 2}}, kind=lambda p: True)
 @pytest.mark.parametrize("where", ["write", "rename"])
 def test_d4_a_killed_save_is_cleaned_up_and_resume_recovers(tmp_path, where):
     run = tmp_path / "run"
-    train(cfg(run, steps=2), tiny_model(0), examples(), progress=False)
+    train(distill_cfg(run, steps=2), tiny_model(0), random_examples(), progress=False)
     r = subprocess.run([sys.executable, "-c", KILL, str(run), where], capture_output=True, text=True, timeout=120)
     assert r.returncode == 9, r.stderr
     left = sorted(p for p in tmp_path.iterdir() if p.name.startswith("."))
     assert left and all((p / MARKER).is_file() for p in left)  # marked work folders of the killed save
     assert run.exists() == (where == "write")
-    state = train(cfg(run, steps=3, resume=True), tiny_model(0), examples(), progress=False)
+    state = train(distill_cfg(run, steps=3, resume=True), tiny_model(0), random_examples(), progress=False)
     assert state["step"] == 3 and [p.name for p in tmp_path.iterdir()] == ["run"]
 
 
@@ -183,9 +155,9 @@ def test_w1_training_stops_at_nonfinite_weights_and_keeps_the_last_good_checkpoi
     model = tiny_model(0)
     with pytest.raises(DivergedError, match=r"^step 4: tensor \S+ holds NaN or inf .*checkpoint \(step 2\)"):
         train(
-            cfg(tmp_path / "run", steps=6, save_every=2),
+            distill_cfg(tmp_path / "run", steps=6, save_every=2),
             model,
-            examples(),
+            random_examples(),
             progress=False,
             on_step=poison(model, float("nan")),
         )
@@ -203,9 +175,9 @@ def test_w1_float16_export_overflow_is_refused(tmp_path):
     model = tiny_model(0)
     with pytest.raises(ArtifactError, match="lora_b: a value of magnitude 1e[+]05 does not fit torch.float16"):
         train(
-            cfg(tmp_path / "run", steps=3, export=str(tmp_path / "ship")),
+            distill_cfg(tmp_path / "run", steps=3, export=str(tmp_path / "ship")),
             model,
-            examples(),
+            random_examples(),
             progress=False,
             on_step=poison(model, 1e5),
         )  # finite in float32, inf in float16

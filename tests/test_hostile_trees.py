@@ -11,14 +11,12 @@ import gzip
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
-from test_data import make_tiny_model_dir
+from helpers import MTP, make_app, make_tiny_model_dir, random_heads, save_tiny, tiny_model
 
 from mtp.core.decoding.decode import Sequence, block_slack, decode_step, generate
 from mtp.core.decoding.proposers import DraftRequest, Guesses, PassView, PromptLookupProposer, Proposer
@@ -32,7 +30,6 @@ from mtp.core.runtime.cache import KVCache
 from mtp.training import shards
 
 PROMPT = [5, 17, 3, 44, 9, 5, 17, 3]
-MTP = [sys.executable, "-m", "mtp.cli"]
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
@@ -101,7 +98,7 @@ def params(n=24, **kw):
     return SamplingParams(max_new_tokens=n, **kw)
 
 
-class Oracle(Proposer):
+class FullTree(Proposer):
     """Always exactly n tree nodes: a wrong root child first, then the true continuation as a chain
     under a second root child, padded with junk, so the accepted path is off the diagonal and every
     pass uses all n nodes (the most KV-cache slots a tree can write)."""
@@ -204,7 +201,6 @@ def test_serve_refuses_bad_tree_requests_with_400():
     import tempfile
 
     from fastapi.testclient import TestClient
-    from test_serve import make_app, save_tiny
 
     from mtp.core.engine import Engine, EngineConfig
 
@@ -449,7 +445,7 @@ def test_tree31_at_the_context_window_writes_only_the_slack_it_reserved(drafts):
     prompt = [(3 * j + 1) % 90 for j in range(n_prompt)]
     want = generate(model, prompt, "ntp", params=params(n_new)).output
     truth = want if drafts == "right" else [(t + 1) % 97 for t in want]  # wrong: every draft rejected
-    seq = Sequence(list(prompt), Strategy.parse(f"tree:{n}"), params(n_new), Oracle(truth, n_prompt))
+    seq = Sequence(list(prompt), Strategy.parse(f"tree:{n}"), params(n_new), FullTree(truth, n_prompt))
     # the last pass starts with n_new - 1 tokens emitted, n_prompt + n_new - 2 of them committed, and
     # feeds its pending token and the n nodes: slots up to n_prompt + n_new - 2 + n; one slot more than
     # that is all this cache has
@@ -466,7 +462,7 @@ def test_tree31_at_the_context_window_writes_only_the_slack_it_reserved(drafts):
 def test_max_new_tokens_is_never_exceeded_by_a_tree(n_new):
     model = tiny_model(0)
     truth = generate(model, PROMPT, "ntp", params=params(40)).output
-    seq = Sequence(list(PROMPT), Strategy.parse("tree:31"), params(n_new), Oracle(truth, len(PROMPT)))
+    seq = Sequence(list(PROMPT), Strategy.parse("tree:31"), params(n_new), FullTree(truth, len(PROMPT)))
     emitted = []
     cache = KVCache.for_model(model, 1, len(PROMPT) + n_new + block_slack(32))
     with torch.inference_mode():
@@ -486,7 +482,7 @@ def test_eos_inside_an_accepted_tree_path_stops_there():
     eos = (truth[i],)
     want = generate(model, PROMPT, "ntp", params=params(30), eos_ids=eos)
     assert want.output == truth[:i] and want.finish_reason == "stop"
-    seq = Sequence(list(PROMPT), Strategy.parse("tree:12"), params(30), Oracle(truth, len(PROMPT)), eos_ids=eos)
+    seq = Sequence(list(PROMPT), Strategy.parse("tree:12"), params(30), FullTree(truth, len(PROMPT)), eos_ids=eos)
     decode_all(model, seq, len(PROMPT) + 30 + block_slack(13))
     assert seq.output == want.output and seq.finish_reason == "stop"
     assert seq.stats.forward_passes < i  # the EOS sat inside an accepted path
@@ -501,15 +497,10 @@ def test_stop_string_inside_an_accepted_tree_path_cuts_as_plain_decoding_does():
     want = generate(model, PROMPT, "ntp", params=params(30, stop=[stop]), decode_text=text)
     assert want.finish_reason == "stop" and len(want.output) < 30
     seq = Sequence(
-        list(PROMPT), Strategy.parse("tree:12"), params(30, stop=[stop]), Oracle(truth, len(PROMPT)), decode_text=text
+        list(PROMPT), Strategy.parse("tree:12"), params(30, stop=[stop]), FullTree(truth, len(PROMPT)), decode_text=text
     )
     decode_all(model, seq, len(PROMPT) + 30 + block_slack(13))
     assert (seq.output, seq.text, seq.finish_reason) == (want.output, want.text, want.finish_reason)
-
-
-def random_heads(model, depths=3):
-    torch.manual_seed(0)
-    return N.MTPHeads(N.HeadsConfig.for_model(model.config, depths)).eval().requires_grad_(False)
 
 
 def test_sampled_trees_of_suffix_heads_and_merged_proposers_make_plain_samplings_draws():
@@ -518,7 +509,7 @@ def test_sampled_trees_of_suffix_heads_and_merged_proposers_make_plain_samplings
         p = params(24, temperature=0.9, top_p=0.95, seed=seed)
         want = generate(model, PROMPT, "ntp", params=p).output
         store = Datastore.from_answers([want[2:], want[6:]])  # drafts that are often right
-        heads = N.HeadsProposer(model, random_heads(model), "float32")
+        heads = N.HeadsProposer(model, random_heads(model, seed=0), "float32")
         for prop in [
             SuffixProposer(store),
             heads,
@@ -533,7 +524,7 @@ def test_cli_merged_tree_equals_ntp_token_for_token(tiny_dir, tiny_loaded, tmp_p
     heads_dir = tmp_path / "heads"
     from mtp.core.runtime.artifacts import write_dir_atomic
 
-    write_dir_atomic(heads_dir, N.heads_files(random_heads(tiny_loaded), tiny_loaded))
+    write_dir_atomic(heads_dir, N.heads_files(random_heads(tiny_loaded, seed=0), tiny_loaded))
     base = gen_args(tiny_dir, "--max-new-tokens", "24", "--json", "--heads", str(heads_dir))
     rc, out, err = mtp_main(capsys, base + ["--strategy", "ntp"])
     assert rc == 0, err

@@ -237,7 +237,7 @@ def test_from_gguf_formats_and_fallback(capsys):
 def test_real_model_weights_equal_the_loader():
     """The shipped GGUF's blocks, kept as stored, dequantise to the float32 values the loader
     (`mtp.core.runtime.gguf.read_gguf`: gguf.quants.dequantize, then the Q/K unpermute) gives."""
-    from conftest import require_smollm2
+    from helpers import require_smollm2
 
     require_smollm2()
     from mtp.core.runtime.gguf import unpermute
@@ -388,7 +388,7 @@ def test_the_one_reader_gives_what_the_gguf_package_reads(tmp_path, which):
     from mtp.core.runtime.gguf import read_tensors
 
     if which == "smollm2":
-        from conftest import require_smollm2
+        from helpers import require_smollm2
 
         require_smollm2()
         from mtp.core.runtime.loading import resolve

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_tiny_model_dir, random_examples, tiny_model, write_examples
 from safetensors.torch import load_file
-from test_data import make_tiny_model_dir, write_jsonl
-from test_train import examples
 
 from mtp.cli import main
 
@@ -57,9 +56,7 @@ SMALL_STEPS = 4  # the in-process runs: saves at steps 2 and 4
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("kill")
     model = make_tiny_model_dir(root / "tiny")
-    ex = write_jsonl(
-        root / "examples.jsonl", [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(12)]
-    )
+    ex = write_examples(root / "examples.jsonl", 12)
     return types.SimpleNamespace(root=root, model=model, examples=ex, reference={})
 
 
@@ -238,12 +235,10 @@ def test_kill_inside_a_save_then_resume_is_bit_for_bit(files, tmp_path, capsys, 
 
 # ---- a kill inside the trunk-feature pass: the block in flight is lost, its temporary file too ----
 def test_a_killed_feature_pass_leaves_no_temporary_file_and_resumes_to_the_same_features(tmp_path):
-    from conftest import tiny_model
-
     from mtp.training import feature_cache
     from mtp.training import heads_train as H
 
-    model, exs = tiny_model(0), examples(10)
+    model, exs = tiny_model(0), random_examples(10)
 
     def extract(part, progress=None):
         return H.extract_features(model, part, 4, progress)

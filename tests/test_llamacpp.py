@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from mtp.cli import main
 from mtp.core.decoding.proposers.eagle3 import Eagle3Config, drafter_files

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import require_smollm2, tiny_model
+from helpers import require_smollm2, tiny_model
 
 from mtp.core.runtime.artifacts import base_hash
 from mtp.interop import llamacpp_env

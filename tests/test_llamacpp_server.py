@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import require_smollm2
 from gguf import GGUFReader
+from helpers import require_smollm2
 
 from mtp.cli import main
 from mtp.core.decoding.proposers.eagle3 import Eagle3Config, drafter_files

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import require_smollm2
+from helpers import require_smollm2
 
 from mtp.core.decoding.sampling import SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from mtp.core.runtime.adapter import add_adapters
 from mtp.training.data import Example

@@ -2,19 +2,19 @@
 a stub model with exact tokens (a sibling of the top-1 guess accepted, the next drafts read from the
 group that followed the accepted node, no group -> no drafts, EOS and max_new_tokens inside the accepted
 path), every group's logits equal to a separate plain pass, and real tiny models (deep and sibling paths
-accepted, the committed KV a fresh prefill's, EOS inside a path, the pipeline's stages) equal to `ntp`.
-Greedy, sampled, `tree:auto` and ragged-batch equality live in tests/test_tree.py's parametrized tests."""
+accepted, the committed KV a fresh prefill's, EOS inside a path) equal to `ntp`. Greedy, sampled,
+`tree:auto` and ragged-batch equality live in tests/test_tree.py's parametrized tests, mask trees through
+the pipeline's stages in tests/test_pipeline.py."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
-from test_decode import LogitStub
-from test_pipeline import assert_stage_caches_equal_prefill
-from test_tree import SMALL_V, mask_model
+from helpers import SCRIPT_MASK as MASK
+from helpers import SCRIPT_TARGET as TARGET
+from helpers import SMALL_V, ScriptedModel, mask_model, mtp_tiny
 
 from mtp.core.decoding import tree
 from mtp.core.decoding.decode import Sequence, _branch_layout, decode_step, generate
@@ -22,10 +22,8 @@ from mtp.core.decoding.proposers import MAX_MASK_GROUPS, Guesses, MaskProposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
 from mtp.core.runtime.cache import KVCache
-from mtp.pipeline.launch import launch_local
 
-V, MASK, GARBAGE = 50, 49, 41
-TARGET = [(7 * p + 3) % 40 for p in range(200)]  # the stub model's "true" token at each position
+GARBAGE = 41
 
 
 def wrong(p: int) -> int:
@@ -40,7 +38,7 @@ GUESSES = [
 ]
 
 
-class TreeStub(LogitStub):
+class TreeStub(ScriptedModel):
     """Fixed logits that read the layout (litgpt-style stub): a real token at position p predicts
     TARGET[p+1] (certain). A mask finds its anchor (the last non-mask token it sees, at position pa) and
     its depth i (the masks it sees after the anchor), checks that its RoPE position is pa + 1 + i, and
@@ -48,19 +46,10 @@ class TreeStub(LogitStub):
     the anchor holds the true token, GARBAGE after a wrong one: drafts read from any other group than
     the one after the accepted node would differ."""
 
-    def __call__(
-        self,
-        tokens,
-        positions,
-        cache=None,
-        slots=None,
-        out_index=None,
-        return_hidden=False,
-        attn_mask=None,
-        cache_positions=None,
-    ):
-        B, T = self.record(tokens, positions)
-        logits = torch.full((B, T, V), -30.0)
+    floor = -30.0
+
+    def script(self, logits, tokens, positions, attn_mask, cache_positions):
+        B, T = tokens.shape
         for b in range(B):
             for t in range(T):
                 p = int(positions[b, t])
@@ -75,24 +64,11 @@ class TreeStub(LogitStub):
                 on_path = int(tokens[b, anchor]) == TARGET[pa]
                 for tok, prob in GUESSES[depth](pa + 2 + depth) if on_path else [(GARBAGE, 0.9)]:
                     logits[b, t, tok] = math.log(prob)
-        return logits.gather(1, out_index.unsqueeze(-1).expand(-1, -1, V))
 
 
 def run_tree_stub(strategy="tree:4", max_new=13, eos=(), branch=True, inspect=None):
     stub = TreeStub()
-    seq = Sequence(
-        TARGET[:5],
-        Strategy.parse(strategy),
-        SamplingParams(max_new_tokens=max_new),
-        MaskProposer(branch),
-        eos_ids=tuple(eos),
-    )
-    cache = KVCache(1, 1, 1, 64, 1)
-    with torch.inference_mode():
-        while not seq.finished:
-            decode_step(stub, cache, [seq], MASK)
-            if inspect is not None:
-                inspect(seq)
+    seq, cache = stub.run(strategy, max_new, eos, branch, inspect)
     return seq, cache, stub
 
 
@@ -164,8 +140,6 @@ def test_tree_mask_groups_equal_separate_passes(packed):
     """Every row of a tree pass with mask groups (gated adapter on) gives the logits of a plain pass
     over the prefix and that row's root path: nodes as if their path were the text, each group's masks
     as if they followed their anchor."""
-    from test_pipeline import mtp_tiny
-
     model = mtp_tiny(2)
     if packed:
         from mtp.core.runtime.model import pack_weights
@@ -216,7 +190,7 @@ def test_small_model_accepts_deep_and_sibling_paths_and_commits_a_fresh_prefills
     """A tiny model of 12 tokens: its masks' top-k is often right, so paths of 2+ nodes and siblings of
     the top-1 are accepted; a pass that stops where no group followed leaves the next one draftless; the
     output is `ntp`'s and the committed keys and values are what a fresh prefill of the text computes."""
-    model = mask_model(0)
+    model = mask_model(0, vocab_size=SMALL_V)
     paths = record_paths(monkeypatch)
     missed = 0
     for seed in range(3):
@@ -244,7 +218,7 @@ def test_small_model_accepts_deep_and_sibling_paths_and_commits_a_fresh_prefills
 @pytest.mark.parametrize("n", [1, 4, 8])
 def test_small_model_eos_and_max_new_tokens_inside_an_accepted_path_equal_ntp(n):
     """EOS at an accepted draft's place (its token's first occurrence), and max_new_tokens ending there."""
-    model = mask_model(0)
+    model = mask_model(0, vocab_size=SMALL_V)
     for seed in range(20):  # a prompt whose answer has such a draft (12 tokens repeat soon)
         prompt = torch.randint(0, SMALL_V, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         free = generate(model, prompt, f"tree:{n}", SamplingParams(max_new_tokens=40), MaskProposer())
@@ -271,36 +245,3 @@ def test_tree_auto_prices_the_mask_groups():
     # rows alone: 1.9/1.4 < 2.4/1.6 > 2.5/1.8; with 3 masks per group (1 + n groups): 1.9/2.6 > 2.4/3.4
     assert tree.keep(parents, confs, line) == [0, 1]
     assert tree.keep(parents, confs, line, appended=lambda n: 3 * (1 + n)) == [0]
-
-
-def test_mask_trees_through_the_pipeline_match_one_process_and_every_stages_cache(tmp_path):
-    """3 stages: mask trees (greedy and sampled) give the single process's tokens and chunks, and
-    after a tree run whose paths move every stage's cache holds a fresh prefill's keys and values."""
-    from test_pipeline import PROMPT, _stage, mtp_tiny
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        jobs = [("tree:6", "mask", 0.0, None), ("tree:4", "mask", 0.9, 3)]
-        check = ("tree:8", "mask")
-        model = mtp_tiny(1, n_layers=3, vocab_size=SMALL_V)
-        assert launch_local(3, _stage, (model, jobs, str(tmp_path), 0.0, 20.0, check)) == 0
-        got = json.loads((tmp_path / "stage0.json").read_text())
-        ref_model = mtp_tiny(1, n_layers=3, vocab_size=SMALL_V)
-        mid = ref_model.config.mask_token_id
-        for (strategy, _, temperature, seed), res in zip(jobs, got):
-            ref = generate(
-                ref_model,
-                PROMPT,
-                strategy,
-                SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed),
-                MaskProposer(),
-                mid,
-            )
-            assert res["output"] == ref.output and res["chunks"] == ref.stats.chunks, strategy
-        assert any(c > 1 for r in got[: len(jobs)] for c in r["chunks"])
-        ref = generate(ref_model, PROMPT, "tree:8", SamplingParams(max_new_tokens=20), MaskProposer(), mid)
-        assert max(ref.stats.chunks) >= 3  # the checked run accepted paths of 2+ nodes
-        assert_stage_caches_equal_prefill(ref_model, got[-1]["committed"], tmp_path, 3)
-    finally:
-        torch.set_num_threads(threads)

@@ -8,16 +8,13 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_eagle3 import committed_kv, committed_state, random_drafter, save_drafter
+from helpers import Oracle, committed_kv, committed_state, random_drafter, require_smollm2, save_drafter, tiny_model
 
 from mtp.core.decoding.decode import Sequence, block_slack, decode_step, generate
 from mtp.core.decoding.proposers import (
     REGISTRY,
-    Guesses,
     MergedProposer,
     PromptLookupProposer,
-    Proposer,
     check_proposer,
 )
 from mtp.core.decoding.proposers.eagle3 import Eagle3Proposer
@@ -39,19 +36,10 @@ def merge(model, store=None, drafter_seed=1) -> MergedProposer:
     )
 
 
-class Truth(Proposer):
+def truth(seq: list[int], depth: int = 3) -> Oracle:
     """A merge part that knows the greedy continuation: its next `depth` tokens as a chain, sure of them,
     so the merged tree keeps them and the accepted nodes are mostly this part's, not the drafter's."""
-
-    name = "truth"
-
-    def __init__(self, seq: list[int], depth: int = 3):
-        self.seq, self.depth = seq, depth
-
-    def propose(self, request):
-        ctx = request.view.context
-        nxt = self.seq[len(ctx) : len(ctx) + min(self.depth, request.n)] if self.seq[: len(ctx)] == ctx else []
-        return Guesses(nxt, [1.0] * len(nxt))
+    return Oracle.following([seq], depth=depth, confidence=1.0, name="truth")
 
 
 def test_merge_exposes_the_union_of_its_parts_trunk_layers():
@@ -97,7 +85,7 @@ def test_drafter_state_follows_nodes_another_part_drafted():
     model = tiny_model(3)
     want = generate(model, PROMPT, "ntp", params(40)).output
     drafter = Eagle3Proposer(model, random_drafter(model))
-    merged = MergedProposer([drafter, Truth(PROMPT + want), PromptLookupProposer()])
+    merged = MergedProposer([drafter, truth(PROMPT + want), PromptLookupProposer()])
     seq = Sequence(list(PROMPT), _strategy("tree:6"), params(40), merged)
     cache = KVCache.for_model(model, 1, 128)
     others = 0
@@ -123,7 +111,7 @@ def test_two_stateful_parts_read_their_own_layers_and_keep_their_own_state():
     b = Eagle3Proposer(model, random_drafter(model, aux=(1, 2), seed=2))
     b.name = "eagle3b"
     want = generate(model, PROMPT, "ntp", params(30)).output
-    seq = Sequence(list(PROMPT), _strategy("tree:8"), params(30), MergedProposer([a, b, Truth(PROMPT + want, 2)]))
+    seq = Sequence(list(PROMPT), _strategy("tree:8"), params(30), MergedProposer([a, b, truth(PROMPT + want, 2)]))
     cache = KVCache.for_model(model, 1, 128)
     with torch.inference_mode():
         while not seq.finished:
@@ -234,8 +222,6 @@ def test_cli_eagle3_merge_bad_input_is_one_line(tiny_hf_dir, tmp_path, capsys, m
 @pytest.fixture(scope="module")
 def smollm2_merge():
     """SmolLM2 with the shipped drafter and datastore, `--proposer eagle3+suffix+lookup` (loaded once)."""
-    from conftest import require_smollm2
-
     require_smollm2()
     from mtp.core.engine import Engine, EngineConfig
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from mtp.core.runtime import loading
 from mtp.core.runtime.model import add_mask_token

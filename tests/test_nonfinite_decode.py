@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from mtp.core.decoding.decode import NonFiniteError, finite_prefix, generate
 from mtp.core.decoding.proposers import Guesses, make_proposer

@@ -1,6 +1,7 @@
 """Pipeline-parallel decoding (mtp.pipeline.stages): the same tokens as one process for every strategy,
-every stage's KV cache consistent after rollbacks, the link delay paid on every message, and a
-dead or hung stage failing the run cleanly within the timeout. Stages are real processes on gloo."""
+every stage's KV cache consistent after rollbacks (and after mask trees whose accepted paths move), the
+link delay paid on every message, and a dead or hung stage failing the run cleanly within the timeout.
+Stages are real processes on gloo."""
 
 from __future__ import annotations
 
@@ -15,16 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import SMALL_V, StubTree, mtp_tiny, random_heads, tiny_model
 
 from mtp.cli import main as cli_main
 from mtp.core.decoding.decode import Sequence, decode_step, generate, stream
-from mtp.core.decoding.proposers import make_proposer
+from mtp.core.decoding.proposers import MaskProposer, make_proposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
 from mtp.core.runtime.artifacts import base_hash
 from mtp.core.runtime.cache import KVCache
-from mtp.core.runtime.model import Transformer
 from mtp.pipeline import pricing
 from mtp.pipeline.launch import launch_local
 from mtp.pipeline.stages import PipelineModel, keep_slice, layer_ranges, run_stage
@@ -43,21 +43,6 @@ JOBS = [  # (strategy, proposer, temperature, seed)
     ("tree:5", "stub", 0.0, None),  # every accepted path off the diagonal
     ("tree:6", "lookup", 0.9, 3),  # multi-draft rejection sampling
 ]
-
-
-def mtp_tiny(seed: int = 0, **cfg) -> Transformer:
-    """A tiny model with the mask token and gated LoRA adapters whose B factors are random, so the
-    adapter gate (mask positions) changes the numbers and has to travel between the stages."""
-    from mtp.core.runtime.adapter import add_adapters
-
-    model = tiny_model(seed, **cfg)
-    add_adapters(model, rank=4, mode="gated")
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("lora_b"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model.eval().requires_grad_(False)
 
 
 def _run_batch(model, mask_id) -> list[list[int]]:
@@ -86,8 +71,6 @@ def _proposer(model, name):
     """`heads`: random MTP heads (seeded) on stage 0's slice, which keeps the norm and lm_head;
     `stub`: a tree from an oracle of the greedy answer whose accepted path is off the diagonal."""
     if name == "stub":
-        from test_tree import StubTree
-
         truth = generate(
             model, PROMPT, "ntp", SamplingParams(max_new_tokens=40), make_proposer("mask"), model.config.mask_token_id
         ).output
@@ -97,9 +80,7 @@ def _proposer(model, name):
     from mtp.core.decoding.proposers import heads as H
 
     base = model.model if isinstance(model, PipelineModel) else model
-    torch.manual_seed(0)
-    heads = H.MTPHeads(H.HeadsConfig.for_model(base.config, 3)).eval().requires_grad_(False)
-    return H.HeadsProposer(base, heads, "float32")
+    return H.HeadsProposer(base, random_heads(base, 3, seed=0), "float32")
 
 
 def _run_jobs(pipe, jobs, outdir, check=("verify:3", "mask")):
@@ -282,6 +263,37 @@ def assert_stage_caches_equal_prefill(ref_model, committed: list[int], folder, w
         for name in ("k", "v"):
             want = getattr(ref_cache, name)[r.start : r.stop, 0, :, :L]
             torch.testing.assert_close(got[name][:, 0, :, :L], want, atol=1e-4, rtol=1e-4)
+
+
+def test_mask_trees_through_the_pipeline_match_one_process_and_every_stages_cache(tmp_path):
+    """3 stages: mask trees (greedy and sampled) give the single process's tokens and chunks, and
+    after a tree run whose paths move every stage's cache holds a fresh prefill's keys and values."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        jobs = [("tree:6", "mask", 0.0, None), ("tree:4", "mask", 0.9, 3)]
+        check = ("tree:8", "mask")
+        model = mtp_tiny(1, n_layers=3, vocab_size=SMALL_V)
+        assert launch_local(3, _stage, (model, jobs, str(tmp_path), 0.0, 20.0, check)) == 0
+        got = json.loads((tmp_path / "stage0.json").read_text())
+        ref_model = mtp_tiny(1, n_layers=3, vocab_size=SMALL_V)
+        mid = ref_model.config.mask_token_id
+        for (strategy, _, temperature, seed), res in zip(jobs, got):
+            ref = generate(
+                ref_model,
+                PROMPT,
+                strategy,
+                SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed),
+                MaskProposer(),
+                mid,
+            )
+            assert res["output"] == ref.output and res["chunks"] == ref.stats.chunks, strategy
+        assert any(c > 1 for r in got[: len(jobs)] for c in r["chunks"])
+        ref = generate(ref_model, PROMPT, "tree:8", SamplingParams(max_new_tokens=20), MaskProposer(), mid)
+        assert max(ref.stats.chunks) >= 3  # the checked run accepted paths of 2+ nodes
+        assert_stage_caches_equal_prefill(ref_model, got[-1]["committed"], tmp_path, 3)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_link_delay_is_paid_on_every_message(tmp_path):

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model, word_tokenizer
 
 from mtp.cli import build_parser
 from mtp.cli import main as cli_main
@@ -35,15 +35,9 @@ def keep_threads():
 
 @pytest.fixture(scope="module")
 def cycling_model(tmp_path_factory):
-    from test_data import WORDS
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from mtp.core.runtime.loading import save_hf_dir
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    fast = word_tokenizer()
     model = tiny_model(0)
     with torch.no_grad():
         for layer in model.layers:

@@ -28,11 +28,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import data_sources, make_tiny_model_dir, prompts_file, train_args, write_examples, write_jsonl
 from safetensors.torch import load_file
-from test_data import prompts_file, write_jsonl
-from test_data_engine import sources
-from test_hostile_training import make_word_model_dir
-from test_train import examples
 
 from mtp.cli import build_parser, main
 from mtp.core import engine as engine_module
@@ -165,7 +162,7 @@ def make_inputs(args: list[str]) -> None:
     `--data`)."""
 
     def token_ids(p):
-        write_jsonl(p, [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(6)])
+        write_examples(p, 6)
 
     def prompts(p):
         rows = [json.loads(line) for line in prompts_file(p.parent, n=6).read_text().splitlines()]
@@ -228,7 +225,7 @@ def check_outputs(args: list[str], stdout: str) -> None:
 def fake_data_dir(root: Path) -> None:
     """$MTP_DATA_DIR as the docs' lines read it: gsm8k/{train,test}.jsonl and self_instruct/, tiny."""
     root.mkdir(parents=True)
-    gsm, tasks = sources(root)
+    gsm, tasks = data_sources(root)
     (root / "gsm8k").mkdir()
     (root / "self_instruct").mkdir()
     gsm.rename(root / "gsm8k" / "train.jsonl")
@@ -267,7 +264,7 @@ def test_the_docs_link_only_to_files_that_exist():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_word_model_dir(tmp_path_factory.mktemp("readme") / "tiny4", n_layers=4, max_seq_len=1024)
+    return make_tiny_model_dir(tmp_path_factory.mktemp("readme") / "tiny4", n_layers=4, max_seq_len=1024)
 
 
 @pytest.fixture(scope="module")
@@ -275,32 +272,14 @@ def shipped(model, tmp_path_factory):
     """What the tiny model ships, as the default model does (`Engine` resolves `auto` from it): an MTP
     adapter (its mask token), heads and a suffix datastore."""
     root = tmp_path_factory.mktemp("shipped")
-    ids = write_jsonl(
-        root / "examples.jsonl", [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids} for e in examples(6)]
-    )
-    common = ["--examples", str(ids), "--model", str(model), "--steps", "2", "--batch-size", "2", "--threads", "1"]
+    ids = write_examples(root / "examples.jsonl", 6)
     with pytest.MonkeyPatch.context() as m:
         m.setenv("MTP_CACHE_DIR", str(root / "cache"))
-        assert (
-            main(
-                [
-                    "train",
-                    *common,
-                    "--k-max",
-                    "4",
-                    "--spans",
-                    "2",
-                    "--seq-len",
-                    "64",
-                    "--out",
-                    str(root / "run"),
-                    "--export",
-                    str(root / "adapter"),
-                ]
-            )
-            == 0
+        assert main(train_args(model, "--examples", ids, "--out", root / "run", "--export", root / "adapter")) == 0
+        heads = train_args(
+            model, "--examples", ids, "--draft-vocab", "16", "--out", root / "heads", trainer="train-heads"
         )
-        assert main(["train-heads", *common, "--draft-vocab", "16", "--out", str(root / "heads")]) == 0
+        assert main(heads) == 0
         assert (
             main(["datastore", "build", "--data", str(ids), "--model", str(model), "--out", str(root / "datastore")])
             == 0

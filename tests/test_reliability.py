@@ -11,28 +11,12 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import one_line_error, run_cli, tiny_model, write_jsonl, write_tiny_gguf
 from safetensors.torch import load_file
-from test_data import make_tiny_model_dir, write_jsonl
 
-from mtp.cli import main
 from mtp.core.runtime.adapter import add_adapters, load_adapter, save_adapter
 from mtp.core.runtime.artifacts import ArtifactError, write_dir_atomic
 from mtp.training.distill import TrainConfig, train
-
-
-def run_cli(args, capsys):
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def one_line_error(code, err, *words):
-    assert code == 2, err
-    assert err.startswith("mtp: error:") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    for w in words:
-        assert w in err, (w, err)
 
 
 def examples_file(tmp_path, ids=None):
@@ -53,11 +37,6 @@ def untouched(d):
 
 
 # ---- 1. never delete what mtp did not write --------------------------------------------------------
-@pytest.fixture(scope="module")
-def word_model(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("word") / "tiny")
-
-
 TRAIN_ARGS = ["--steps", "1", "--batch-size", "2", "--k-max", "3", "--spans", "1", "--seq-len", "32", "--threads", "1"]
 
 
@@ -376,8 +355,6 @@ def test_u2_datastore_build_into_a_read_only_folder_is_refused_first(
 
 # ---- issue 64 U5. the first start says what it does, once -------------------------------------------
 def test_u5_a_first_conversion_says_what_it_does_once(tmp_path, monkeypatch, capsys):
-    from test_hostile_loading import write_tiny_gguf
-
     from mtp.core.runtime import loading
 
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))

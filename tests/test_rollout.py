@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
-from test_serve import engine, make_app, reference, tiny_dir  # noqa: E402,F401  (fixtures)
+from helpers import make_app, reference  # noqa: E402
 
 from mtp.core.decoding.strategy import Strategy  # noqa: E402
 from mtp.core.policy import deploy as D  # noqa: E402
@@ -51,12 +51,12 @@ def serve_all(app, log, n_shadow_expected=None):
     out = []
     with TestClient(app) as c:
         state = app.state.mtp
-        for i, p in enumerate(PROMPTS):
+        for p in PROMPTS:
             r = c.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 16})
             assert r.status_code == 200, r.text
             out.append(r.json()["choices"][0]["text"])
             want = sum(1 for a in state.rollout_arms if a == TUNED)
-            assert wait_for(lambda: state.rollout.compared >= want), "shadow comparisons never came"
+            assert wait_for(lambda want=want: state.rollout.compared >= want), "shadow comparisons never came"
         health = c.get("/health").json()
         metrics = c.get("/metrics").text
     return out, health, metrics

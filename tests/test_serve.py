@@ -5,13 +5,10 @@ mode and the adaptive K policy."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,120 +19,13 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from conftest import tiny_model  # noqa: E402
+from helpers import LiveServer, SlowModel, client_for, free_port, make_app, reference, slow_engine, tiny_model  # noqa: E402
 
 from mtp.core.decoding.sampling import SamplingParams  # noqa: E402
 from mtp.core.engine import Engine, EngineConfig  # noqa: E402
 from mtp.serving import shadow  # noqa: E402
 from mtp.serving.adaptive import AdaptiveK  # noqa: E402
-from mtp.serving.app import create_app  # noqa: E402
-from mtp.serving.config import ServeConfig  # noqa: E402
 from mtp.serving.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
-
-EOS = 95
-CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
-
-
-def save_tiny(path: Path) -> Path:
-    """A tiny random Transformer (+ mask token) with a character-level HF tokenizer, as a model dir."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from mtp.core.runtime.loading import save_hf_dir
-    from mtp.core.runtime.model import add_mask_token
-
-    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}  # 95 printable characters
-    vocab.update({"<eos>": EOS, "<unk>": 96})
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>")
-    tok.chat_template = CHAT_TEMPLATE
-    model = tiny_model(0)
-    model.config.extra["eos_token_ids"] = [EOS]
-    add_mask_token(model, 97)
-    save_hf_dir(model, path, tok)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("serve") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
-    return Engine.load(EngineConfig(model=str(tiny_dir), adapter="none"))
-
-
-class SlowModel:
-    """The engine's model, `delay` seconds slower per forward pass (to catch a request mid-flight)."""
-
-    def __init__(self, model, delay=0.02):
-        self.__dict__["_m"], self.__dict__["_delay"] = model, delay
-
-    def __call__(self, *a, **kw):
-        time.sleep(self._delay)
-        return self._m(*a, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._m, name)
-
-
-def slow_engine(engine, delay=0.02):
-    e = Engine(engine.loaded, engine.config)
-    e.model = SlowModel(engine.model, delay)
-    return e
-
-
-def make_app(engine, pass_time=None, **kw):
-    sched = SchedulerConfig(
-        **{k: kw.pop(k) for k in list(kw) if k in ("max_batch", "max_model_len", "max_cache_tokens", "adaptive")}
-    )
-    kw.setdefault("model_name", "tiny")
-    return create_app(engine, ServeConfig(scheduler=sched, **kw), pass_time)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """uvicorn in a background thread (no signal handlers) on a free loopback port."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.app, self.port = app, free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("server did not start")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(20)
-
-
-def client_for(server, key="unused"):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def reference(engine, prompt, strategy, max_tokens, chat, stop=()):
-    params = SamplingParams(max_new_tokens=max_tokens, stop=list(stop))
-    return engine.generate(prompt, strategy, params, chat=chat)
 
 
 # ---- schema round-trips with the official client ---------------------------------------------------
@@ -542,7 +432,7 @@ def test_metrics_exposition(engine):
 SERVER_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
-from test_serve import make_app, slow_engine
+from helpers import make_app, slow_engine
 from mtp.core.engine import Engine, EngineConfig
 from mtp.serving.app import serve_app
 engine = slow_engine(Engine.load(EngineConfig(model={model!r}, adapter="none")), 0.02)

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import LiveServer, SlowModel, make_app, save_tiny  # noqa: E402
+from helpers import LiveServer, SlowModel, make_app, save_tiny  # noqa: E402
 
 from mtp.core.decoding.sampling import SamplingParams  # noqa: E402
 from mtp.core.engine import Engine, EngineConfig  # noqa: E402

@@ -20,8 +20,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import LiveServer, engine, free_port, make_app, slow_engine, tiny_dir  # noqa: E402,F401
-from test_serve_limits import assert_error  # noqa: E402
+from helpers import LiveServer, assert_error, free_port, make_app, slow_engine  # noqa: E402
 
 from mtp.serving.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
@@ -168,7 +167,7 @@ def test_t1_deep_nesting_and_huge_integers_are_400(engine, body):
 SERVER_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
-from test_serve import make_app, slow_engine
+from helpers import make_app, slow_engine
 from mtp.core.engine import Engine, EngineConfig
 from mtp.serving.app import serve_app
 engine = slow_engine(Engine.load(EngineConfig(model={model!r}, adapter="none")), 0.05)

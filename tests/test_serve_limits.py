@@ -14,23 +14,11 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import LiveServer, engine, make_app, slow_engine, tiny_dir  # noqa: E402,F401
-
-ERROR_FIELDS = {"message", "type", "param", "code"}
+from helpers import LiveServer, assert_error, make_app, slow_engine  # noqa: E402
 
 
 def metric(text: str, line_start: str) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(line_start))
-
-
-def assert_error(r, status, param=None):
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
-    assert set(err) == ERROR_FIELDS and "\n" not in err["message"] and "Traceback" not in err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 # ---- 2. abandoned non-streaming requests free their rows --------------------------------------------

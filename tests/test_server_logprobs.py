@@ -9,18 +9,15 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import LiveServer, Oracle, client_for, make_app, save_tiny, tiny_model
 
 from mtp.core.decoding.decode import Sequence, stream
-from mtp.core.decoding.proposers import Guesses, Proposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
-
-from test_serve import LiveServer, client_for, make_app, save_tiny  # noqa: E402
 
 from mtp.core.engine import Engine, EngineConfig  # noqa: E402
 
@@ -37,31 +34,10 @@ def forward_logprobs(model, ids: list[int], mask_id: int | None = None) -> torch
         return torch.log_softmax(logits, -1)
 
 
-class Oracle(Proposer):
+def oracle(truth: list[int], prompt_len: int) -> Oracle:
     """Drafts the true continuation (`truth`), every third pass with a wrong second token, and as a tree
     a wrong sibling beside it: passes accept 0, 1 or several drafts, so every row of a pass is read."""
-
-    name = "oracle"
-
-    def __init__(self, truth: list[int], prompt_len: int, vocab: int):
-        self.truth, self.prompt_len, self.vocab, self.calls = truth, prompt_len, vocab, 0
-
-    def propose(self, request):
-        done = len(request.view.context) - self.prompt_len
-        want = list(self.truth[done : done + request.n])
-        if not want:
-            return Guesses.none()
-        self.calls += 1
-        if self.calls % 3 == 0 and len(want) > 1:
-            want[1] = (want[1] + 1) % self.vocab
-        if request.tree and len(want) < request.n:
-            return Guesses(
-                want + [(want[0] + 1) % self.vocab],
-                [0.9] * (len(want) + 1),
-                None,
-                [-1] + list(range(len(want) - 1)) + [-1],
-            )
-        return Guesses(want, [0.9] * len(want), None)
+    return Oracle(truth, prompt_len, wrong_every=3, sibling=True, vocab=97)
 
 
 def decode(model, strategy: str, n: int = 30, proposer=None, **kw) -> Sequence:
@@ -69,7 +45,7 @@ def decode(model, strategy: str, n: int = 30, proposer=None, **kw) -> Sequence:
         list(PROMPT),
         Strategy.parse(strategy),
         SamplingParams(max_new_tokens=n),
-        proposer or Oracle([], len(PROMPT), 97),
+        proposer or oracle([], len(PROMPT)),
         **kw,
     )
     for _ in stream(model, seq, None):
@@ -82,8 +58,7 @@ def decode(model, strategy: str, n: int = 30, proposer=None, **kw) -> Sequence:
 def test_greedy_logprobs_of_lossless_strategies_equal_ntp_and_a_plain_forward(strategy):
     model = tiny_model(0)
     ntp = decode(model, "ntp", logprobs=5)
-    oracle = Oracle(ntp.output, len(PROMPT), 97)
-    seq = decode(model, strategy, proposer=oracle, logprobs=5)
+    seq = decode(model, strategy, proposer=oracle(ntp.output, len(PROMPT)), logprobs=5)
     assert seq.output == ntp.output
     assert seq.stats.forward_passes < len(seq.output)  # drafts were accepted: their rows were read
     assert len(seq.token_logprobs) == len(seq.output)
@@ -105,13 +80,13 @@ def test_prompt_logprobs_equal_a_plain_forward_and_leave_other_rows_alone():
     model = tiny_model(0)
     other_prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # longer: the rows' blocks differ
     alone = decode(model, "ntp", 12)
-    other_alone = Sequence(other_prompt, Strategy(), SamplingParams(max_new_tokens=12), Oracle([], 11, 97))
+    other_alone = Sequence(other_prompt, Strategy(), SamplingParams(max_new_tokens=12), oracle([], 11))
     for _ in stream(model, other_alone, None):
         pass
 
     seqs = [
-        Sequence(list(PROMPT), Strategy(), SamplingParams(max_new_tokens=12), Oracle([], 8, 97), logprobs=3),
-        Sequence(list(other_prompt), Strategy(), SamplingParams(max_new_tokens=12), Oracle([], 11, 97), slot=1),
+        Sequence(list(PROMPT), Strategy(), SamplingParams(max_new_tokens=12), oracle([], 8), logprobs=3),
+        Sequence(list(other_prompt), Strategy(), SamplingParams(max_new_tokens=12), oracle([], 11), slot=1),
     ]
     seqs[0].prompt_logprobs = True
     cache = KVCache.for_model(model, 2, 64 + block_slack(1))
@@ -136,7 +111,7 @@ def test_logprobs_stay_in_step_with_an_output_cut_by_a_stop_string():
         list(PROMPT),
         Strategy.parse("verify:3"),
         SamplingParams(max_new_tokens=30, stop=[stop]),
-        Oracle(full.output, len(PROMPT), 97),
+        oracle(full.output, len(PROMPT)),
         decode_text=lambda ids: " ".join(map(str, ids)),
         logprobs=0,
     )
@@ -152,7 +127,7 @@ def test_logprobs_stay_in_step_with_an_output_cut_by_a_stop_string():
 @pytest.mark.parametrize("strategy", ["static:3", "conf_adapt:0.9"])
 def test_a_lossy_strategy_records_no_logprobs(strategy):
     with pytest.raises(ValueError, match="lossless"):
-        Sequence(list(PROMPT), Strategy.parse(strategy), SamplingParams(), Oracle([], 8, 97), logprobs=1)
+        Sequence(list(PROMPT), Strategy.parse(strategy), SamplingParams(), oracle([], 8), logprobs=1)
 
 
 # ---- the server ------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from mtp.core.decoding.decode import generate
 from mtp.core.decoding.proposers import DraftRequest, PassView

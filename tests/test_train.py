@@ -4,20 +4,28 @@ layout, the loss variants, bit-for-bit resume, DDP under torchrun, and the `mtp 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import (
+    MTP,
+    cli_env,
+    distill_cfg,
+    make_tiny_model_dir,
+    prompts_file,
+    random_examples,
+    tiny_model,
+    train_args,
+    write_examples,
+)
 from safetensors.torch import load_file
 
 from mtp.core.runtime.adapter import add_adapters
 from mtp.training.data import Example
 from mtp.training.distill import (
     Span,
-    TrainConfig,
     batch_indices,
     build_layout,
     distill_loss,
@@ -25,17 +33,6 @@ from mtp.training.distill import (
     make_batch,
     train,
 )
-
-
-def examples(n=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        Example(
-            torch.randint(2, 90, (4 + i % 3,), generator=g).tolist(),
-            torch.randint(2, 90, (10 + (7 * i) % 15,), generator=g).tolist(),
-        )
-        for i in range(n)
-    ]
 
 
 def test_layout_exact():
@@ -83,7 +80,7 @@ def _step(split, teacher, seed=0, amp=False):
     with torch.no_grad():
         for p in params:
             p.add_(torch.randn_like(p) * 0.1)
-    batch = make_batch(examples(3), model.config.mask_token_id, 3, 6, 64, torch.Generator().manual_seed(1))
+    batch = make_batch(random_examples(3), model.config.mask_token_id, 3, 6, 64, torch.Generator().manual_seed(1))
     s, proposals, t = forward_pair(model, model, None, batch, teacher, split, amp)
     loss, agree = distill_loss(s, t, batch, teacher, proposals)
     loss.backward()
@@ -147,24 +144,6 @@ def test_hard_teacher_weights_by_proposal_prefix():
     assert agree[0].tolist() == [True, False, False]
 
 
-def cfg(out, **kw):
-    base = dict(
-        out=str(out),
-        steps=4,
-        batch_size=3,
-        k_max=5,
-        spans=2,
-        seq_len=64,
-        save_every=2,
-        log_every=1,
-        lr=1e-2,
-        warmup=1,
-        seed=3,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
-
-
 class Killed(BaseException):
     """A hard kill (SIGKILL) between checkpoints: nothing gets a chance to save."""
 
@@ -178,12 +157,12 @@ def kill_after(n):
 
 
 def test_resume_is_bit_for_bit(tmp_path):
-    exs = examples()
-    train(cfg(tmp_path / "full"), tiny_model(0), exs, progress=False)
+    exs = random_examples()
+    train(distill_cfg(tmp_path / "full"), tiny_model(0), exs, progress=False)
     with pytest.raises(Killed):  # killed after step 3; the last checkpoint is step 2
-        train(cfg(tmp_path / "cut"), tiny_model(0), exs, progress=False, on_step=kill_after(3))
+        train(distill_cfg(tmp_path / "cut"), tiny_model(0), exs, progress=False, on_step=kill_after(3))
     assert json.loads((tmp_path / "cut" / "trainer_state.json").read_text())["step"] == 2
-    state = train(cfg(tmp_path / "cut", resume=True), tiny_model(0), exs, progress=False)
+    state = train(distill_cfg(tmp_path / "cut", resume=True), tiny_model(0), exs, progress=False)
     assert state["step"] == 4
     for name in ("adapter.safetensors", "optimizer.safetensors"):
         a, b = load_file(str(tmp_path / "full" / name)), load_file(str(tmp_path / "cut" / name))
@@ -195,30 +174,30 @@ def test_resume_is_bit_for_bit(tmp_path):
 
 
 def test_seeded_runs_are_identical_and_seeds_differ(tmp_path):
-    exs = examples()
+    exs = random_examples()
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
-        train(cfg(tmp_path / name, steps=2, seed=seed), tiny_model(0), exs, progress=False)
+        train(distill_cfg(tmp_path / name, steps=2, seed=seed), tiny_model(0), exs, progress=False)
     a, b, c = (load_file(str(tmp_path / n / "adapter.safetensors")) for n in "abc")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
 def test_resume_guards(tmp_path):
-    exs = examples()
-    train(cfg(tmp_path / "r", steps=2), tiny_model(0), exs, progress=False)
+    exs = random_examples()
+    train(distill_cfg(tmp_path / "r", steps=2), tiny_model(0), exs, progress=False)
     with pytest.raises(ValueError, match="already holds a training run"):
-        train(cfg(tmp_path / "r", steps=2), tiny_model(0), exs, progress=False)
+        train(distill_cfg(tmp_path / "r", steps=2), tiny_model(0), exs, progress=False)
     with pytest.raises(ValueError, match="--resume: rank was 16"):
-        train(cfg(tmp_path / "r", steps=3, rank=8, resume=True), tiny_model(0), exs, progress=False)
+        train(distill_cfg(tmp_path / "r", steps=3, rank=8, resume=True), tiny_model(0), exs, progress=False)
     with pytest.raises(ValueError, match="no checkpoint"):
-        train(cfg(tmp_path / "none", resume=True), tiny_model(0), exs, progress=False)
+        train(distill_cfg(tmp_path / "none", resume=True), tiny_model(0), exs, progress=False)
 
 
 def test_train_errors(tmp_path):
     with pytest.raises(ValueError, match="no example fits --seq-len 5"):
-        train(cfg(tmp_path / "x", seq_len=5), tiny_model(0), examples(), progress=False)
+        train(distill_cfg(tmp_path / "x", seq_len=5), tiny_model(0), random_examples(), progress=False)
     with pytest.raises(ValueError, match="exceeds the model's context window"):
-        train(cfg(tmp_path / "x", seq_len=10_000), tiny_model(0), examples(), progress=False)
+        train(distill_cfg(tmp_path / "x", seq_len=10_000), tiny_model(0), random_examples(), progress=False)
     assert not (tmp_path / "x").exists()
 
 
@@ -229,55 +208,24 @@ def test_batch_indices_cover_each_epoch_once():
 
 def test_plain_and_full_modes_train(tmp_path):
     for mode in ("plain", "full"):
-        state = train(cfg(tmp_path / mode, steps=2, mode=mode), tiny_model(0), examples(), progress=False)
+        state = train(
+            distill_cfg(tmp_path / mode, steps=2, mode=mode), tiny_model(0), random_examples(), progress=False
+        )
         assert state["step"] == 2 and state["history"][-1]["loss"] > 0
 
 
 # --- CLI: the tiny model as a HF directory with a word-level tokenizer ------------------------------
 
 
-def _env(tmp_path):
-    return {**os.environ, "MTP_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-
-
 def test_cli_end_to_end(tmp_path):
-    from test_data import make_tiny_model_dir, prompts_file
-
     model_dir = make_tiny_model_dir(tmp_path / "tiny")
     data = prompts_file(tmp_path, n=6)
     out = tmp_path / "adapter"
-    cmd = [
-        sys.executable,
-        "-m",
-        "mtp.cli",
-        "train",
-        "--model",
-        str(model_dir),
-        "--data",
-        str(data),
-        "--self-generate",
-        "--max-new-tokens",
-        "12",
-        "--steps",
-        "3",
-        "--batch-size",
-        "2",
-        "--k-max",
-        "4",
-        "--spans",
-        "2",
-        "--seq-len",
-        "64",
-        "--out",
-        str(out),
-        "--export",
-        str(tmp_path / "ship"),
-        "--threads",
-        "1",
-        "--amp",
-        "on",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
+    self_generate = ["--self-generate", "--max-new-tokens", "12"]
+    cmd = MTP + train_args(
+        model_dir, "--data", data, *self_generate, "--out", out, "--export", tmp_path / "ship", "--amp", "on", steps=3
+    )
+    r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
     assert "trained 3 steps" in r.stderr
     cfg = json.loads((out / "config.json").read_text())
@@ -286,73 +234,27 @@ def test_cli_end_to_end(tmp_path):
     ship = load_file(str(tmp_path / "ship" / "adapter.safetensors"))
     assert all(v.dtype == torch.float16 for v in ship.values())
     assert sorted(p.name for p in (tmp_path / "ship").iterdir()) == ["adapter.safetensors", "config.json"]
-    gen = [
-        sys.executable,
-        "-m",
-        "mtp.cli",
-        "generate",
-        "w1 w2 w3",
-        "--model",
-        str(model_dir),
-        "--adapter",
-        str(tmp_path / "ship"),
-        "--strategy",
-        "conf_adapt:0.5:4",
-        "--max-new-tokens",
-        "8",
-        "--json",
-    ]
-    r = subprocess.run(gen, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
+    gen = MTP + ["generate", "w1 w2 w3", "--model", str(model_dir), "--adapter", str(tmp_path / "ship")]
+    gen += ["--strategy", "conf_adapt:0.5:4", "--max-new-tokens", "8", "--json"]
+    r = subprocess.run(gen, capture_output=True, text=True, env=cli_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["strategy"] == "conf_adapt:0.5:4"
     # bad input: one line, exit 2, nothing written
-    bad = cmd[:7] + [str(tmp_path / "test.jsonl")] + cmd[8:-8] + ["--out", str(tmp_path / "bad")]
-    r = subprocess.run(bad, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
+    bad = MTP + train_args(
+        model_dir, "--data", tmp_path / "test.jsonl", *self_generate, "--out", tmp_path / "bad", steps=3
+    )
+    r = subprocess.run(bad, capture_output=True, text=True, env=cli_env(tmp_path), timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "test split" in r.stderr
     assert not (tmp_path / "bad").exists()
 
 
 def test_torchrun_two_processes_gloo(tmp_path):
     """DDP on CPU: two processes, each its own share of every batch, replicas identical at the end."""
-    from test_data import make_tiny_model_dir
-
     model_dir = make_tiny_model_dir(tmp_path / "tiny")
-    ex_path = tmp_path / "examples.jsonl"
-    ex_path.write_text(
-        "".join(json.dumps({"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}) + "\n" for e in examples())
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "mtp.cli",
-        "train",
-        "--model",
-        str(model_dir),
-        "--examples",
-        str(ex_path),
-        "--steps",
-        "3",
-        "--batch-size",
-        "2",
-        "--k-max",
-        "4",
-        "--spans",
-        "2",
-        "--seq-len",
-        "64",
-        "--save-every",
-        "2",
-        "--out",
-        str(tmp_path / "ddp"),
-        "--threads",
-        "1",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
+    ex_path = write_examples(tmp_path / "examples.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mtp.cli"]
+    cmd += train_args(model_dir, "--examples", ex_path, "--save-every", "2", "--out", tmp_path / "ddp", steps=3)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 processes, replicas in sync: True" in r.stderr
     state = json.loads((tmp_path / "ddp" / "trainer_state.json").read_text())

@@ -4,15 +4,21 @@ FROM) and `--init-adapter DIR` (a new run starting from an adapter's weights), o
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import (
+    MTP,
+    cli_env,
+    distill_cfg,
+    make_tiny_model_dir,
+    random_examples,
+    tiny_model,
+    train_args,
+    write_examples,
+)
 from safetensors.torch import load_file
-from test_train import cfg, examples
 
 from mtp.cli import main as cli_main
 from mtp.core.decoding.decode import generate
@@ -35,7 +41,7 @@ def _grad_flow(layers, split, teacher, n_layers=4):
     recorded = {}
     for i, block in enumerate(model.layers):
         block.register_forward_hook(lambda m, a, out, i=i: recorded.setdefault(i, []).append(out.requires_grad))
-    batch = make_batch(examples(3), model.config.mask_token_id, 3, 6, 64, torch.Generator().manual_seed(1))
+    batch = make_batch(random_examples(3), model.config.mask_token_id, 3, 6, 64, torch.Generator().manual_seed(1))
     s, proposals, t = forward_pair(model, model, None, batch, teacher, split, False)
     distill_loss(s, t, batch, teacher, proposals)[0].backward()
     graded = {n for n, p in model.named_parameters() if p.grad is not None}
@@ -59,9 +65,9 @@ def test_backward_stops_at_the_first_adapted_layer(split, teacher):
 def test_lora_layers_run_trains_upper_layers_and_decodes_like_ntp(tmp_path):
     model = tiny_model(0)
     state = train(
-        cfg(tmp_path / "run", steps=3, lora_layers=(1, 2), export=str(tmp_path / "ship")),
+        distill_cfg(tmp_path / "run", steps=3, lora_layers=(1, 2), export=str(tmp_path / "ship")),
         model,
-        examples(),
+        random_examples(),
         progress=False,
     )
     assert state["step"] == 3
@@ -82,7 +88,12 @@ def test_lora_layers_run_trains_upper_layers_and_decodes_like_ntp(tmp_path):
 
 
 def test_init_adapter_starts_from_exactly_the_source(tmp_path, monkeypatch):
-    train(cfg(tmp_path / "src", steps=2, rank=4, lora_layers=(1, 2)), tiny_model(0), examples(), progress=False)
+    train(
+        distill_cfg(tmp_path / "src", steps=2, rank=4, lora_layers=(1, 2)),
+        tiny_model(0),
+        random_examples(),
+        progress=False,
+    )
     src = load_file(str(tmp_path / "src" / "adapter.safetensors"))
     at_start = {}
 
@@ -94,17 +105,17 @@ def test_init_adapter_starts_from_exactly_the_source(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(trainer_mod.Trainer, "run", capture)
         train(
-            cfg(tmp_path / "a", rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")),
+            distill_cfg(tmp_path / "a", rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")),
             tiny_model(0),
-            examples(),
+            random_examples(),
             progress=False,
         )
     assert at_start.keys() == src.keys() and all(torch.equal(at_start[k], src[k]) for k in src)
     # a real run: new steps from the source's weights, the source recorded in the run's config
     state = train(
-        cfg(tmp_path / "b", steps=2, seed=5, rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")),
+        distill_cfg(tmp_path / "b", steps=2, seed=5, rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")),
         tiny_model(0),
-        examples(),
+        random_examples(),
         progress=False,
     )
     assert state["step"] == 2
@@ -114,20 +125,26 @@ def test_init_adapter_starts_from_exactly_the_source(tmp_path, monkeypatch):
 
 
 def test_init_adapter_refusals(tmp_path):
-    train(cfg(tmp_path / "src", steps=1, rank=4), tiny_model(0), examples(), progress=False)
+    train(distill_cfg(tmp_path / "src", steps=1, rank=4), tiny_model(0), random_examples(), progress=False)
     with pytest.raises(ValueError, match="trained on another base model"):
         train(
-            cfg(tmp_path / "a", rank=4, init_adapter=str(tmp_path / "src")), tiny_model(1), examples(), progress=False
+            distill_cfg(tmp_path / "a", rank=4, init_adapter=str(tmp_path / "src")),
+            tiny_model(1),
+            random_examples(),
+            progress=False,
         )
     with pytest.raises(ValueError, match=r"^--rank 8 conflicts with --init-adapter .* \(rank 4\)"):
         train(
-            cfg(tmp_path / "a", rank=8, init_adapter=str(tmp_path / "src")), tiny_model(0), examples(), progress=False
+            distill_cfg(tmp_path / "a", rank=8, init_adapter=str(tmp_path / "src")),
+            tiny_model(0),
+            random_examples(),
+            progress=False,
         )
     with pytest.raises(ValueError, match=r"^--lora-layers 1:2 conflicts with --init-adapter .* \(lora_layers 0:2\)"):
         train(
-            cfg(tmp_path / "a", rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")),
+            distill_cfg(tmp_path / "a", rank=4, lora_layers=(1, 2), init_adapter=str(tmp_path / "src")),
             tiny_model(0),
-            examples(),
+            random_examples(),
             progress=False,
         )
     assert not (tmp_path / "a").exists()
@@ -136,55 +153,18 @@ def test_init_adapter_refusals(tmp_path):
 # --- CLI -------------------------------------------------------------------------------------------
 
 
-def _env(tmp_path):
-    return {**os.environ, "MTP_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-
-
-def _examples_file(tmp_path):
-    path = tmp_path / "examples.jsonl"
-    path.write_text(
-        "".join(json.dumps({"prompt_ids": e.prompt_ids, "response_ids": e.response_ids}) + "\n" for e in examples())
-    )
-    return path
-
-
 def test_cli_lora_layers_and_init_adapter(tmp_path):
-    from test_data import make_tiny_model_dir
-
     model_dir = make_tiny_model_dir(tmp_path / "tiny")
-    base = [
-        sys.executable,
-        "-m",
-        "mtp.cli",
-        "train",
-        "--model",
-        str(model_dir),
-        "--examples",
-        str(_examples_file(tmp_path)),
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--k-max",
-        "4",
-        "--spans",
-        "2",
-        "--seq-len",
-        "64",
-        "--threads",
-        "1",
-    ]
-    run = lambda *a: subprocess.run(base + list(a), capture_output=True, text=True, env=_env(tmp_path), timeout=120)
+    base = MTP + train_args(model_dir, "--examples", write_examples(tmp_path / "examples.jsonl"))
+    run = lambda *a: subprocess.run(base + list(a), capture_output=True, text=True, env=cli_env(tmp_path), timeout=120)
     r = run("--lora-layers", "1:", "--rank", "4", "--out", str(tmp_path / "upper"), "--export", str(tmp_path / "ship"))
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "ship" / "config.json").read_text())["layers"] == [1, 2]
     out = {}
     for strategy, adapter_dir in (("ntp", "none"), ("verify:4", str(tmp_path / "ship"))):
         g = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "mtp.cli",
+            MTP
+            + [
                 "generate",
                 "w1 w2 w3",
                 "--model",
@@ -199,7 +179,7 @@ def test_cli_lora_layers_and_init_adapter(tmp_path):
             ],
             capture_output=True,
             text=True,
-            env=_env(tmp_path),
+            env=cli_env(tmp_path),
             timeout=120,
         )
         assert g.returncode == 0, g.stderr
@@ -228,8 +208,6 @@ def test_cli_lora_layers_and_init_adapter(tmp_path):
     ],
 )
 def test_cli_bad_layers_fail_before_the_model_loads(tmp_path, monkeypatch, capsys, flags, message):
-    from test_data import make_tiny_model_dir
-
     model_dir = make_tiny_model_dir(tmp_path / "tiny")
 
     def no_load(*a, **k):
@@ -242,7 +220,7 @@ def test_cli_bad_layers_fail_before_the_model_loads(tmp_path, monkeypatch, capsy
             "--model",
             str(model_dir),
             "--examples",
-            str(_examples_file(tmp_path)),
+            str(write_examples(tmp_path / "examples.jsonl")),
             "--out",
             str(tmp_path / "out"),
             *flags,

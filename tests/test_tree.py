@@ -10,7 +10,7 @@ import collections
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import SMALL_V, StubTree, mask_model, random_heads, require_smollm2, tiny_model
 
 from mtp.core.decoding import tree
 from mtp.core.decoding.decode import Sequence, _branch_layout, block_slack, decode_step, generate
@@ -19,25 +19,18 @@ from mtp.core.decoding.proposers import heads as N
 from mtp.core.decoding.sampling import SamplingParams, probs_from_logits
 from mtp.core.decoding.strategy import Strategy, StrategyError
 from mtp.core.runtime.cache import KVCache
-from mtp.core.runtime.model import add_mask_token
 
 PROMPT = [5, 17, 3, 44, 9, 5, 17, 3]
-SMALL_V = 12  # the mask proposer's tiny model: few tokens, so its untrained masks' top-k is often right
-
-
-def mask_model(seed: int = 0):
-    """A tiny model of SMALL_V tokens plus <mtp_mask>: its mask trees get deep and sibling paths accepted."""
-    model = tiny_model(seed, vocab_size=SMALL_V)
-    add_mask_token(model)
-    return model
 
 
 def model_and_proposer(which: str):
     """(model, proposer, prompt) for a tree proposer by name: lookup, random heads, or mask groups."""
     if which == "mask":
-        return mask_model(), MaskProposer(), [t % SMALL_V for t in PROMPT]
+        return mask_model(vocab_size=SMALL_V), MaskProposer(), [t % SMALL_V for t in PROMPT]
     model = tiny_model(0)
-    prop = PromptLookupProposer() if which == "lookup" else N.HeadsProposer(model, random_heads(model), "float32")
+    prop = (
+        PromptLookupProposer() if which == "lookup" else N.HeadsProposer(model, random_heads(model, seed=0), "float32")
+    )
     return model, prop, PROMPT
 
 
@@ -99,28 +92,6 @@ def test_tree_strategy_parsing(text, ok):
     else:
         with pytest.raises(StrategyError):
             Strategy.parse(text)
-
-
-class StubTree(Proposer):
-    """A fixed-shape tree from an oracle of the true continuation: the right token sits in the second
-    child at depth 1 and in the first child below it, so the accepted path is off the diagonal."""
-
-    name = "stub-tree"
-    has_confidence = True
-
-    def __init__(self, truth: list[int], prompt_len: int, wrong: int = 0):
-        self.truth, self.prompt_len, self.wrong = truth, prompt_len, wrong
-
-    def propose(self, request):
-        if not request.tree:
-            return Guesses.none()
-        done = len(request.view.context) - self.prompt_len  # emitted so far (the model's own token included)
-        nxt = self.truth[done : done + 3]
-        if len(nxt) < 3:
-            return Guesses.none()
-        bad = (nxt[0] + 1) % 90
-        tokens = [bad, nxt[0], nxt[1], (nxt[1] + 1) % 90, nxt[2]]
-        return Guesses(tokens, [0.5] * 5, None, [-1, -1, 1, 1, 2])
 
 
 def test_greedy_tree_equals_plain_greedy_with_an_off_diagonal_path_and_compacts_the_cache():
@@ -285,11 +256,6 @@ def test_a_single_proposer_is_credited_under_its_own_name():
     assert metrics.accepted_by_proposer(seq.stats.accepted_from) == {"heads": 20}
 
 
-def random_heads(model, depths=3):
-    torch.manual_seed(0)
-    return N.MTPHeads(N.HeadsConfig.for_model(model.config, depths)).eval().requires_grad_(False)
-
-
 @pytest.mark.parametrize("which", ["lookup", "heads", "mask"])
 @pytest.mark.parametrize("n", [1, 4, 8, 12])
 def test_greedy_tree_equals_plain_greedy_for_every_tree_proposer(which, n):
@@ -301,7 +267,7 @@ def test_greedy_tree_equals_plain_greedy_for_every_tree_proposer(which, n):
 
 def test_heads_tree_holds_the_chain_and_its_alternatives():
     model = tiny_model(0)
-    prop = N.HeadsProposer(model, random_heads(model), "float32")
+    prop = N.HeadsProposer(model, random_heads(model, seed=0), "float32")
     view = PassView(
         context=PROMPT, mask_logits=torch.zeros(0, 1), hidden=torch.randn(model.config.dim), masks_valid=False
     )
@@ -315,8 +281,8 @@ def test_heads_tree_holds_the_chain_and_its_alternatives():
 def test_ragged_batch_of_different_trees_equals_plain_greedy():
     """Trees from lookup, heads and mask groups (branched and mask-single) beside chains (lookup, and
     mask groups after every prefix), different prompt lengths, in one pass each step."""
-    model = mask_model()
-    heads = N.HeadsProposer(model, random_heads(model), "float32")
+    model = mask_model(vocab_size=SMALL_V)
+    heads = N.HeadsProposer(model, random_heads(model, seed=0), "float32")
     rows = [
         (PROMPT, "tree:6", PromptLookupProposer()),
         ([7, 7, 8, 9, 7, 7], "tree:2", heads),
@@ -428,8 +394,6 @@ def test_tree_with_the_mask_proposer_passes_every_check_before_loading(argv, tmp
 @pytest.fixture(scope="module")
 def smollm2_engines():
     """SmolLM2 engines by proposer (shipped heads and datastore), loaded once per module."""
-    from conftest import require_smollm2
-
     require_smollm2()
     from mtp.core.engine import Engine, EngineConfig
 

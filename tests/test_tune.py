@@ -11,7 +11,6 @@ import random
 import re
 
 import pytest
-from test_serve import EOS, engine, reference, tiny_dir  # noqa: F401  (fixtures)
 
 from mtp.core.decoding.proposers import DraftRequest, Guesses, Proposer
 from mtp.core.decoding.sampling import SamplingParams

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import AUX, examples_of, tiny_model
 
 from mtp.core.decoding.decode import Sequence, block_slack, decode_step
 from mtp.core.decoding.proposers import PromptLookupProposer
@@ -95,8 +95,6 @@ def test_replayed_passes_are_the_decoded_ones(strategy, which):
 def test_replayed_eagle3_passes_are_the_decoded_ones(strategy, tmp_path):
     """EAGLE-3 reads the trunk's streams of what each pass committed: the teacher-forced pass's rows of
     those positions give it the same drafts, so the replay records the decode's chunks and blocks."""
-    from test_eagle3 import AUX, examples_of
-
     from mtp.core.decoding.proposers.eagle3 import Eagle3Proposer, load_drafter
     from mtp.training.eagle3_train import TrainEagle3Config, extract_features, train_eagle3
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import require_smollm2
+from helpers import require_smollm2
 
 from mtp.core.decoding.proposers.eagle3 import Eagle3Config, drafter_files
 from mtp.core.engine import SHIPPED

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from helpers import tiny_model
 
 from mtp.core.decoding.decode import generate
 from mtp.core.decoding.proposers import MaskProposer, PromptLookupProposer
