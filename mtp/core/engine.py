@@ -8,6 +8,7 @@ into a result with the metrics of `mtp.core.decoding.metrics`. The decoding itse
 from __future__ import annotations
 
 import html
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,10 +20,11 @@ from mtp.core.decoding.proposers import MergedProposer, Proposer, check_proposer
 from mtp.core.decoding.sampling import SamplingParams
 from mtp.core.decoding.strategy import Strategy
 from mtp.core.policy.calibration import CalibratedProposer, Calibration
-from mtp.core.policy.costmodel import measure
-from mtp.core.runtime import loading
+from mtp.core.policy.costmodel import cached, measure
+from mtp.core.runtime import kernels, loading
 from mtp.core.runtime.adapter import load_adapter
-from mtp.core.runtime.artifacts import ASSETS
+from mtp.core.runtime.artifacts import ASSETS, base_hash
+from mtp.core.runtime.machine import cpu_info
 from mtp.core.runtime.weights import attach, attach_proposer, check_quantize
 
 SHIPPED = {"smollm2-135m": ASSETS / "smollm2-135m"}  # shipped adapter / heads per embedded model
@@ -220,11 +222,27 @@ class Engine:
 
     def pass_time(self):
         """t(q) of this machine (`mtp.core.policy.costmodel`): set by the owner (`mtp serve` measures it at
-        start-up), else measured here once (a few seconds), for `tree:auto`."""
+        start-up), else, for `tree:auto`, read from the cache where this machine, thread count, weights,
+        model and kernel build measured it before (`costmodel.cached`), or measured once (~2 s) and kept."""
         if self.cost_model is None:
             cache_len = max(0, min(256, self.context_window - 33))
-            self.cost_model = measure(self.model, range(1, 33), cache_len, 1, 3)
+            key = {"t(q)": "one row, q = 1..32, median of 3", "cache_len": cache_len, **self.timing_key()}
+            self.cost_model = cached(key, lambda: measure(self.model, range(1, 33), cache_len, 1, 3))
         return self.cost_model.pass_time
+
+    def timing_key(self) -> dict:
+        """What a pass's time depends on here: the CPU, threads, the arithmetic (`weights_line`, the kernel
+        build, `MTP_KERNEL_ISA`), the model and adapter (their weights' fingerprint), torch, the device."""
+        return {
+            "cpu": cpu_info(),
+            "threads": torch.get_num_threads(),
+            "weights": self.weights_line,
+            "kernels": kernels.library(),
+            "isa": os.environ.get("MTP_KERNEL_ISA", ""),
+            "model": base_hash(self.model),
+            "torch": torch.__version__,
+            "device": str(self.model.device),
+        }
 
     def stream(self, seq: Sequence, cache=None):
         return stream(self.model, seq, self.mask_id, cache)

@@ -15,9 +15,12 @@ fit, t(q) ≈ a + b·q); `best_k` picks the block size with the most expected to
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 import time
 from bisect import bisect_left
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -166,6 +169,36 @@ def measure(
         "spread": {str(q): [min(ts), max(ts)] for q, ts in times.items()},
     }
     return CostModel(points, meta)
+
+
+def cached(key: dict, make: Callable[[], CostModel], folder: Path | None = None, refresh: bool = False) -> CostModel:
+    """A t(q) kept between runs: `folder` (default `<mtp cache>/costmodel`) holds, per `key` (what the
+    timing depends on: CPU, threads, weights, model, kernel build, block sizes; JSON values), one file
+    with the CostModel `make()` measured and the key itself. Read when present and its key matches;
+    else, or with `refresh`, measured and written atomically. A file that does not read (truncated,
+    edited, another key) is measured again, with one line saying so; an unwritable cache only means
+    the next run measures again."""
+    from mtp.core.runtime.artifacts import cache_root, write_text_atomic
+
+    key = json.loads(json.dumps(key, sort_keys=True))  # as it reads back from the file
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(folder or cache_root() / "costmodel") / f"tq-{digest}.json"
+    if path.exists() and not refresh:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") != key:
+                raise ValueError("it holds another machine's or model's measurement")
+            return CostModel.from_json(data)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"mtp: the cached t(q) {path} does not read ({why}); measuring it again", file=sys.stderr)
+    cost = make()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({**cost.to_json(), "key": key}, indent=1))
+    except OSError:
+        pass
+    return cost
 
 
 def predict_speedup(cost: CostModel, tokens_per_forward: float, mean_block_tokens: float | Sequence[int]) -> float:

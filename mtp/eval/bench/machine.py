@@ -11,22 +11,14 @@ from pathlib import Path
 import torch
 
 from mtp.core.runtime.artifacts import ASSETS
+from mtp.core.runtime.machine import cpu_info
 from mtp.core.runtime.model import Linear
 from mtp.interop import llamacpp_env
 
 
 def environment(engine=None) -> dict:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     env = {
-        "cpu": cpu,
+        "cpu": cpu_info()["name"],
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

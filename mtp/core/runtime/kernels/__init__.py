@@ -252,6 +252,7 @@ def load(quiet: bool = False) -> bool:
                 lib = _ensure_built(cxx)
                 torch.ops.load_library(str(lib))
                 ok = True
+                _state["lib"] = str(lib)
             except KernelError as e:
                 why = str(e)
             except (OSError, RuntimeError) as e:
@@ -264,6 +265,11 @@ def load(quiet: bool = False) -> bool:
             _say(f"{why}; using the pure-torch path (rows one at a time through F.linear on float32 weights)")
         _state["ok"], _state["why"] = ok, why
         return ok
+
+
+def library() -> str:
+    """The loaded library's path (its folder names the build: sources, flags, compiler, torch), or ""."""
+    return _state.get("lib", "")
 
 
 def loaded() -> bool:
