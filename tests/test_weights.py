@@ -506,3 +506,36 @@ def test_heads_read_out_through_the_trunks_head_kernel_rows():
     prompt = torch.randint(0, 97, (7,), generator=torch.Generator().manual_seed(6)).tolist()
     ref = generate(model, prompt, "ntp", SamplingParams(max_new_tokens=30))
     assert generate(model, prompt, "tree:8", SamplingParams(max_new_tokens=30), proposer=proposer).output == ref.output
+
+
+def test_a_loaded_gguf_model_takes_its_blocks_without_comparing_every_value(tmp_path, monkeypatch):
+    """The loader's conversion of a GGUF, unchanged since: attach takes the file's blocks after comparing
+    four rows of each (`loading.from_gguf`, `weights._native_parts`); a weight written since (its version
+    counter moved) is compared whole, and one whose values moved runs from its float32 values."""
+    from helpers import write_tiny_gguf
+
+    from mtp.core.runtime import loading
+    from mtp.core.runtime.kernels.qlinear import KernelWeight
+
+    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "cache"))
+    kernels.load(quiet=True)
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = loading.load(str(gguf)).model
+    compared = []
+    real = KernelWeight.dequantize
+    monkeypatch.setattr(KernelWeight, "dequantize", lambda self, *a: compared.append(self.shape[0]) or real(self, *a))
+    weights.attach(model, "native", gguf)
+    linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    assert compared and max(compared) <= 4  # four rows of each, never a whole matrix
+    assert all(m.parts[0].name.startswith(("blk.", "output.")) for m in linears)  # the file's tensors, all
+    q = model.layers[0].self_attn.q_proj
+    assert q.parts[0].name == "blk.0.attn_q.weight"  # the file's tensor, as stored
+    compared.clear()
+    with torch.no_grad():
+        q.weight.mul_(1.0)  # written in place: same values, new version
+    weights.attach(model, "native", gguf)
+    assert sorted(compared)[-1] == q.weight.shape[0] and q.parts[0].name == "blk.0.attn_q.weight"
+    with torch.no_grad():
+        q.weight[1, 0] += 1.0  # a row the four-row look does not see
+    weights.attach(model, "native", gguf)
+    assert q.parts[0].name == "layers.0.self_attn.q_proj.weight"  # its float32 values, not the stale blocks

@@ -88,7 +88,8 @@ def load(name: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu") -> Loaded
         raise ModelLoadError(f"unsupported model file {path.name!r}: give a .gguf file or a HF directory")
     converted = gguf_to_hf_dir(path)
     try:
-        return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name, path)
+        model = load_hf_dir(converted, dtype, device)
+        return from_gguf(Loaded(model, load_tokenizer(converted), str(converted), name, path))
     except (
         ModelLoadError,
         ArtifactError,
@@ -99,7 +100,19 @@ def load(name: str = DEFAULT_MODEL, dtype=torch.float32, device="cpu") -> Loaded
             file=sys.stderr,
         )
         converted = gguf_to_hf_dir(path, rebuild=True)
-        return Loaded(load_hf_dir(converted, dtype, device), load_tokenizer(converted), str(converted), name, path)
+        model = load_hf_dir(converted, dtype, device)
+        return from_gguf(Loaded(model, load_tokenizer(converted), str(converted), name, path))
+
+
+def from_gguf(loaded: Loaded) -> Loaded:
+    """Mark what the loaded weights are: the conversion of `loaded.gguf`, each parameter as loaded (its
+    version counter now). `weights.attach` then takes the file's blocks for a parameter whose counter
+    is unchanged without comparing values; one changed since (a full adapter, a mask-token row written
+    in place) or made since (a grown vocabulary) is compared with the blocks first."""
+    loaded.model.gguf_source = Path(loaded.gguf).resolve()
+    for p in loaded.model.parameters():
+        p.loaded_version = p._version
+    return loaded
 
 
 def model_tokenizer(name: str):

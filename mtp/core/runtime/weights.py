@@ -123,12 +123,15 @@ def _attach(model: torch.nn.Module, weights: str, gguf: Path | None, quantized: 
 
     native, int8 = weights.startswith("native"), weights == "native-int8"
     blocks = (gguf_weights(gguf) if gguf is not None else quantized) if native else {}
+    # the model is the loader's conversion of this very file (mtp.core.runtime.loading.from_gguf)
+    converted = gguf is not None and getattr(model, "gguf_source", None) == Path(gguf).resolve()
     counts: dict[str, int] = {}
     with torch.no_grad():
         for name, mod in list(model.named_modules()):
             if isinstance(mod, Linear):
                 w, key = mod.weight.detach(), _param_name(name)
-                parts = _native_parts(blocks.get(key), w) or [KernelWeight.from_float(w.contiguous(), key)]
+                as_loaded = converted and getattr(mod.weight, "loaded_version", None) == mod.weight._version
+                parts = _native_parts(blocks.get(key), w, as_loaded) or [KernelWeight.from_float(w.contiguous(), key)]
                 KernelLinear.bind(mod, parts, int8)
                 for part in parts:
                     counts[part.fmt] = counts.get(part.fmt, 0) + 1
@@ -225,15 +228,22 @@ def _param_name(module_name: str) -> str:
     return module_name.replace(".base", "") + ".weight"
 
 
-def _native_parts(kw, w: torch.Tensor) -> list | None:
+def _native_parts(kw, w: torch.Tensor, as_loaded: bool = False) -> list | None:
     """The kernel parts of weight w [N, K] from a GGUF's blocks `kw`, if they hold w exactly: the blocks
-    alone, or the blocks and float32 rows after them (a vocabulary grown by a mask token); else None."""
+    alone, or the blocks and float32 rows after them (a vocabulary grown by a mask token); else None.
+    `as_loaded`: w is the loader's dequantisation of these very blocks, unchanged since: four rows are
+    compared (a conversion cached by an older converter that ordered rows otherwise shows there), not
+    all 135 M values (~0.1 s of every start); otherwise the blocks are dequantised and compared with w."""
     if kw is None or kw.shape[1] != w.shape[1] or kw.shape[0] > w.shape[0]:
         return None
     from mtp.core.runtime.kernels.qlinear import KernelWeight
 
     n = kw.shape[0]
-    if not torch.equal(kw.dequantize(), w[:n]):
+    if as_loaded and n == w.shape[0]:
+        rows = torch.tensor(sorted({0, n // 3, 2 * n // 3, n - 1}))
+        if not torch.equal(KernelWeight(kw.fmt, kw.data[rows], kw.name).dequantize(), w[rows]):
+            return None
+    elif not torch.equal(kw.dequantize(), w[:n]):
         return None
     if n == w.shape[0]:
         return [kw]
