@@ -176,7 +176,7 @@ def kill_inside_save(target: Path, where: str, nth: int):
     seen = {"saves": 0, "dead": False}
 
     def mkdtemp(*a, prefix=None, dir=None, **k):
-        if prefix == f".{target.name}.tmp-" and dir is not None and Path(dir).resolve() == target.parent:
+        if prefix.startswith(f".{target.name}.tmp-") and dir is not None and Path(dir).resolve() == target.parent:
             seen["saves"] += 1
         return real_mkdtemp(*a, prefix=prefix, dir=dir, **k)
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+import mtp
 from mtp.cli import main
 from mtp.core.runtime import artifacts
 
-ASSETS = Path(artifacts.__file__).resolve().parent.parent / "assets"
+ASSETS = Path(mtp.__file__).resolve().parent / "assets"  # where the package ships them, whoever computes it
 SHIPPED = ASSETS / "smollm2-135m"
 
 

@@ -273,10 +273,11 @@ def test_mask_trees_through_the_pipeline_match_one_process_and_every_stages_cach
     try:
         jobs = [("tree:6", "mask", 0.0, None), ("tree:4", "mask", 0.9, 3)]
         check = ("tree:8", "mask")
-        model = mtp_tiny(1, n_layers=3, vocab_size=SMALL_V)
+        # a seed whose random masks get paths of 2+ nodes accepted (asserted below: else nothing moves)
+        model = mtp_tiny(12, n_layers=3, vocab_size=SMALL_V)
         assert launch_local(3, _stage, (model, jobs, str(tmp_path), 0.0, 20.0, check)) == 0
         got = json.loads((tmp_path / "stage0.json").read_text())
-        ref_model = mtp_tiny(1, n_layers=3, vocab_size=SMALL_V)
+        ref_model = mtp_tiny(12, n_layers=3, vocab_size=SMALL_V)
         mid = ref_model.config.mask_token_id
         for (strategy, _, temperature, seed), res in zip(jobs, got):
             ref = generate(

@@ -363,3 +363,29 @@ def test_u5_a_first_conversion_says_what_it_does_once(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and f"converting tiny.gguf into {out}" in err[0] and "once" in err[0], err
     assert loading.gguf_to_hf_dir(gguf_file) == out and capsys.readouterr().err == ""  # cached: silent
+
+
+def test_a_kill_before_the_marker_is_written_leaves_nothing_in_the_way(tmp_path):
+    """A kill between creating a save's work folder and writing its marker: the folder's name carries the
+    PID (`.NAME.tmp-PID-*`), so an empty one (or one holding only a cut marker) of a dead process is
+    removed; one of a live process, one with content, or one named otherwise is kept."""
+    from mtp.core.runtime import artifacts
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    target = tmp_path / "run"
+    empty = tmp_path / f".run.tmp-{dead.pid}-x1"
+    cut = tmp_path / f".run.old-{dead.pid}-x2"
+    live = tmp_path / ".run.tmp-1-x3"  # pid 1 runs
+    full = tmp_path / f".run.tmp-{dead.pid}-x4"
+    other = tmp_path / ".run.tmp-x5"
+    for folder in (empty, cut, live, full, other):
+        folder.mkdir()
+    (cut / artifacts.MARKER).write_text('{"pi')
+    (full / "adapter.safetensors").write_bytes(b"x")
+    artifacts.recover_interrupted(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (live, full, other))
+    with artifacts.atomic_dir(target) as work:  # the folders a save makes carry its PID from the start
+        assert work.parent.name.startswith(f".run.tmp-{os.getpid()}-")
+        (work / "x.json").write_text("{}")
+    assert (target / "x.json").exists()

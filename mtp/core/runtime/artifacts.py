@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -74,12 +75,25 @@ def pid_alive(pid: int) -> bool:
 
 
 def _left_by_a_killed_save(folder: Path) -> bool:
-    """`folder` is a work folder of an mtp save (marker file) whose process is gone (or is us)."""
+    """`folder` is a work folder of an mtp save (marker file) whose process is gone (or is us). A kill
+    between creating the folder and writing its marker leaves it without one (or with a partial one):
+    then the PID its name carries (`work_folder`) says whose it was, and only an empty folder counts."""
     try:
         pid = json.loads((folder / MARKER).read_text()).get("pid")
     except (OSError, ValueError, AttributeError):
-        return False
+        named = re.fullmatch(r"\..+\.(?:tmp|old)-(\d+)-[^/]+", folder.name)
+        if named is None or any(p.name != MARKER for p in folder.iterdir()):
+            return False
+        pid = int(named.group(1))
     return type(pid) is int and pid > 0 and (pid == os.getpid() or not pid_alive(pid))
+
+
+def work_folder(path: Path, kind: str) -> Path:
+    """A new marked work folder `.NAME.{kind}-PID-*` beside `path` (its name says whose it is from the
+    moment it exists, before the marker inside is written)."""
+    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.{kind}-{os.getpid()}-", dir=path.parent))
+    _mark(folder)
+    return folder
 
 
 def leftovers(path: Path, kind: str) -> list[Path]:
@@ -221,9 +235,8 @@ def atomic_dir(path: Path, kind: Callable[[Path], bool] | None = None):
     recover_interrupted(path)
     replaceable(path, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    work = work_folder(path, "tmp")
     try:
-        _mark(work)
         new = work / path.name
         new.mkdir()
         yield new
@@ -232,8 +245,7 @@ def atomic_dir(path: Path, kind: Callable[[Path], bool] | None = None):
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
         held = None
         if path.exists():
-            held = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            _mark(held)
+            held = work_folder(path, "old")
             os.replace(path, held / path.name)
         os.replace(new, path)
         if held is not None:
