@@ -87,7 +87,6 @@ def test_a_measured_t_q_is_kept_per_key_and_a_bad_file_is_measured_again(tmp_pat
 def test_tree_auto_measures_t_q_once_per_machine_and_model(tmp_path, monkeypatch, tiny_hf_dir):
     from mtp.core import engine as engine_module
     from mtp.core.engine import Engine, EngineConfig
-
     from mtp.core.runtime import kernels
 
     kernels.load(quiet=True)  # built (or found) in the session's cache, before the cache moves
