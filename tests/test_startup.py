@@ -3,6 +3,7 @@ registry for a tokenizer whose class the directory names (each ~0.3-1 s of every
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -13,15 +14,16 @@ from mtp.cli import COMMANDS, build_parser, command_of
 
 def test_a_command_builds_its_own_parser_only():
     probe = (
-        "import sys\n"
+        "import json, sys\n"
         "from mtp.cli import build_parser, command_of\n"
         "argv = ['generate', 'hi', '--max-new-tokens', '3']\n"
         "args = build_parser(command_of(argv)).parse_args(argv)\n"
         "assert args.command == 'generate' and args.max_new_tokens == 3, args\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('mtp.cli.', 'mtp.eval', 'mtp.serving', 'mtp.tune'))))\n"
+        "ours = ('mtp.cli.', 'mtp.eval', 'mtp.serving', 'mtp.tune')\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith(ours))))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    loaded = eval(out)  # a list literal of module names
+    loaded = json.loads(out)
     assert "mtp.cli.generate" in loaded
     assert not [m for m in loaded if m.startswith(("mtp.eval", "mtp.serving", "mtp.tune", "mtp.cli.bench"))]
 

@@ -416,7 +416,7 @@ class Transformer(nn.Module):
         if self.runner is not None and self.runner.serves(x):  # the kernels' pass (mtp.core.runtime.runner)
             step = self.runner.layer_step(x, cos, sin, mask, cache, writes, slots, gate)
         else:
-            step = functools.partial(_reference_step, cos, sin, mask, cache, writes, slots, gate)
+            step = functools.partial(reference_step, cos, sin, mask, cache, writes, slots, gate)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 taken[i] = x
@@ -438,8 +438,8 @@ class Transformer(nn.Module):
         return (logits, x) if return_hidden else logits
 
 
-def _reference_step(cos, sin, mask, cache, writes, slots, gate, i: int, layer: Block, x: torch.Tensor):
-    """Layer i of a pass in torch's arithmetic (the reference)."""
+def reference_step(cos, sin, mask, cache, writes, slots, gate, i: int, layer: Block, x: torch.Tensor):
+    """Layer i of a pass in torch's arithmetic (the reference; the runner's too for a layer it lacks)."""
     kv = cache.writer(i, writes, slots) if cache is not None else None
     return layer(x, cos, sin, mask, kv, gate)
 

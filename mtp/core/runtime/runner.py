@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mtp.core.runtime.model import MLP, Attention, Block, Linear, RMSNorm, rotate_half
+from mtp.core.runtime.model import MLP, Attention, Block, Linear, RMSNorm, reference_step, rotate_half
 
 
 def kernel_rows(x: torch.Tensor) -> bool:
@@ -144,8 +144,7 @@ class Runner:
         def step(i: int, block: Block, x: torch.Tensor) -> torch.Tensor:
             calls = self.layers.get(block)
             if calls is None:  # a layer added after attach: the reference's arithmetic
-                kv = cache.writer(i, writes, slots) if cache is not None else None
-                return block(x, cos, sin, mask, kv, gate)
+                return reference_step(cos, sin, mask, cache, writes, slots, gate, i, block, x)
             if whole is not None and calls.whole is not None and current(calls.whole_from):
                 return calls.whole(x, cos, sin, whole[0], cache.k[i], cache.v[i], whole[1], writes)
             kv = cache.writer(i, writes, slots) if cache is not None else None
