@@ -10,7 +10,8 @@
 //
 // attention, rmsnorm and silu_mul take an `isa` argument like the matmul ops (-1 = the best this CPU runs). Their fixed arithmetic is
 // stated in layer_ops.h; a row's bits depend on that row's inputs alone, never on the other rows, the thread
-// split (threads take whole rows; in attention, the query rows of one KV head at one position) or the ISA path.
+// split (threads take whole rows; in attention, the query rows of one KV head at a chunk of positions) or the ISA
+// path.
 // Inputs may be strided views (the innermost dimension contiguous): q is a transposed projection, k and v are
 // slices of the KV cache, the mask may be expanded.
 #include <ATen/Parallel.h>
@@ -124,12 +125,18 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                q.size(3),
                float(scale),
                krow};
-  const int64_t units = a.B * a.Hkv * a.T;  // (batch row, KV head, position): its heads' query rows
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, a.S * a.hd * (a.H / a.Hkv)));
+  // units (batch row, KV head, chunk of positions): the query rows of the KV head's heads at those positions, which
+  // read the same keys and values (taken once for all of them). Chunks of at most 16 positions, and enough units
+  // that every thread gets some; how the rows fall into units changes no row's bits (layer_ops.h)
+  const int64_t pairs = a.B * a.Hkv, threads = at::get_num_threads();
+  const int64_t chunks = std::min<int64_t>(a.T, std::max<int64_t>((a.T + 15) / 16, (2 * threads + pairs - 1) / pairs));
+  const int64_t units = pairs * chunks;
+  const int64_t per_unit = a.S * a.hd * a.H / a.Hkv * ((a.T + chunks - 1) / chunks);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, per_unit));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    if (isa == 2) avx512::attend(a, u0, u1);
-    else if (isa == 1) avx2::attend(a, u0, u1);
-    else scalar::attend(a, u0, u1);
+    if (isa == 2) avx512::attend(a, chunks, u0, u1);
+    else if (isa == 1) avx2::attend(a, chunks, u0, u1);
+    else scalar::attend(a, chunks, u0, u1);
   });
 }
 

@@ -156,11 +156,16 @@ struct Lanes<I> {  // AVX-512: one key's 16 lanes in one register; 16 keys a gro
     const V m = _mm512_set1_ps(mx);
     for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(s + i, exp(_mm512_sub_ps(_mm512_loadu_ps(s + i), m)));
   }
-  // R rows with the same visible keys: row r's weights s[r][0..n), its output y[r]; the rows' chains interleave
+  // R rows over the same keys (a unit's rows): row r's weights s[r][0..n), its output y[r]; key i counts for row r
+  // only where bit r of bits[i] is set (a hidden key is skipped). The rows' chains interleave; each row's
+  // arithmetic is its own: l = ((p_1 + p_2) + p_3) + ..., acc = fma(p_j, v_j, acc) over its keys in order.
   template <int NC, int R>
-  static inline void values(const float* const* s, const float* const* vrow, int64_t n, float* const* y) {
+  static inline void values(const float* const* s, const float* const* vrow, const uint32_t* bits, int64_t n,
+                            float* const* y) {
+    constexpr uint32_t full = (1u << R) - 1u;
     V acc[R][NC];
     float l[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
       l[r] = 0.0f;
       for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
@@ -168,13 +173,27 @@ struct Lanes<I> {  // AVX-512: one key's 16 lanes in one register; 16 keys a gro
     for (int64_t i = 0; i < n; i++) {
       V vv[NC];
       for (int c = 0; c < NC; c++) vv[c] = _mm512_loadu_ps(vrow[i] + 16 * c);
-      for (int r = 0; r < R; r++) {
-        const float p = s[r][i];
-        const V pv = _mm512_set1_ps(p);
-        l[r] += p;
-        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(pv, vv[c], acc[r][c]);
+      const uint32_t bi = bits[i];
+      if (bi == full) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+          const float p = s[r][i];
+          const V pv = _mm512_set1_ps(p);
+          l[r] += p;
+          for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(pv, vv[c], acc[r][c]);
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+          if (!((bi >> r) & 1u)) continue;
+          const float p = s[r][i];
+          const V pv = _mm512_set1_ps(p);
+          l[r] += p;
+          for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(pv, vv[c], acc[r][c]);
+        }
       }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
       const V lv = _mm512_set1_ps(l[r]);
       for (int c = 0; c < NC; c++) _mm512_storeu_ps(y[r] + 16 * c, _mm512_div_ps(acc[r][c], lv));
@@ -249,7 +268,9 @@ struct Lanes<I> {  // AVX2: one key's 16 lanes in two registers (0-7, 8-15); 8 k
     for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(s + i, exp(_mm256_sub_ps(_mm256_loadu_ps(s + i), m)));
   }
   template <int NC, int R>
-  static inline void values(const float* const* s, const float* const* vrow, int64_t n, float* const* y) {
+  static inline void values(const float* const* s, const float* const* vrow, const uint32_t* bits, int64_t n,
+                            float* const* y) {
+    constexpr uint32_t full = (1u << R) - 1u;
     V acc[R][2 * NC];
     float l[R];
     for (int r = 0; r < R; r++) {
@@ -257,7 +278,9 @@ struct Lanes<I> {  // AVX2: one key's 16 lanes in two registers (0-7, 8-15); 8 k
       for (int c = 0; c < 2 * NC; c++) acc[r][c] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n; i++) {
+      const uint32_t bi = bits[i];
       for (int r = 0; r < R; r++) {
+        if (bi != full && !((bi >> r) & 1u)) continue;
         const float p = s[r][i];
         const V pv = _mm256_set1_ps(p);
         l[r] += p;
@@ -276,132 +299,187 @@ struct Lanes<I> {  // AVX2: one key's 16 lanes in two registers (0-7, 8-15); 8 k
   static constexpr int QREGS = 2;
 };
 
-// R query rows on the vector path that see the same keys (a KV group's heads at one position): their visible
-// keys' rows krow_[0..n) and value rows vrow_[0..n) in slot order; each row's scores s[r] (room for n rounded
-// up to the group plus a group) and output y[r]. Each row's arithmetic is the one-row arithmetic above: R only
-// interleaves independent rows.
+// The vector path for one unit: the rows of KV head kvh of batch row b at positions t0 .. t1 - 1 (each position's
+// group of query heads), which all read the same cache row. The keys any of them sees, in slot order, are taken
+// once for all the rows: a group of keys (L::G) is scored against every row while it sits in L1, and the value
+// sum runs over the keys once per batch of rows. Scores for a key a row does not see are computed and then
+// dropped (each key's score is its own dot product: the others in its group change nothing); the softmax and
+// the value sum of a row read its visible keys only, in slot order. So each row's arithmetic is the one-row
+// arithmetic above, whichever rows share its unit.
+struct Scratch {
+  std::vector<const float*> krows, vrows;
+  std::vector<uint8_t> vis;  // [rows, keys of the unit]: row r sees key i
+  std::vector<uint8_t> any;
+  std::vector<int64_t> slots;
+  std::vector<float> s;  // [rows, keys + padding]
+  std::vector<uint32_t> bits;
+  std::vector<int64_t> nvis;
+};
+
 template <int I, int NC, int R>
-static void attend_rows_vec(const float* const* q, const float* const* krow_, const float* const* vrow_, int64_t n,
-                            float scale, float* const* s, float* const* y) {
-  using L = Lanes<I>;
-  const float* keys[L::G];
-  for (int r = 0; r < R; r++) {
-    typename L::V qv[NC * L::QREGS];
-    L::template load_q<NC>(q[r], qv);
-    for (int64_t i = 0; i < n; i += L::G) {
-      for (int j = 0; j < L::G; j++) keys[j] = i + j < n ? krow_[i + j] : nullptr;
-      L::template scores<NC>(qv, keys, scale, s[r] + i);
-    }
-    L::exp_shift(s[r], n, L::max(s[r], n));
+static inline void values_rows(int64_t R_, const float* const* s, const float* const* vrow, const uint32_t* bits,
+                               int64_t n, float* const* y) {
+  if constexpr (R > 1) {
+    if (R_ < R) return values_rows<I, NC, R - 1>(R_, s, vrow, bits, n, y);
   }
-  L::template values<NC, R>(s, vrow_, n, y);
+  Lanes<I>::template values<NC, R>(s, vrow, bits, n, y);
 }
 
-using RowsFn = void (*)(const float* const*, const float* const*, const float* const*, int64_t, float, float* const*,
-                        float* const*);
-
-// the vector path for hd = 16 NC and up to R_MAX rows at once, or nullptr (hd not a multiple of 16, beyond 128, or
-// the scalar path); rows[R - 1] takes R rows
-constexpr int R_MAX = 4;
 template <int I, int NC>
-static void rows_table(RowsFn* rows) {
+static void attend_unit(const Attn& a, int64_t b, int64_t kvh, int64_t t0, int64_t t1, Scratch& w) {
+  using L = Lanes<I>;
   constexpr int fit = (I == 2 ? 24 : 12) / (NC * (I == 2 ? 1 : 2));  // accumulators that stay in registers
-  rows[0] = &attend_rows_vec<I, NC, 1>;
-  rows[1] = fit >= 2 ? &attend_rows_vec<I, NC, 2> : nullptr;
-  rows[2] = fit >= 3 ? &attend_rows_vec<I, NC, 3> : nullptr;
-  rows[3] = fit >= 4 ? &attend_rows_vec<I, NC, 4> : nullptr;
+  constexpr int RB = fit < 1 ? 1 : fit > 8 ? 8 : fit;                // rows per value pass
+  const int64_t group = a.H / a.Hkv, S = a.S, nr = (t1 - t0) * group;
+  const int64_t kr = a.krow ? a.krow[b] : b;  // the batch row's cache row
+  const float* kb = a.k + kr * a.ks[0] + kvh * a.ks[1];
+  const float* vb = a.v + kr * a.vs[0] + kvh * a.vs[1];
+  const int64_t ms3 = a.ms[3];
+  // which slots each row sees (rows r = (t - t0) * group + (h - kvh * group)), and their union
+  w.vis.resize(nr * S);
+  w.any.assign(S, 0);
+  for (int64_t r = 0; r < nr; r++) {
+    const int64_t t = t0 + r / group, h = kvh * group + r % group;
+    const uint8_t* mrow = a.mask + b * a.ms[0] + h * a.ms[1] + t * a.ms[2];
+    uint8_t* vr = w.vis.data() + r * S;
+    if (r % group && a.ms[1] == 0) {
+      std::memcpy(vr, vr - S, S);  // the heads at one position share the mask
+      continue;
+    }
+    if (ms3 == 1)
+      for (int64_t j = 0; j < S; j++) vr[j] = mrow[j] != 0;
+    else
+      for (int64_t j = 0; j < S; j++) vr[j] = mrow[j * ms3] != 0;
+    uint8_t* any = w.any.data();
+    for (int64_t j = 0; j < S; j++) any[j] |= vr[j];
+  }
+  w.slots.resize(S);
+  int64_t n = 0;
+  for (int64_t j = 0; j < S; j++)
+    if (w.any[j]) w.slots[n++] = j;
+  const int64_t pad = n + 2 * L::G;  // room for the last group and exp_shift's padding
+  w.krows.resize(n), w.vrows.resize(n), w.s.resize(nr * pad), w.bits.resize(n), w.nvis.resize(nr);
+  for (int64_t i = 0; i < n; i++) w.krows[i] = kb + w.slots[i] * a.ks[2], w.vrows[i] = vb + w.slots[i] * a.vs[2];
+  for (int64_t r = 0; r < nr; r++) {  // compact each row's visibility to the union's keys
+    uint8_t* vr = w.vis.data() + r * S;
+    if (n < S)
+      for (int64_t i = 0; i < n; i++) vr[i] = vr[w.slots[i]];
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) c += vr[i];
+    w.nvis[r] = c;
+  }
+  auto row_q = [&](int64_t r) {
+    return a.q + b * a.qs[0] + (kvh * group + r % group) * a.qs[1] + (t0 + r / group) * a.qs[2];
+  };
+  auto row_y = [&](int64_t r) { return a.y + ((b * a.T + t0 + r / group) * a.H + kvh * group + r % group) * a.hd; };
+  // scores: each group of keys against every row
+  const float* keys[L::G];
+  typename L::V qv[NC * L::QREGS];
+  for (int64_t i = 0; i < n; i += L::G) {
+    for (int j = 0; j < L::G; j++) keys[j] = i + j < n ? w.krows[i + j] : nullptr;
+    for (int64_t r = 0; r < nr; r++) {
+      L::template load_q<NC>(row_q(r), qv);
+      L::template scores<NC>(qv, keys, a.scale, w.s.data() + r * pad + i);
+    }
+  }
+  // each row's softmax weights over the keys it sees
+  for (int64_t r = 0; r < nr; r++) {
+    float* s = w.s.data() + r * pad;
+    const uint8_t* vr = w.vis.data() + r * S;
+    if (w.nvis[r] < n)
+      for (int64_t i = 0; i < n; i++) s[i] = vr[i] ? s[i] : -INFINITY;
+    L::exp_shift(s, n, L::max(s, n));
+  }
+  // the value sums, RB rows at a time
+  for (int64_t r0 = 0; r0 < nr; r0 += RB) {
+    const int64_t R = std::min<int64_t>(RB, nr - r0);
+    const float* sr[8];
+    float* yr[8];
+    for (int64_t r = 0; r < R; r++) sr[r] = w.s.data() + (r0 + r) * pad, yr[r] = row_y(r0 + r);
+    uint32_t* bits = w.bits.data();
+    for (int64_t i = 0; i < n; i++) bits[i] = 0;
+    for (int64_t r = 0; r < R; r++) {
+      const uint8_t* vr = w.vis.data() + (r0 + r) * S;
+      for (int64_t i = 0; i < n; i++) bits[i] |= uint32_t(vr[i]) << r;
+    }
+    values_rows<I, NC, RB>(R, sr, w.vrows.data(), w.bits.data(), n, yr);
+    for (int64_t r = 0; r < R; r++)
+      if (w.nvis[r0 + r] == 0)  // a row that sees no key (never in decoding): zeros
+        for (int64_t d = 0; d < a.hd; d++) yr[r][d] = 0.0f;
+  }
 }
 
+using UnitFn = void (*)(const Attn&, int64_t, int64_t, int64_t, int64_t, Scratch&);
+
+// the vector path for hd = 16 NC (up to 128), or nullptr (another hd, or the scalar path)
 template <int I>
-static bool vec_rows(int64_t hd, RowsFn* rows) {
-  for (int r = 0; r < R_MAX; r++) rows[r] = nullptr;
+static UnitFn vec_unit(int64_t hd) {
   if constexpr (I >= 1) {
     switch (hd) {
-      case 16: rows_table<I, 1>(rows); break;
-      case 32: rows_table<I, 2>(rows); break;
-      case 48: rows_table<I, 3>(rows); break;
-      case 64: rows_table<I, 4>(rows); break;
-      case 80: rows_table<I, 5>(rows); break;
-      case 96: rows_table<I, 6>(rows); break;
-      case 112: rows_table<I, 7>(rows); break;
-      case 128: rows_table<I, 8>(rows); break;
-      default: return false;
+      case 16: return &attend_unit<I, 1>;
+      case 32: return &attend_unit<I, 2>;
+      case 48: return &attend_unit<I, 3>;
+      case 64: return &attend_unit<I, 4>;
+      case 80: return &attend_unit<I, 5>;
+      case 96: return &attend_unit<I, 6>;
+      case 112: return &attend_unit<I, 7>;
+      case 128: return &attend_unit<I, 8>;
+      default: return nullptr;
     }
-    return true;
   }
-  return false;
+  return nullptr;
 }
 
-// units u0..u1 of the pass: unit u = (batch row b, KV head kvh, position t) takes the query rows of kvh's heads
-// at t (u = (b * Hkv + kvh) * T + t); which unit a thread takes changes no row's bits
-static void attend(const Attn& a, int64_t u0, int64_t u1) {
+// units u0..u1 of the pass: unit u = (batch row b, KV head kvh, chunk c of the positions), u = (b * Hkv + kvh) *
+// chunks + c, takes the query rows of kvh's heads at the chunk's positions; which unit a row falls in, and which
+// thread takes it, changes none of its bits
+static void attend(const Attn& a, int64_t chunks, int64_t u0, int64_t u1) {
   const int64_t group = a.H / a.Hkv, S = a.S;
-  RowsFn vec[R_MAX];
-  const bool fast = vec_rows<kIsa>(a.hd, vec);
-  std::vector<float> sbuf((fast ? R_MAX : 1) * (S + 32));
-  std::vector<const float*> krows(S), vrows(S);
-  std::vector<int64_t> idx(S);
-  std::vector<float> acc(a.hd);
+  const UnitFn vec = vec_unit<kIsa>(a.hd);
+  Scratch w;
+  std::vector<float> sbuf(vec ? 0 : S), acc(vec ? 0 : a.hd);
+  std::vector<int64_t> idx(vec ? 0 : S);
   for (int64_t u = u0; u < u1; u++) {
-    const int64_t b = u / (a.Hkv * a.T), kvh = (u / a.T) % a.Hkv, t = u % a.T;
+    const int64_t b = u / (a.Hkv * chunks), kvh = (u / chunks) % a.Hkv, c = u % chunks;
+    const int64_t t0 = c * a.T / chunks, t1 = (c + 1) * a.T / chunks;
+    if (t0 == t1) continue;
+    if (vec) {
+      vec(a, b, kvh, t0, t1, w);
+      continue;
+    }
     const int64_t kr = a.krow ? a.krow[b] : b;  // the batch row's cache row
     const float* kb = a.k + kr * a.ks[0] + kvh * a.ks[1];
     const float* vb = a.v + kr * a.vs[0] + kvh * a.vs[1];
-    for (int64_t h = kvh * group; h < (kvh + 1) * group;) {
-      const uint8_t* mrow = a.mask + b * a.ms[0] + h * a.ms[1] + t * a.ms[2];
-      if (fast) {  // heads h .. h + R - 1 together when they share the mask
-        int64_t R = 1;
-        if (a.ms[1] == 0)
-          while (R < R_MAX && vec[R] && h + R < (kvh + 1) * group) R++;
-        const int64_t ms3 = a.ms[3], ks2 = a.ks[2], vs2 = a.vs[2];
+    for (int64_t t = t0; t < t1; t++)
+      for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
+        const uint8_t* mrow = a.mask + b * a.ms[0] + h * a.ms[1] + t * a.ms[2];
+        float* s = sbuf.data();
+        const float* q = a.q + b * a.qs[0] + h * a.qs[1] + t * a.qs[2];
+        float* y = a.y + ((b * a.T + t) * a.H + h) * a.hd;
         int64_t n = 0;
-        for (int64_t j = 0; j < S; j++)
-          if (mrow[j * ms3]) krows[n] = kb + j * ks2, vrows[n++] = vb + j * vs2;
-        const float* qs[R_MAX];
-        float* ss[R_MAX];
-        float* ys[R_MAX];
-        for (int64_t i = 0; i < R; i++) {
-          qs[i] = a.q + b * a.qs[0] + (h + i) * a.qs[1] + t * a.qs[2];
-          ss[i] = sbuf.data() + i * (S + 32);
-          ys[i] = a.y + ((b * a.T + t) * a.H + h + i) * a.hd;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < S; j++) {
+          if (!mrow[j * a.ms[3]]) continue;
+          const float sc = dot(q, kb + j * a.ks[2], a.hd) * a.scale;
+          s[n] = sc;
+          idx[n++] = j;
+          mx = sc > mx ? sc : mx;
         }
         if (n == 0) {  // a row that sees no key (never in decoding): zeros
-          for (int64_t i = 0; i < R; i++)
-            for (int64_t d = 0; d < a.hd; d++) ys[i][d] = 0.0f;
-        } else {
-          vec[R - 1](qs, krows.data(), vrows.data(), n, a.scale, ss, ys);
+          for (int64_t d = 0; d < a.hd; d++) y[d] = 0.0f;
+          continue;
         }
-        h += R;
-        continue;
+        for (int64_t i = 0; i < n; i++) s[i] = exp_fixed(s[i] - mx);
+        float l = 0.0f;
+        for (int64_t d = 0; d < a.hd; d++) acc[d] = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+          const float p = s[i];
+          const float* v = vb + idx[i] * a.vs[2];
+          l += p;
+          for (int64_t d = 0; d < a.hd; d++) acc[d] = __builtin_fmaf(p, v[d], acc[d]);
+        }
+        for (int64_t d = 0; d < a.hd; d++) y[d] = acc[d] / l;
       }
-      float* s = sbuf.data();
-      const float* q = a.q + b * a.qs[0] + h * a.qs[1] + t * a.qs[2];
-      float* y = a.y + ((b * a.T + t) * a.H + h) * a.hd;
-      h++;
-      int64_t n = 0;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < S; j++) {
-        if (!mrow[j * a.ms[3]]) continue;
-        const float sc = dot(q, kb + j * a.ks[2], a.hd) * a.scale;
-        s[n] = sc;
-        idx[n++] = j;
-        mx = sc > mx ? sc : mx;
-      }
-      if (n == 0) {  // a row that sees no key (never in decoding): zeros
-        for (int64_t d = 0; d < a.hd; d++) y[d] = 0.0f;
-        continue;
-      }
-      for (int64_t i = 0; i < n; i++) s[i] = exp_fixed(s[i] - mx);
-      float l = 0.0f;
-      for (int64_t d = 0; d < a.hd; d++) acc[d] = 0.0f;
-      for (int64_t i = 0; i < n; i++) {
-        const float p = s[i];
-        const float* v = vb + idx[i] * a.vs[2];
-        l += p;
-        for (int64_t d = 0; d < a.hd; d++) acc[d] = __builtin_fmaf(p, v[d], acc[d]);
-      }
-      for (int64_t d = 0; d < a.hd; d++) y[d] = acc[d] / l;
-    }
   }
 }
 

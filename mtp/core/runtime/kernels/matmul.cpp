@@ -379,8 +379,11 @@ static void dequant_rows(const uint8_t* w, int64_t ws, int64_t rows, int64_t K, 
   for (int64_t n = 0; n < rows; n++)
     for (int64_t b = 0; b < K / 32; b++) {
       float* o = out + n * os + 32 * b;
-      _mm512_storeu_ps(o, chunk<F, 0>(w + n * ws, b));
-      _mm512_storeu_ps(o + 16, chunk<F, 1>(w + n * ws, b));
+      // both halves before either store: the block's scale and table are then worked out once (a store through
+      // float* may alias the weight bytes, so the compiler would read and compute them again after it)
+      const __m512 lo = chunk<F, 0>(w + n * ws, b), hi = chunk<F, 1>(w + n * ws, b);
+      _mm512_storeu_ps(o, lo);
+      _mm512_storeu_ps(o + 16, hi);
     }
 }
 

@@ -30,15 +30,15 @@ constexpr int64_t qs_bytes(int f) { return f == Q8_0 ? 512 : 256; }
 struct QAct {
   int64_t M = 0, K = 0, nb = 0;
   std::vector<int8_t> q;     // [M, K]
-  std::vector<uint8_t> u;    // [M, K]: q + 128 (Q8_0 weights on AVX-512: vpdpbusd wants one unsigned side)
   std::vector<float> dx;     // [M, nb]
   std::vector<float> sxd;    // [M, nb]: float(s_b) * d_x (Q4_1's m term)
   std::vector<int32_t> s8;   // [M, nb]: -8 * s_b (Q4_0's offset)
+  std::vector<int32_t> s128; // [M, nb]: -128 * s_b (Q8_0 on AVX-512: its weights taken as w + 128, unsigned)
 };
 
 static void quantize_rows(const float* x, int64_t xs, int64_t M, int64_t K, QAct& a) {
   a.M = M, a.K = K, a.nb = K / 32;
-  a.q.resize(M * K), a.u.resize(M * K), a.dx.resize(M * a.nb), a.sxd.resize(M * a.nb), a.s8.resize(M * a.nb);
+  a.q.resize(M * K), a.dx.resize(M * a.nb), a.sxd.resize(M * a.nb), a.s8.resize(M * a.nb), a.s128.resize(M * a.nb);
   const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff)), inf = _mm_set1_ps(INFINITY);
   for (int64_t m = 0; m < M; m++) {
     for (int64_t b = 0; b < a.nb; b++) {
@@ -66,13 +66,13 @@ static void quantize_rows(const float* x, int64_t xs, int64_t M, int64_t K, QAct
       }
       int s = 0;
       for (int i = 0; i < 32; i++) {
-        if (q[i] < -127) q[i] = -127;  // cannot occur (|x| * id <= 127 + rounding); kept out of the u8 side
-        a.u[m * K + 32 * b + i] = uint8_t(int(q[i]) + 128);
+        if (q[i] < -127) q[i] = -127;  // cannot occur (|x| * id <= 127 + rounding)
         s += q[i];
       }
       a.dx[m * a.nb + b] = d;
       a.sxd[m * a.nb + b] = float(s) * d;
       a.s8[m * a.nb + b] = -8 * s;
+      a.s128[m * a.nb + b] = -128 * s;
     }
   }
 }
@@ -223,20 +223,30 @@ static inline __m512i bcast4(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
-// MT rows x the 16 columns of tile t, the whole of K
+// MT rows x the 16 columns of tile t, the whole of K. The row loop is unrolled so the MT accumulators stay in
+// registers and the rows' dot-product chains interleave. Q8_0: vpdpbusd wants one unsigned side; the weights
+// are taken as w + 128 (w xor 0x80, once per block for all the rows) and 128 * (the block's sum of x) comes back
+// off as the start value (exact integers, so the same p_b).
 template <int F, int MT>
 static void tile_i8(const uint8_t* w, const QAct& a, int64_t m0, int64_t t, float* y, int64_t ys, int64_t cols) {
-  const int64_t nb = a.nb, rb = rec_bytes(F);
-  const __m512i low4 = _mm512_set1_epi8(0x0F), ones8 = _mm512_set1_epi8(1);
+  const int64_t nb = a.nb, rb = rec_bytes(F), K = a.K;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), sign8 = _mm512_set1_epi8(char(0x80));
+  const int8_t* xq0 = a.q.data() + m0 * K;
+  const float* dx0 = a.dx.data() + m0 * nb;
+  const float* sxd0 = a.sxd.data() + m0 * nb;
+  const int32_t* off0 = (F == Q8_0 ? a.s128.data() : a.s8.data()) + m0 * nb;
   __m512 acc[MT];
+#pragma GCC unroll 16
   for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* rec = w + (t * nb + b) * rb;
     for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * rb + o), _MM_HINT_T0);
     __m512i wq[8];
     if constexpr (F == Q8_0) {
-      for (int g = 0; g < 8; g++) wq[g] = _mm512_loadu_si512(rec + 64 * g);
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; g++) wq[g] = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * g), sign8);
     } else {
+#pragma GCC unroll 4
       for (int g = 0; g < 4; g++) {
         const __m512i v = _mm512_loadu_si512(rec + 64 * g);
         wq[g] = _mm512_and_si512(v, low4);
@@ -246,50 +256,40 @@ static void tile_i8(const uint8_t* w, const QAct& a, int64_t m0, int64_t t, floa
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qs_bytes(F))));
     __m512 mw = _mm512_setzero_ps();
     if constexpr (F == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qs_bytes(F) + 32)));
-    __m512i corr = _mm512_setzero_si512();
-    if constexpr (F == Q8_0) {  // x + 128 is the unsigned side: take 128 * (sum of w) back off
-      for (int g = 0; g < 8; g++) corr = _mm512_dpbusd_epi32(corr, ones8, wq[g]);
-      corr = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(corr, 7));
-    }
+#pragma GCC unroll 16
     for (int m = 0; m < MT; m++) {
-      const int64_t row = m0 + m;
-      __m512i p;
-      if constexpr (F == Q8_0) {
-        const uint8_t* xu = a.u.data() + row * a.K + 32 * b;
-        p = corr;
-        for (int g = 0; g < 8; g++) p = _mm512_dpbusd_epi32(p, bcast4(xu + 4 * g), wq[g]);
-      } else {
-        const int8_t* xq = a.q.data() + row * a.K + 32 * b;
-        p = F == Q4_0 ? _mm512_set1_epi32(a.s8[row * nb + b]) : _mm512_setzero_si512();
-        for (int g = 0; g < 8; g++) p = _mm512_dpbusd_epi32(p, wq[g], bcast4(xq + 4 * g));
-      }
-      const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(a.dx[row * nb + b]));
+      const int8_t* xq = xq0 + m * K + 32 * b;
+      __m512i p = F == Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(off0[m * nb + b]);
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; g++) p = _mm512_dpbusd_epi32(p, wq[g], bcast4(xq + 4 * g));
+      const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(dx0[m * nb + b]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dd, acc[m]);
-      if constexpr (F == Q4_1) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(a.sxd[row * nb + b]), mw, acc[m]);
+      if constexpr (F == Q4_1) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(sxd0[m * nb + b]), mw, acc[m]);
     }
   }
   const __mmask16 keep = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1u);
+#pragma GCC unroll 16
   for (int m = 0; m < MT; m++) _mm512_mask_storeu_ps(y + m * ys, keep, acc[m]);
 }
 
-constexpr int MT_I8 = 8;
+constexpr int MT_I8 = 16;
+
+// rows m .. m + R - 1 (R = 1 .. MT_I8) against tile t
+template <int F, int R = MT_I8>
+static inline void tile_rows(const uint8_t* w, const QAct& a, int64_t m, int64_t R_, int64_t t, float* y, int64_t N,
+                             int64_t cols) {
+  if constexpr (R > 1) {
+    if (R_ < R) return tile_rows<F, R - 1>(w, a, m, R_, t, y, N, cols);
+  }
+  tile_i8<F, R>(w, a, m, t, y, N, cols);
+}
 
 template <int F>
 static void run_i8_fmt(const uint8_t* w, const QAct& a, float* y, int64_t N, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; t++) {
     const int64_t n0 = t * TILE_I8, cols = std::min<int64_t>(TILE_I8, N - n0);
-    int64_t m = 0;
-    for (; m + MT_I8 <= a.M; m += MT_I8) tile_i8<F, MT_I8>(w, a, m, t, y + m * N + n0, N, cols);
-    switch (a.M - m) {
-      case 7: tile_i8<F, 7>(w, a, m, t, y + m * N + n0, N, cols); break;
-      case 6: tile_i8<F, 6>(w, a, m, t, y + m * N + n0, N, cols); break;
-      case 5: tile_i8<F, 5>(w, a, m, t, y + m * N + n0, N, cols); break;
-      case 4: tile_i8<F, 4>(w, a, m, t, y + m * N + n0, N, cols); break;
-      case 3: tile_i8<F, 3>(w, a, m, t, y + m * N + n0, N, cols); break;
-      case 2: tile_i8<F, 2>(w, a, m, t, y + m * N + n0, N, cols); break;
-      case 1: tile_i8<F, 1>(w, a, m, t, y + m * N + n0, N, cols); break;
-      default: break;
-    }
+    for (int64_t m = 0; m < a.M; m += MT_I8)
+      tile_rows<F>(w, a, m, std::min<int64_t>(MT_I8, a.M - m), t, y + m * N + n0, N, cols);
   }
 }
 
