@@ -10,6 +10,16 @@ the first --check prompts alone with `Engine.generate` and counts the server out
 identical (temperature 0), in every cell and for those prompts sent once more with `mtp.adaptive:
 false` (a capped pass changes what a lossy strategy emits; an uncapped request must match exactly).
 
+The peer: llama-server (`make llamacpp`) on the same GGUF file (the model's own `.gguf`: the shipped
+SmolLM2-135M-Instruct Q4_1 by default), one more cell per (concurrency, round) in the rotation, sent the same
+chat messages by the same client code (temperature 0, the same max tokens, its prompt cache off as mtp serve
+has none), so its tokens/s and latencies are measured exactly as mtp serve's. For each cell it is started
+afresh with `-np C` slots for concurrency C, a context of C x --max-model-len (llama-server divides `-c`
+among its slots) and --threads threads, and while it runs mtp serve is paused (SIGSTOP): one server process
+works at a time. The table gains its rows and a column "vs llama-server" (tokens/s over its, at the same
+concurrency). Without the build (or with --no-llamacpp, or a model that is no .gguf) one line says so and
+the run goes on without it.
+
     python benchmarks/serve_load.py --data $MTP_DATA_DIR/gsm8k --out results/serve_load
 
 Writes OUT/serve_load.json and OUT/serve_load.md (the table) and prints the table.
@@ -20,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +40,11 @@ from pathlib import Path
 
 from mtp.core.decoding import metrics as M
 from mtp.eval import gsm8k
+from mtp.eval.peers import gguf_model, llamacpp_decode_timing
+from mtp.interop import llamacpp_env
+
+LLAMA = "llama-server"  # the peer's label in the cells and the table
+LLAMA_BODY = {"cache_prompt": False}  # mtp serve keeps no prompt cache; nor does the peer here
 
 
 def free_port() -> int:
@@ -72,36 +88,50 @@ def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, name: str = "server") -> None:
     import httpx
 
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with status {proc.returncode} before it was ready")
+            raise SystemExit(f"{name} exited with status {proc.returncode} before it was ready")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise SystemExit(f"server not ready after {timeout:.0f} s")
+    raise SystemExit(f"{name} not ready after {timeout:.0f} s")
 
 
-def ask(client, prompt: str, strategy: str, max_tokens: int, adaptive: bool = True):
+def mtp_body(strategy: str, adaptive: bool = True) -> dict:
+    """The request fields mtp serve reads beside the OpenAI ones: the strategy, capped or not."""
+    return {"mtp": {"strategy": strategy, "adaptive": adaptive}}
+
+
+def ask(client, prompt: str, max_tokens: int, extra: dict):
+    """One chat request, greedy (temperature 0), `extra` added to its body (mtp_body, LLAMA_BODY)."""
     return client.chat.completions.create(
         model="bench",
         messages=[{"role": "user", "content": prompt}],
         max_tokens=max_tokens,
         temperature=0,
-        extra_body={"mtp": {"strategy": strategy, "adaptive": adaptive}},
+        extra_body=extra,
     )
 
 
 def run_cell(
-    client, prompts: list[str], strategy: str, concurrency: int, n_requests: int, max_tokens: int, timeout: float
+    client,
+    prompts: list[str],
+    label: str,
+    extra: dict,
+    concurrency: int,
+    n_requests: int,
+    max_tokens: int,
+    timeout: float,
 ) -> dict:
-    """n_requests requests over `concurrency` client threads; aggregate tokens/s over the cell's wall."""
+    """n_requests requests over `concurrency` client threads; aggregate tokens/s over the cell's wall (end to
+    end: every request's prompt included), each request's latency; `label` a strategy or LLAMA."""
     deadline = time.perf_counter() + timeout
     results = []
 
@@ -109,13 +139,16 @@ def run_cell(
         if time.perf_counter() > deadline:
             return None
         t0 = time.perf_counter()
-        r = ask(client, prompts[i % len(prompts)], strategy, max_tokens)
+        r = ask(client, prompts[i % len(prompts)], max_tokens, extra)
+        extras = r.model_extra or {}
         return {
             "i": i % len(prompts),
             "latency_s": time.perf_counter() - t0,
             "text": r.choices[0].message.content,
             "tokens": r.usage.completion_tokens,
-            "mtp": r.model_extra.get("mtp", {}),
+            "prompt_tokens": r.usage.prompt_tokens,
+            "mtp": extras.get("mtp") or {},
+            "timings": extras.get("timings") or {},  # llama-server's own
         }
 
     t0 = time.perf_counter()
@@ -127,7 +160,7 @@ def run_cell(
     tokens = sum(r["tokens"] for r in results)
     passes = sum(r["mtp"].get("forward_passes", 0) for r in results)
     return {
-        "strategy": strategy,
+        "strategy": label,
         "concurrency": concurrency,
         "requests": len(results),
         "tokens": tokens,
@@ -138,13 +171,92 @@ def run_cell(
         "capped_passes": sum(r["mtp"].get("capped_passes", 0) for r in results),
         "row_passes": passes,
         "outputs": {r["i"]: r["text"] for r in results},
+        "prompt_tokens": {r["i"]: r["prompt_tokens"] for r in results},
+        "server_decode": [d for r in results if (d := llamacpp_decode_timing(r["timings"])) is not None],
     }
+
+
+def llama_server_cmd(
+    binary: str, gguf: str, slots: int, threads: int, max_model_len: int, port: int, flags=()
+) -> list[str]:
+    """llama-server for `slots` concurrent requests: `-np slots` and a context of slots x max_model_len (it
+    divides -c among its slots, so each gets what mtp serve's --max-model-len gives a request), `threads`
+    for generation and for the prompt's batch, on loopback; `flags` those the build needs (run_flags)."""
+    if slots < 1 or threads < 1 or max_model_len < 1:
+        raise ValueError(f"llama-server needs slots, threads and context >= 1, got {slots}, {threads}, {max_model_len}")
+    return [
+        str(binary),
+        "-m",
+        str(gguf),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * max_model_len),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "--no-webui",
+        *flags,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+
+
+def llamacpp_peer(args) -> tuple[str, str] | None:
+    """(llama-server binary, GGUF file) of the peer, or None after one line saying why it does not run."""
+    why = None if args.llamacpp else "--no-llamacpp"
+    why = why or llamacpp_env.missing()
+    gguf = None
+    if why is None:
+        try:
+            gguf = gguf_model(args.model, LLAMA)
+        except ValueError as e:
+            why = str(e)
+    if why is not None:
+        print(f"serve_load: running without the llama-server peer: {why}", file=sys.stderr)
+        return None
+    return str(llamacpp_env.binary("llama-server")), gguf
+
+
+def llama_cell(args, peer: tuple[str, str], prompts: list[str], c: int, n: int, paused: subprocess.Popen) -> dict:
+    """One llama-server cell at concurrency c: mtp serve paused (SIGSTOP), llama-server started with c slots,
+    one untimed warm-up request, the cell as run_cell measures mtp serve's, the server stopped, mtp resumed."""
+    import openai
+
+    port = free_port()
+    cmd = llama_server_cmd(*peer, c, args.threads or os.cpu_count(), args.max_model_len, port, llamacpp_env.run_flags())
+    print("$ " + " ".join(cmd), file=sys.stderr)
+    paused.send_signal(signal.SIGSTOP)
+    with open(Path(args.out) / f"llama-server-c{c}.log", "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc, args.startup_timeout, f"llama-server (see {args.out}/llama-server-c{c}.log)")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+        ask(client, prompts[0], 4, LLAMA_BODY)  # warm-up, excluded
+        return run_cell(client, prompts, LLAMA, LLAMA_BODY, c, n, args.max_tokens, args.cell_timeout)
+    finally:
+        stop(proc)
+        paused.send_signal(signal.SIGCONT)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def merge_cells(cells: list[dict]) -> dict:
     tokens, wall = sum(c["tokens"] for c in cells), sum(c["wall_s"] for c in cells)
     lat = [x for c in cells for x in c["latencies"]]
     passes = sum(c["row_passes"] for c in cells)
+    decode = [d for c in cells for d in c["server_decode"]]  # llama-server's own (tokens, s) after the prompt
     outputs = {}
     for c in cells:
         outputs.update(c["outputs"])
@@ -159,6 +271,10 @@ def merge_cells(cells: list[dict]) -> dict:
         "capped_passes": sum(c["capped_passes"] for c in cells),
         "row_passes": passes,
         "outputs": outputs,
+        "prompt_tokens": {i: n for c in cells for i, n in c["prompt_tokens"].items()},
+        "server_decode_tokens_per_s": (
+            M.tokens_per_s(sum(d[0] for d in decode), sum(d[1] for d in decode)) if decode else None
+        ),
     }
 
 
@@ -168,7 +284,7 @@ def uncapped_outputs(client, args, prompts: list[str], strategies: list[str]) ->
     out = {}
     with ThreadPoolExecutor(max(1, n)) as pool:
         for s in strategies:
-            rs = pool.map(lambda i, s=s: ask(client, prompts[i], s, args.max_tokens, adaptive=False), range(n))
+            rs = pool.map(lambda i, s=s: ask(client, prompts[i], args.max_tokens, mtp_body(s, False)), range(n))
             out[("uncapped", s)] = {"outputs": {i: r.choices[0].message.content for i, r in enumerate(rs)}}
     return out
 
@@ -220,6 +336,12 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[str], str]:
     p.add_argument("--cost-model", default=None, help="cost-model JSON for the server (default: it measures)")
     p.add_argument("--check", type=int, default=2, help="prompts per strategy compared with Engine.generate alone")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument(
+        "--llamacpp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="llama-server (make llamacpp) as a peer on the model's GGUF, -np C slots at concurrency C",
+    )
     p.add_argument("--out", default="results/serve_load")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -232,24 +354,25 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[str], str]:
     return args, strategies, data
 
 
-def measure(client, args, prompts: list[str], strategies: list[str]) -> dict[tuple[int, str], list[dict]]:
-    """One warm-up request per strategy (not counted), then `--rounds` cells per (concurrency, strategy),
-    the strategies' order rotated each round."""
+def measure(client, args, prompts: list[str], strategies: list[str], server, peer) -> dict[tuple[int, str], list[dict]]:
+    """One warm-up request per strategy (not counted), then `--rounds` cells per (concurrency, strategy) and,
+    with the llama-server `peer`, per (concurrency, LLAMA) (`llama_cell`, mtp serve `server` paused), the
+    cells' order rotated at each (concurrency, round)."""
     for s in strategies:  # warm-up, excluded
-        client.chat.completions.create(
-            model="bench",
-            messages=[{"role": "user", "content": prompts[0]}],
-            max_tokens=4,
-            temperature=0,
-            extra_body={"mtp": {"strategy": s}},
-        )
+        ask(client, prompts[0], 4, mtp_body(s))
+    labels = strategies + ([LLAMA] if peer else [])
     cells: dict[tuple[int, str], list[dict]] = {}
+    step = 0
     for c in args.concurrency:
         n = args.requests or max(4, c)
-        for r in range(args.rounds):
-            order = strategies[r % len(strategies) :] + strategies[: r % len(strategies)]
+        for _ in range(args.rounds):
+            order = labels[step % len(labels) :] + labels[: step % len(labels)]
+            step += 1
             for s in order:
-                cell = run_cell(client, prompts, s, c, n, args.max_tokens, args.cell_timeout)
+                if s == LLAMA:
+                    cell = llama_cell(args, peer, prompts, c, n, server)
+                else:
+                    cell = run_cell(client, prompts, s, mtp_body(s), c, n, args.max_tokens, args.cell_timeout)
                 cells.setdefault((c, s), []).append(cell)
                 print(
                     f"c={c:<3} {s:<18} {cell['requests']} req {cell['tokens']} tok {cell['wall_s']:.1f} s "
@@ -260,37 +383,70 @@ def measure(client, args, prompts: list[str], strategies: list[str]) -> dict[tup
     return cells
 
 
-def report(args, strategies: list[str], table: dict, same: dict, uncapped: dict) -> tuple[list[dict], str]:
-    """(a row per cell, the Markdown table): tokens/s and its ratio to ntp's at the same concurrency,
-    latencies, tokens per pass, capped passes, and how many outputs equal `Engine.generate`'s."""
-    rows, lines = (
-        [],
-        [
-            "| concurrency | strategy | requests | tokens/s | vs ntp | p50 s | p95 s | tokens/pass | "
-            "capped passes | identical to generate |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ],
+HEADER = (
+    "| concurrency | strategy | requests | tokens/s e2e | vs ntp | vs llama-server | p50 s | p95 s | tokens/pass | "
+    "capped passes | identical to generate |"
+)
+
+
+def report_line(c: int, s: str, t: dict, ratio, vs_llama, ok) -> str:
+    """One table line: cell `t` of strategy `s` (or LLAMA) at concurrency c."""
+    capped = "-" if s == LLAMA else f"{t['capped_passes']}/{t['row_passes']}"
+    name = f"{LLAMA} (-np {c})" if s == LLAMA else s
+    return (
+        f"| {c} | {name} | {t['requests']} | {t['tokens_per_s']:.1f} | {fmt(ratio, '.2f')}x | "
+        f"{fmt(vs_llama, '.2f')}x | {fmt(t['p50_latency_s'], '.1f')} | {fmt(t['p95_latency_s'], '.1f')} | "
+        f"{fmt(t['tokens_per_forward'], '.2f')} | {capped} | {f'{ok[0]}/{ok[1]}' if ok else '-'} |"
     )
+
+
+def peer_notes(args, table: dict) -> list[str]:
+    """Below the table, per concurrency: llama-server's own decode-only tokens/s and whether it was given as
+    many prompt tokens as mtp serve (the same chat messages, each server's chat template)."""
+    notes = []
+    for c in args.concurrency:
+        if (c, LLAMA) not in table:
+            continue
+        mine, theirs = table[(c, "ntp")]["prompt_tokens"], table[(c, LLAMA)]["prompt_tokens"]
+        same = sum(1 for i in theirs if mine.get(i) == theirs[i])
+        notes.append(
+            f"c={c}: llama-server's own decode-only tokens/s (timings: the prompt's pass excluded, pooled over "
+            f"requests) {fmt(table[(c, LLAMA)]['server_decode_tokens_per_s'], '.1f')}; prompt token counts equal "
+            f"to mtp serve's on {same}/{len(theirs)} prompts"
+        )
+    return notes
+
+
+def report(args, strategies: list[str], table: dict, same: dict, uncapped: dict) -> tuple[list[dict], str]:
+    """(a row per cell, the Markdown table): aggregate tokens/s end to end (all requests' tokens over the
+    cell's wall) and its ratios to ntp's and to llama-server's at the same concurrency, latencies, tokens
+    per pass, capped passes, and how many outputs equal `Engine.generate`'s; llama-server's rows among them."""
+    rows, lines = [], [HEADER, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in args.concurrency:
         base = table[(c, "ntp")]["tokens_per_s"]
-        for s in strategies:
+        peer = table.get((c, LLAMA))
+        for s in strategies + ([LLAMA] if peer else []):
             t = table[(c, s)]
             ratio = M.speedup(t["tokens_per_s"], base)
+            vs_llama = M.speedup(t["tokens_per_s"], peer["tokens_per_s"]) if peer else None
             ok = same.get((c, s))
-            row = {
-                "concurrency": c,
-                "strategy": s,
-                **{k: v for k, v in t.items() if k != "outputs"},
-                "vs_ntp": ratio,
-                "identical": ok,
-            }
-            rows.append(row)
-            lines.append(
-                f"| {c} | {s} | {t['requests']} | {t['tokens_per_s']:.1f} | {fmt(ratio, '.2f')}x | "
-                f"{fmt(t['p50_latency_s'], '.1f')} | {fmt(t['p95_latency_s'], '.1f')} | "
-                f"{fmt(t['tokens_per_forward'], '.2f')} | {t['capped_passes']}/{t['row_passes']} | "
-                f"{f'{ok[0]}/{ok[1]}' if ok else '-'} |"
+            rows.append(
+                {
+                    "concurrency": c,
+                    "strategy": s,
+                    **{k: v for k, v in t.items() if k != "outputs"},
+                    "vs_ntp": ratio,
+                    "vs_llama_server": vs_llama,
+                    "identical": ok,
+                }
             )
+            lines.append(report_line(c, s, t, ratio, vs_llama, ok))
+    lines += [
+        "",
+        "tokens/s e2e: all the cell's completion tokens over its wall time (every request's prompt included), "
+        "the same client code for both servers; vs: that over ntp's / llama-server's at the same concurrency.",
+    ]
+    lines += peer_notes(args, table)
     if uncapped:
         lines += [
             "",
@@ -310,23 +466,21 @@ def main(argv=None) -> int:
 
     import openai
 
+    peer = llamacpp_peer(args)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(args, port, out / "server.log")
     try:
         wait_ready(url, proc, args.startup_timeout)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
-        cells = measure(client, args, prompts, strategies)
+        cells = measure(client, args, prompts, strategies, proc, peer)
         uncapped = uncapped_outputs(client, args, prompts, strategies) if args.check else {}
         import httpx
 
         metrics_text = httpx.get(url + "/metrics", timeout=30).text
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.send_signal(signal.SIGCONT)  # never left paused
+        stop(proc)
     (out / "metrics.prom").write_text(metrics_text)
     table = {key: merge_cells(v) for key, v in cells.items()}
     same = check_identical(args, prompts, strategies, {**table, **uncapped}) if args.check else {}

@@ -126,6 +126,109 @@ def test_aggregate_arithmetic_on_hand_made_runs():
     assert "by_category" not in rec  # no categories in the items
 
 
+def test_decode_timing_excludes_the_prefill_pass():
+    from mtp.core.decoding.metrics import DecodeStats
+    from mtp.eval.bench.rows import decode_timing
+
+    st = DecodeStats(chunks=[1, 2, 3], t_start=10.0, t_first=10.5, t_end=12.0)  # the prefill took 0.5 s
+    assert decode_timing(st) == (5, 1.5)  # 2 + 3 tokens after the first pass, in 12.0 - 10.5 s
+    assert decode_timing(DecodeStats(chunks=[1], t_start=0.0, t_first=0.4, t_end=0.4)) == (0, 0.0)
+    assert decode_timing(DecodeStats(t_start=0.0)) is None  # no pass recorded
+
+
+def test_llamacpp_decode_timing_is_its_predicted_per_second():
+    from mtp.eval.peers import llamacpp_decode_timing
+
+    # llama.cpp b11434: predicted_per_second = (predicted_n - 1) / predicted_ms (the first token is the prompt's)
+    t = {"prompt_n": 40, "prompt_ms": 90.0, "predicted_n": 65, "predicted_ms": 800.0, "predicted_per_second": 80.0}
+    n, secs = llamacpp_decode_timing(t)
+    assert (n, secs) == (64, 0.8) and n / secs == pytest.approx(t["predicted_per_second"])
+    assert llamacpp_decode_timing({"predicted_n": 1, "predicted_ms": 0.001}) == (0, 0.0)
+    assert llamacpp_decode_timing({}) is None
+
+
+def test_llamacpp_peer_reports_its_last_requests_decode_timing():
+    from mtp.eval.peers import HFPeer, LlamaServerPeer
+
+    peer = LlamaServerPeer()
+    assert peer.decode_timing() is None  # nothing served yet
+    peer.timings = [{"predicted_n": 8, "predicted_ms": 100.0}, {"predicted_n": 9, "predicted_ms": 400.0}]
+    assert peer.decode_timing() == (8, 0.4)  # the last request's: 9 - 1 tokens after the prompt in 0.4 s
+    assert HFPeer().decode_timing() is None  # transformers reports no decode-only time
+
+
+def test_aggregate_end_to_end_and_decode_only_speeds():
+    import io
+
+    from rich.console import Console
+
+    items = [{"prompt": "p0"}, {"prompt": "p1"}]
+    # ntp: 10 tokens in 2.0 s end to end per repeat; after the prompts' passes 8 tokens in 1.0 s, then 1.6 s
+    ntp = _row(
+        "ntp",
+        [
+            Run("a", list(range(6)), [1] * 6, walls=[1.2, 1.5], decodes=[(5, 0.6), (5, 1.0)]),
+            Run("b", list(range(4)), [1] * 4, walls=[0.8, 0.5], decodes=[(3, 0.4), (3, 0.6)]),
+        ],
+    )
+    ver = _row(
+        "verify:3",
+        [
+            Run("a", list(range(6)), [1, 3, 2], walls=[0.9, 0.9], decodes=[(5, 0.25), (5, 0.25)]),
+            Run("b", list(range(4)), [1, 3], walls=[0.6, 0.6], decodes=[(3, 0.15), (3, 0.15)]),
+        ],
+    )
+    peer = Row("llamacpp-server", peer=Peer())
+    peer.runs = {0: Run("a", list(range(6)), walls=[1.0, 1.0], decodes=[(5, 0.5), (5, 0.5)])}
+    silent = Row("hf", peer=Peer())  # a peer reporting no decode-only timing
+    silent.runs = {0: Run("a", list(range(6)), walls=[1.0, 1.0], decodes=[None, None])}
+    r_ntp, r_ver, r_peer, r_silent = bench.aggregate([ntp, ver, peer, silent], "prompts", items, repeats=2)
+    # end to end: ntp 10 / 2.0 = 5.0 both repeats; verify:3 10 / 1.5
+    assert r_ntp["tokens_per_s"] == r_ntp["tokens_per_s_e2e"] == pytest.approx(5.0)
+    assert r_ver["tokens_per_s_e2e"] == pytest.approx(10 / 1.5)
+    assert r_ver["speedup_vs_ntp_e2e"] == r_ver["speedup_vs_ntp"] == pytest.approx(4 / 3)
+    # decode-only: ntp 8 / 1.0 and 8 / 1.6 (median of two = their mean), verify:3 8 / 0.4 = 20 both repeats
+    assert r_ntp["tokens_per_s_decode_spread"] == [pytest.approx(5.0), pytest.approx(8.0)]
+    assert r_ntp["tokens_per_s_decode"] == pytest.approx(6.5) and r_ntp["speedup_vs_ntp_decode"] == 1.0
+    assert r_ver["tokens_per_s_decode"] == pytest.approx(20.0)
+    assert r_ver["speedup_decode_spread"] == [pytest.approx(2.5), pytest.approx(4.0)]  # 20/8, 20/5
+    assert r_ver["speedup_vs_ntp_decode"] == pytest.approx(3.25)
+    # the peer on prompt 0 only: decode 10/s; ntp on prompt 0: 5 / 0.6 and 5 / 1.0
+    assert r_peer["tokens_per_s_decode"] == pytest.approx(10.0) and r_peer["tokens_per_s_e2e"] == pytest.approx(6.0)
+    assert r_peer["speedup_decode_spread"] == [pytest.approx(1.2), pytest.approx(2.0)]
+    assert r_silent["tokens_per_s_decode"] is None and r_silent["speedup_vs_ntp_decode"] is None
+    assert r_silent["tokens_per_s_e2e"] == pytest.approx(6.0)
+
+    res = bench.BenchResult("prompts", items, [ntp, ver, peer, silent], [r_ntp, r_ver, r_peer, r_silent], {})
+    text = io.StringIO()
+    bench.print_summary(res, Console(file=text, width=300))
+    printed = text.getvalue()
+    for col in ("tok/s e2e", "× ntp (e2e)", "tok/s decode", "× ntp (decode)"):
+        assert col in printed, col
+    assert "prompt included" in printed and "predicted_per_second" in printed  # the caption says which is which
+    line = next(x for x in printed.splitlines() if "verify:3" in x)
+    cells = [c.strip() for c in line.split("│") if c.strip()]
+    assert cells[:7] == ["verify:3", "2", "2.00", "6.7", "6.7–6.7", "1.33", "20.0"] and cells[7] == "3.25"
+    line = next(x for x in printed.splitlines() if x.lstrip("│ ").startswith("hf (peer)"))
+    assert [c.strip() for c in line.split("│") if c.strip()][3:8] == ["6.0", "6.0–6.0", "1.35", "—", "—"]
+
+
+def test_decode_one_keeps_the_decode_only_timing(tiny_engine):
+    class Timed(Peer):
+        def generate(self, prompt_ids, max_new_tokens):
+            return [5, 6, 7]
+
+        def decode_timing(self):
+            return (2, 0.25)
+
+    ids = tiny_engine.encode("one two three")
+    run = bench.decode_one(tiny_engine, Row("timed", peer=Timed()), ids, 4)
+    assert run.decodes == [(2, 0.25)] and len(run.walls) == 1
+    run = bench.decode_one(tiny_engine, Row("ntp", strategy=Strategy.parse("ntp")), ids, 6)
+    (n, secs), wall = run.decodes[0], run.walls[0]
+    assert len(run.chunks) > 1 and n == sum(run.chunks[1:]) and 0 < secs < wall
+
+
 def test_aggregate_by_category():
     items = [
         {"prompt": "a", "category": "code"},
@@ -397,6 +500,11 @@ def test_tiny_end_to_end_bench(tiny_engine, tmp_path, monkeypatch):
         assert recs[name]["n_prompts"] == 3 and recs[name]["tokens_per_s"] > 0
         assert recs[name]["accuracy"] is not None and len(recs[name]["tokens_per_s_spread"]) == 2
     assert all(r["env"]["torch"] == torch.__version__ for r in res.records)
+    for name in ("ntp", "static:2", "conf_adapt:0.5:4", "verify:3"):  # decode-only too, from each run's passes
+        assert recs[name]["tokens_per_s_decode"] > 0 and recs[name]["tokens_per_s_e2e"] == recs[name]["tokens_per_s"]
+        assert all(len(run.decodes) == 2 for run in res.rows[list(recs).index(name)].runs.values())
+    assert recs["ntp"]["speedup_vs_ntp_decode"] == 1.0
+    assert recs["hf"]["tokens_per_s_decode"] is None and recs["hf"]["tokens_per_s_e2e"] > 0  # hf reports none
     for name in ("conf_adapt:0.5:4", "verify:3", "verify:3@mask-single"):  # advised, or withheld saying why
         (line,) = [a for a in res.advice if a.startswith(f"{name}: ")]
         assert "best K for verify" in line or "conf_adapt's K" in line, line

@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmark strategies and peers: speed, quality, cost model, report",
-        description="Greedy decoding of every prompt by every strategy and peer, interleaved; "
+        description="Greedy decoding of every prompt by every strategy and peer, interleaved; each row's "
+        "speed end to end (tokens / wall time of the request, prompt included) and decode-only (after the "
+        "prompt's pass; llama-server's own timings), each with its ratio to ntp; "
         "writes results.jsonl, pareto.png, acceptance.png and report.html to --out.",
     )
     add_model_args(p)
@@ -124,7 +126,7 @@ def run(args) -> int:
         )
     out = Path(args.out)
     write_outputs(res, out, engine, "mtp " + " ".join(sys.argv[1:]), args.chunk_examples)
-    print_summary(res, Console() if sys.stdout.isatty() else Console(width=160))
+    print_summary(res, Console() if sys.stdout.isatty() else Console(width=200))  # a log: the whole table
     console.print(
         f"wrote {out}/results.jsonl, pareto.png, acceptance.png, report.html"
         + (", profile.json" if res.cost is not None else "")

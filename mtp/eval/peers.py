@@ -14,6 +14,10 @@
                    directory is exported on the fly, f32, 3 drafts).
 The llama-server peers' tokens per pass come from the server's own `draft_n_accepted` (n / (n - accepted),
 counting the prompt's pass as ours do); `params()` carries its own timings (generation tokens/s, drafts).
+Speed is reported two ways: end to end (the bench times `generate`, prompt included: what a client waits
+for) and decode-only (`decode_timing()`: the tokens and seconds after the prompt's pass, as the peer itself
+reports them; for llama-server its `timings`, whose `predicted_per_second` is exactly their ratio; None for
+a peer that does not report it).
 Asking for one without the build is an error (`parse_baselines`), not a skipped row.
 
 Each peer takes the prompt's token ids (already chat-formatted by the engine) and returns the ids it
@@ -63,6 +67,11 @@ class Peer:
 
     def params(self) -> dict:
         return {}
+
+    def decode_timing(self) -> tuple[int, float] | None:
+        """(tokens, seconds) of the last `generate` after the prompt's pass, as the peer reports them; None
+        when it does not (then the bench has no decode-only figure for it)."""
+        return None
 
 
 class HFPeer(Peer):
@@ -207,12 +216,7 @@ class LlamaServerPeer(Peer):
             raise ValueError(
                 f"{self.name}: {self.arg} is neither a .gguf file nor an `mtp export --format llamacpp` folder"
             )
-        path = loading.resolve(engine.loaded.name)
-        if not (path.is_file() and path.suffix == ".gguf"):
-            raise ValueError(
-                f"{self.name} needs a .gguf model or an export folder ({self.name}:DIR), not {path.name!r}"
-            )
-        return str(path), None
+        return gguf_model(engine.loaded.name, self.name), None
 
     def setup(self, engine) -> None:
         self.eos = set(engine.loaded.eos_ids)
@@ -230,6 +234,9 @@ class LlamaServerPeer(Peer):
         )
         self.served = {"target": os.path.basename(target), "drafter": drafter and os.path.basename(drafter)}
         self.timings: list[dict] = []
+
+    def decode_timing(self) -> tuple[int, float] | None:
+        return llamacpp_decode_timing(self.timings[-1]) if getattr(self, "timings", None) else None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         rec = self.server.complete(prompt_ids, max_new_tokens)
@@ -254,6 +261,25 @@ class LlamaServerPeer(Peer):
                 "draft_n_accepted": sum(t.get("draft_n_accepted", 0) for t in self.timings),
             }
         return out
+
+
+def gguf_model(model: str, who: str = "llamacpp-server") -> str:
+    """The .gguf file behind the engine's model name (the shipped `smollm2-135m` is its Q4_1 GGUF), which
+    llama-server serves as is; a model of another kind is a ValueError naming `who`."""
+    path = loading.resolve(model)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"{who} needs a .gguf model or an export folder ({who}:DIR), not {path.name!r}")
+    return str(path)
+
+
+def llamacpp_decode_timing(timings: dict) -> tuple[int, float] | None:
+    """(tokens, seconds) of one llama-server request after its prompt's pass, from its `timings`: the first
+    token comes from the prompt's logits, so `predicted_n - 1` tokens took `predicted_ms` (llama.cpp b11434's
+    `predicted_per_second` is exactly their ratio). None without timings; (0, 0.0) for a single token."""
+    n, ms = timings.get("predicted_n"), timings.get("predicted_ms")
+    if n is None or ms is None:
+        return None
+    return (int(n) - 1, float(ms) / 1e3) if n > 1 else (0, 0.0)
 
 
 def llamacpp_tokens_per_pass(timings: list[dict]) -> float | None:

@@ -20,8 +20,10 @@ COLUMNS = [
     ("strategy", "strategy"),
     ("n_prompts", "n"),
     ("tokens_per_forward", "tokens/pass"),
-    ("tokens_per_s", "tokens/s"),
-    ("speedup_vs_ntp", "speedup vs ntp"),
+    ("tokens_per_s", "tokens/s e2e"),
+    ("speedup_vs_ntp", "× ntp (e2e)"),
+    ("tokens_per_s_decode", "tokens/s decode"),
+    ("speedup_vs_ntp_decode", "× ntp (decode)"),
     ("predicted_speedup", "predicted"),
     ("exact_match", "exact match"),
     ("answer_agreement", "answer agreement"),
@@ -186,7 +188,7 @@ def _cell(key: str, v) -> str:
     if v is None:
         return "—"
     if isinstance(v, float):
-        return f"{v:.1f}" if key == "tokens_per_s" else f"{v:.3f}"
+        return f"{v:.1f}" if key in ("tokens_per_s", "tokens_per_s_decode") else f"{v:.3f}"
     if key == "accepted_share":
         return html.escape(shares_text(v)) or "—"
     return html.escape(str(v))

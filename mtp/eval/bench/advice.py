@@ -74,7 +74,7 @@ def tree_lines(rows: list[Row], records: list[dict]) -> list[str]:
     excluded, as for the predicted speedup), the tokens per pass its nodes' confidences promised and
     the tokens/s that gives (`predict_row_tokens_per_s`: the cost model's t(q), the row's measured time
     outside the forward pass and the loop overhead calibrated on `ntp`), beside the measured tokens per
-    pass of the same passes and the row's measured tokens/s."""
+    pass of the same passes and the row's measured tokens/s (both end to end: the prompt's pass included)."""
     lines = []
     for row, rec in zip(rows, records):
         if row.is_peer or not row.strategy.is_tree or rec["predicted_tokens_per_forward"] is None:
@@ -84,8 +84,8 @@ def tree_lines(rows: list[Row], records: list[dict]) -> list[str]:
         lines.append(
             f"{row.name}: tree of {size}, {rec['tree_nodes_per_pass']:.1f} {kept} per pass on average; "
             f"predicted {rec['predicted_tokens_per_forward']:.2f} tokens/pass, "
-            f"{number(rec['predicted_tokens_per_s'], 1)} tokens/s; measured "
-            f"{rec['steady_tokens_per_forward']:.2f} tokens/pass, {number(rec['tokens_per_s'], 1)} tokens/s"
+            f"{number(rec['predicted_tokens_per_s'], 1)} tokens/s e2e; measured "
+            f"{rec['steady_tokens_per_forward']:.2f} tokens/pass, {number(rec['tokens_per_s'], 1)} tokens/s e2e"
         )
     return lines
 

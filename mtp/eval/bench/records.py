@@ -1,5 +1,8 @@
 """From a bench's runs to its records (`aggregate`: one results.jsonl record per row). Speed is tokens/s
-per repeat (median and spread) and its ratio to the `ntp` row on the same prompts; quality compares the
+per repeat (median and spread) and its ratio to the `ntp` row on the same prompts, twice: end to end
+(`tokens_per_s`, `speedup_vs_ntp`, and the same values under `tokens_per_s_e2e`, `speedup_vs_ntp_e2e`:
+tokens over the wall time of the whole request, prompt included) and decode-only (`tokens_per_s_decode`,
+`speedup_vs_ntp_decode`: after the prompt's pass; None for a peer that does not report it); quality compares the
 first repeat's texts with `ntp`'s (exact match, ROUGE-L, GSM8K answer agreement and accuracy); engine rows
 add their passes (tokens per pass, acceptance by position, per prompt category, who drafted what was
 accepted) and, with a cost model, what it predicts for them (`mtp.eval.bench.pricing`)."""
@@ -11,7 +14,13 @@ from mtp.core.decoding.strategy import Strategy
 from mtp.core.policy import quality
 from mtp.core.policy.costmodel import predict_tokens_per_s
 from mtp.eval.bench.pricing import loop_overhead, predict_row_tokens_per_s, row_cost
-from mtp.eval.bench.rows import Row, guess_seconds, outside_seconds, tokens_per_s_by_repeat
+from mtp.eval.bench.rows import (
+    Row,
+    decode_tokens_per_s_by_repeat,
+    guess_seconds,
+    outside_seconds,
+    tokens_per_s_by_repeat,
+)
 
 FIGURES = (  # every record's figures, None until measured (results.jsonl keeps this order)
     "tokens_per_forward",
@@ -20,6 +29,12 @@ FIGURES = (  # every record's figures, None until measured (results.jsonl keeps 
     "tokens_per_s_spread",
     "speedup_vs_ntp",
     "speedup_spread",
+    "tokens_per_s_e2e",  # = tokens_per_s (end to end, prompt included), named so
+    "speedup_vs_ntp_e2e",  # = speedup_vs_ntp
+    "tokens_per_s_decode",  # decode-only: the prompt's pass excluded (rows.decode_timing, a peer's own timings)
+    "tokens_per_s_decode_spread",
+    "speedup_vs_ntp_decode",  # the per-repeat ratio of decode-only tokens/s to ntp's
+    "speedup_decode_spread",
     "exact_match",
     "answer_agreement",
     "accuracy",
@@ -65,19 +80,26 @@ def aggregate(rows: list[Row], kind: str, items: list[dict], repeats: int, cost=
 
 
 def _speed(rec: dict, row: Row, ref: Row, idx: list[int], common: list[int], repeats: int) -> None:
-    """Tokens and tokens/s per repeat (median, spread); on the prompts both decoded, the per-repeat
-    ratio to `ntp`'s (median, spread)."""
+    """Tokens and tokens/s per repeat (median, spread), end to end and decode-only; on the prompts both
+    decoded, the per-repeat ratios to `ntp`'s (median, spread), each of the same kind."""
     runs = [row.runs[j] for j in idx]
     rec["tokens"] = sum(len(r.token_ids) for r in runs)
     ms = metrics.median_spread(tokens_per_s_by_repeat(runs, repeats))
     rec["tokens_per_s"], rec["tokens_per_s_spread"] = ms[0], [ms[1], ms[2]]
-    if not common:
-        return
-    ref_tps = tokens_per_s_by_repeat([ref.runs[j] for j in common], repeats)
-    own_tps = tokens_per_s_by_repeat([row.runs[j] for j in common], repeats)
-    sp = metrics.median_spread([metrics.speedup(a, b) for a, b in zip(own_tps, ref_tps)])
-    if sp is not None:
-        rec["speedup_vs_ntp"], rec["speedup_spread"] = sp[0], [sp[1], sp[2]]
+    dec = metrics.median_spread(decode_tokens_per_s_by_repeat(runs, repeats))
+    if dec is not None:
+        rec["tokens_per_s_decode"], rec["tokens_per_s_decode_spread"] = dec[0], [dec[1], dec[2]]
+    if common:
+        for by_repeat, key, spread in (
+            (tokens_per_s_by_repeat, "speedup_vs_ntp", "speedup_spread"),
+            (decode_tokens_per_s_by_repeat, "speedup_vs_ntp_decode", "speedup_decode_spread"),
+        ):
+            ref_tps = by_repeat([ref.runs[j] for j in common], repeats)
+            own_tps = by_repeat([row.runs[j] for j in common], repeats)
+            sp = metrics.median_spread([metrics.speedup(a, b) for a, b in zip(own_tps, ref_tps)])
+            if sp is not None:
+                rec[key], rec[spread] = sp[0], [sp[1], sp[2]]
+    rec["tokens_per_s_e2e"], rec["speedup_vs_ntp_e2e"] = rec["tokens_per_s"], rec["speedup_vs_ntp"]
 
 
 def _quality(rec: dict, row: Row, ref: Row, kind: str, items: list[dict], idx: list[int], common: list[int]) -> None:

@@ -1,7 +1,12 @@
 """What one `mtp bench` run holds: its settings (`BenchConfig`), a row per strategy or peer (`Row`), each
 row's decoding of each prompt (`Run`), and the result (`BenchResult`); plus the per-row figures several
-stages read off the runs (tokens/s per repeat, time outside the forward pass per pass, time per guess).
-Plain data: nothing here decodes, prices or prints."""
+stages read off the runs (tokens/s per repeat, end to end and decode-only, time outside the forward pass
+per pass, time per guess). Plain data: nothing here decodes, prices or prints.
+
+Two speeds, said straight: end to end is a run's tokens over its wall time, prompt included (what a client
+waits for); decode-only is the tokens emitted after the prompt's pass over the time after it
+(`decode_timing`: from the engine's DecodeStats, whose first pass is the prefill; a llama-server peer's own
+`timings`, its `predicted_per_second`)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ class Run:
     result: object = None  # engine.Result, kept for the chunk view
     accepted_from: list = field(default_factory=list)  # per pass: who drafted each accepted token (DecodeStats)
     expected: list[float] = field(default_factory=list)  # tree rows, per pass: tokens its drafts promised
+    # per repeat, as walls: (tokens, seconds) after the prompt's pass (`decode_timing`); None = not reported
+    decodes: list[tuple[int, float] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +91,30 @@ def tokens_per_s_by_repeat(runs: list[Run], repeats: int) -> list[float]:
         pairs = [(len(run.token_ids), run.walls[r]) for run in runs if len(run.walls) > r]
         if pairs:
             out.append(metrics.tokens_per_s(sum(p[0] for p in pairs), sum(p[1] for p in pairs)))
+    return out
+
+
+def decode_timing(stats) -> tuple[int, float] | None:
+    """(tokens, seconds) of a decoding after its prompt's pass, from its DecodeStats: the first pass is the
+    prefill, so the tokens the later passes emitted over the time from the end of the first pass to the end
+    of the last; (0, 0.0) when the prefill was the only pass, None when no pass was recorded."""
+    if not stats.chunks or stats.t_first is None or stats.t_end is None:
+        return None
+    return sum(stats.chunks[1:]), max(stats.t_end - stats.t_first, 0.0)
+
+
+def decode_tokens_per_s_by_repeat(runs: list[Run], repeats: int) -> list[float]:
+    """Per repeat r: all prompts' decode-only tokens / their decode-only seconds (`Run.decodes`); empty
+    when a run has no decode-only figure for some repeat (a peer that does not report one), so that the
+    row never mixes kinds."""
+    out = []
+    for r in range(repeats):
+        pairs = [run.decodes[r] if len(run.decodes) > r else None for run in runs if len(run.walls) > r]
+        if not pairs:
+            continue
+        if any(p is None for p in pairs):
+            return []
+        out.append(metrics.tokens_per_s(sum(p[0] for p in pairs), sum(p[1] for p in pairs)))
     return out
 
 

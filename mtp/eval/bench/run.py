@@ -16,7 +16,7 @@ from mtp.eval.bench.advice import cost_advice, llamacpp_draft_advice, tree_lines
 from mtp.eval.bench.machine import environment
 from mtp.eval.bench.pricing import feeds_gated_masks, loop_overhead
 from mtp.eval.bench.records import aggregate
-from mtp.eval.bench.rows import BenchConfig, BenchResult, Row, Run
+from mtp.eval.bench.rows import BenchConfig, BenchResult, Row, Run, decode_timing
 from mtp.eval.peers import make_peer
 
 WARMUP_TOKENS = 8
@@ -77,13 +77,15 @@ def _rows(engine, cfg: BenchConfig, prompts: list[list[int]]) -> list[Row]:
 
 
 def decode_one(engine, row: Row, ids: list[int], max_new: int) -> Run:
-    """`row` decoding prompt `ids` once, timed; an engine row also adds the decoding's proposing time,
-    guesses, time outside the forward pass and passes to the row's totals."""
+    """`row` decoding prompt `ids` once, timed end to end (the wall of the whole call, prompt included) and
+    decode-only (`decode_timing`: the engine's DecodeStats after the prefill pass, a peer's own report); an
+    engine row also adds the decoding's proposing time, guesses, time outside the forward pass and passes to
+    the row's totals."""
     t0 = time.perf_counter()
     if row.is_peer:
         out = row.peer.generate(ids, max_new)
         wall = time.perf_counter() - t0
-        return Run(engine.decode_text(out), out, walls=[wall])
+        return Run(engine.decode_text(out), out, walls=[wall], decodes=[row.peer.decode_timing()])
     seq = engine.new_sequence(ids, row.strategy, SamplingParams(max_new_tokens=max_new), row.proposer)
     for _ in engine.stream(seq):
         pass
@@ -103,6 +105,7 @@ def decode_one(engine, row: Row, ids: list[int], max_new: int) -> Run:
         res,
         list(seq.stats.accepted_from),
         list(seq.stats.expected),
+        decodes=[decode_timing(seq.stats)],
     )
 
 
@@ -142,6 +145,7 @@ def _interleave(engine, rows: list[Row], prompts: list[list[int]], cfg: BenchCon
                     row.runs[j] = run
                 else:
                     row.runs[j].walls.append(run.walls[0])
+                    row.runs[j].decodes.append(run.decodes[0] if run.decodes else None)
 
 
 def _profile(engine, rows: list[Row], cfg: BenchConfig, tick) -> tuple:

@@ -1,4 +1,5 @@
-"""`mtp bench`'s console summary (`print_summary`): the results table (a line per row), tokens per pass per
+"""`mtp bench`'s console summary (`print_summary`): the results table (a line per row; its speeds end to end
+and decode-only, each with its ratio to ntp, as its caption says), tokens per pass per
 prompt category when the prompts carry one, each long error in full, and with `--profile` the measured
 t(q) and the advice lines (`mtp.eval.bench.advice`)."""
 
@@ -12,6 +13,11 @@ from mtp.eval.bench.rows import BenchResult
 from mtp.eval.report import number
 
 SHORT = 28  # characters of an error the table shows; a longer one is printed in full below it
+SPEEDS = (
+    "e2e: tokens / wall time of each request, prompt included (what a client waits for); decode: tokens after "
+    "the prompt's pass / the time after it (ours from the decoding's passes, llama-server's its own "
+    "timings.predicted_per_second; — where a peer reports none); × ntp: the ratio to ntp's of the same kind"
+)
 
 
 def print_summary(res: BenchResult, console=None) -> None:
@@ -33,14 +39,19 @@ def print_summary(res: BenchResult, console=None) -> None:
 
 
 def _results_table(res: BenchResult) -> Table:
-    t = Table(title=f"mtp bench · {res.kind} · {len(res.items)} prompts · {res.env.get('threads')} threads")
+    t = Table(
+        title=f"mtp bench · {res.kind} · {len(res.items)} prompts · {res.env.get('threads')} threads",
+        caption=SPEEDS,
+    )
     cols = [
         "strategy",
         "n",
         "tok/pass",
-        "tok/s",
+        "tok/s e2e",
         "min–max",
-        "speedup",
+        "× ntp (e2e)",
+        "tok/s decode",
+        "× ntp (decode)",
         "exact",
         "agree",
         "acc",
@@ -49,7 +60,7 @@ def _results_table(res: BenchResult) -> Table:
         "error",
     ]
     if res.cost is not None:
-        cols.insert(6, "predicted")
+        cols.insert(cols.index("× ntp (decode)") + 1, "predicted")
     if any(rec.get("accepted_share") for rec in res.records):  # rows that verified drafts: who drafted the accepted
         cols.insert(cols.index("error"), "drafted by")
     for c in cols:
@@ -59,11 +70,13 @@ def _results_table(res: BenchResult) -> Table:
             "strategy": rec["strategy"] + (" (peer)" if rec["peer"] else ""),
             "n": str(rec["n_prompts"]),
             "tok/pass": number(rec["tokens_per_forward"]),
-            "tok/s": number(rec["tokens_per_s"], 1),
+            "tok/s e2e": number(rec["tokens_per_s"], 1),
             "min–max": f"{rec['tokens_per_s_spread'][0]:.1f}–{rec['tokens_per_s_spread'][1]:.1f}"
             if rec["tokens_per_s_spread"]
             else "",
-            "speedup": number(rec["speedup_vs_ntp"]),
+            "× ntp (e2e)": number(rec["speedup_vs_ntp"]),
+            "tok/s decode": number(rec.get("tokens_per_s_decode"), 1),
+            "× ntp (decode)": number(rec.get("speedup_vs_ntp_decode")),
             "predicted": number(rec["predicted_speedup"]),
             "exact": number(rec["exact_match"]),
             "agree": number(rec["answer_agreement"]),
