@@ -386,3 +386,16 @@ def test_matched_verification_accepts_a_draft_with_its_probability():
         counts[d if a == 1 else own] += 1
     assert abs(hits / n - float(p[d])) < 0.02
     assert (counts / n - p).abs().max() < 0.02
+
+
+def test_argmax_is_torchs_argmax_on_every_kind_of_row():
+    """`sampling.argmax` (numpy on CPU float32 rows) picks what torch.argmax picks: the first of equal
+    maxima, a NaN as the largest, all -inf rows, random rows of a large vocabulary, one row or many."""
+    from mtp.core.decoding.sampling import argmax
+
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, nan, 3.0, nan], [2.0, 5.0, 5.0, -inf], [-inf] * 4, [0.0, -0.0, 0.0, -1.0]])
+    big = torch.randn(7, 49152, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # many ties
+    for x in (rows, big, big[3], big[:, :100].t().contiguous()):
+        got = argmax(x)
+        assert got.dtype == torch.long and torch.equal(got, torch.argmax(x, -1))

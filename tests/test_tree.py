@@ -14,6 +14,7 @@ from helpers import SMALL_V, StubTree, mask_model, random_heads, require_smollm2
 
 from mtp.core.decoding import tree
 from mtp.core.decoding.decode import Sequence, _branch_layout, block_slack, decode_step, generate
+from mtp.core.decoding.metrics import PHASES
 from mtp.core.decoding.proposers import DraftRequest, Guesses, MaskProposer, PassView, PromptLookupProposer, Proposer
 from mtp.core.decoding.proposers import heads as N
 from mtp.core.decoding.sampling import SamplingParams, probs_from_logits
@@ -137,7 +138,7 @@ def test_ranked_orders_by_confidence_and_stops_where_a_prefix_would_not_be_a_tre
     assert tree.keep([-1, -1, 0, 1], [0.6, 0.6, 0.3, 0.5], lambda q: 1.0) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("cost, fewer_passes", [(lambda q: 1.0, True), (lambda q: 1.0 + q, False)])
+@pytest.mark.parametrize("cost, fewer_passes", [(lambda q: 1.0, True), (lambda q: 1.0 + 2 * q, False)])
 def test_auto_tree_sizes_itself_by_the_pass_time_and_stays_exact(cost, fewer_passes):
     model = tiny_model(0)
     want = generate(model, PROMPT, "ntp", params=params(30)).output
@@ -149,7 +150,7 @@ def test_auto_tree_sizes_itself_by_the_pass_time_and_stays_exact(cost, fewer_pas
     assert seq.output == want
     if fewer_passes:  # flat t(q): every node pays, as tree:5
         assert seq.stats.forward_passes < len(want) / 2
-    else:  # t(q) = 1 + q: five nodes at 0.5 never beat a plain pass
+    else:  # t(q) = 1 + 2q: nodes at 0.5 never beat a plain pass (not with ms of bookkeeping added either)
         assert seq.stats.forward_passes == len(want) and max(seq.stats.blocks[1:]) == 1
     with pytest.raises(ValueError, match="pass times"):
         Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(30), StubTree(want, len(PROMPT)))
@@ -166,6 +167,29 @@ def test_every_pass_times_itself_outside_the_forward_pass():
             decode_step(model, cache, [seq], None)
     assert seq.output == want
     assert len(seq.stats.outside_s) == seq.stats.forward_passes and min(seq.stats.outside_s) > 0
+    # split by phase (metrics.PHASES), the parts summing to the whole
+    assert [len(p) for p in seq.stats.phase_s] == [len(PHASES)] * seq.stats.forward_passes
+    assert all(sum(p) == pytest.approx(o) and min(p) >= 0 for p, o in zip(seq.stats.phase_s, seq.stats.outside_s))
+    last = seq.stats.outside_s[-8:]
+    assert seq.bookkeeping_s() == pytest.approx(sum(last) / len(last))
+
+
+def test_auto_tree_prices_the_bookkeeping_of_a_pass():
+    """Every pass pays the loop around its forward pass whatever the tree's size, so a row whose
+    bookkeeping is dear keeps nodes a free loop would not: rates (1 + 0.5 n) / (t(1 + n) + b)."""
+    model = tiny_model(0)
+    want = generate(model, PROMPT, "ntp", params=params(12)).output
+    cost = lambda q: 1.0 + q  # noqa: E731  plain 1 / 2, one node 1.5 / 3: a tie that bookkeeping breaks
+    seq = Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(12), StubTree(want, len(PROMPT)), pass_time=cost)
+    assert seq.bookkeeping_s() == 0.0  # nothing measured yet
+    seq.stats.outside_s = [0.5] * 3  # as if its passes had spent half a second each outside the forward
+    assert seq.bookkeeping_s() == 0.5
+    cache = KVCache.for_model(model, 1, len(PROMPT) + 12 + block_slack(seq.strategy.k))
+    with torch.inference_mode():
+        while not seq.finished:
+            decode_step(model, cache, [seq], None)
+    assert seq.output == want
+    assert max(seq.stats.blocks[1:]) > 1  # nodes kept: with b = 0 the tie keeps none (the test above)
 
 
 @pytest.mark.parametrize("which", ["lookup", "heads", "mask"])

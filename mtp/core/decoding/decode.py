@@ -140,6 +140,13 @@ class Sequence:
         g = self.group_size()
         return self.n_appended() // g if g else 0
 
+    def bookkeeping_s(self, recent: int = 8) -> float:
+        """Seconds a pass of this row spends outside its forward pass (`DecodeStats.outside_s`), the mean
+        of its last `recent` passes (0 before its first): what `tree:auto` adds to t(q) when it prices a
+        tree, since every pass pays it whatever the tree's size."""
+        last = self.stats.outside_s[-recent:]
+        return sum(last) / len(last) if last else 0.0
+
     def mask_anchors(self) -> list[int]:
         """The draft after which each of this pass's mask groups sits, in block order (-1: the root,
         i.e. after the pending tokens, nothing accepted). A chain of D drafts: after all D first, then
@@ -172,21 +179,25 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
       5-6. `_commit`: per row, emit by strategy, commit to the cache, record the pass."""
     t0 = time.perf_counter()
     batch = _blocks(seqs, cache, mask_id)
-    t_fwd = time.perf_counter()
+    t1 = time.perf_counter()
     out = _forward(model, cache, seqs, batch, mask_id)
-    t_fwd = time.perf_counter() - t_fwd
+    t2 = time.perf_counter()
     for s, scored in zip(seqs, out.prompt or ()):
         if scored is not None:
             s.prompt_token_logprobs = scored
     accepted = [_accept(s, i, batch, out) for i, s in enumerate(seqs)]
+    t3 = time.perf_counter()
     drafted = _draft(seqs, [a.view for a in accepted])
+    t4 = time.perf_counter()
     emitted = [
         _commit(s, cache, batch.starts[i], len(batch.blocks[i]), a, d)
         for i, (s, a, d) in enumerate(zip(seqs, accepted, drafted))
     ]
-    outside = time.perf_counter() - t0 - t_fwd
+    t5 = time.perf_counter()
+    phases = (t1 - t0, t3 - t2, t4 - t3, t5 - t4)  # layout, accept, draft, commit (metrics.PHASES)
     for s in seqs:
-        s.stats.outside_s.append(outside)
+        s.stats.outside_s.append(sum(phases))
+        s.stats.phase_s.append(phases)
     return emitted
 
 
@@ -224,10 +235,8 @@ def _blocks(seqs: list[Sequence], cache: KVCache, mask_id: int | None) -> _Batch
         anchors.append(s.mask_anchors())
         branched.append((s.strategy.is_tree and bool(s.drafts)) or len(anchors[-1]) > 1)
     B, T = len(seqs), max(len(b) for b in blocks)
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    for i, b in enumerate(blocks):
-        tokens[i, : len(b)] = torch.tensor(b)
-    slots_pos = torch.tensor(starts).view(B, 1) + torch.arange(T).view(1, T)  # [B, T]
+    tokens = torch.tensor([b + [0] * (T - len(b)) for b in blocks])  # [B, T] right-padded
+    slots_pos = torch.tensor([list(range(c, c + T)) for c in starts])  # [B, T]
     positions, attn_mask = slots_pos, None
     if any(branched):
         positions, attn_mask = _branch_layout(seqs, slots_pos, branched)
@@ -242,7 +251,7 @@ def _blocks(seqs: list[Sequence], cache: KVCache, mask_id: int | None) -> _Batch
     if any(lead):
         front = torch.tensor([[min(j, max(n - 1, 0)) for j in range(max(lead))] for n in lead])
         out_index = torch.cat([front, out_index], 1)
-    slots = torch.tensor([s.slot for s in seqs])
+    slots = [s.slot for s in seqs]
     return _Batch(
         blocks,
         starts,
@@ -252,7 +261,7 @@ def _blocks(seqs: list[Sequence], cache: KVCache, mask_id: int | None) -> _Batch
         positions,
         attn_mask,
         out_index,
-        None if slots.tolist() == list(range(B)) else slots,
+        None if slots == list(range(B)) else torch.tensor(slots),
         lead if any(lead) else None,
     )
 
@@ -422,7 +431,9 @@ def _draft(seqs: list[Sequence], views: list[PassView]) -> list[_Drafted]:
         if s.strategy.auto and guesses.tokens:  # keep the nodes worth their rows (and their masks) here
             appended = lambda n, s=s: s.proposer.n_appended(s.strategy.guess_k(s.k), n)  # noqa: E731
             believed = tree.trusted(guesses.parents, guesses.confidences, s.tree_trust)
-            guesses = guesses.select(tree.keep(guesses.parents, believed, s.pass_time, appended=appended))
+            b = s.bookkeeping_s()  # a pass costs its forward and the loop around it: price both
+            priced = lambda q, s=s, b=b: s.pass_time(q) + b  # noqa: E731
+            guesses = guesses.select(tree.keep(guesses.parents, believed, priced, appended=appended))
         out.append(_Drafted(finite_prefix(guesses), seconds, count))
     return out
 

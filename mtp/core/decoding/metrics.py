@@ -38,6 +38,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+# the parts of a decoding step outside its forward pass, in `DecodeStats.phase_s` order: laying out the
+# block (tokens, positions, a tree's attention), accepting drafts, drafting the next ones, committing
+PHASES = ("layout", "accept", "draft", "commit")
+
 
 @dataclass
 class DecodeStats:
@@ -52,6 +56,7 @@ class DecodeStats:
     # per pass: seconds of its decoding step outside the forward pass (laying out the block, accepting, drafting,
     # committing), the whole batch's step for a batched row
     outside_s: list[float] = field(default_factory=list)
+    phase_s: list[tuple[float, ...]] = field(default_factory=list)  # per pass: outside_s split by PHASES
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_end: float | None = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 TEMPERATURE_MAX = 2.0  # every front end accepts temperatures in [0, TEMPERATURE_MAX]
@@ -84,10 +85,19 @@ def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] each row's index of its largest value, the first of equal ones (a NaN counts as the
+    largest), as `torch.argmax`; on CPU float32 rows through numpy, whose argmax over a 49k vocabulary takes
+    ~3 us where torch's takes ~35 (every pass of every strategy reads one or more)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(np.asarray(logits.numpy().argmax(-1)))  # a 0-d array for one row
+    return logits.argmax(-1)
+
+
 def pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
     """[N, V] logits -> ([N] tokens, [N, V] probs or None under greedy)."""
     if params.greedy:
-        return logits.argmax(-1), None
+        return argmax(logits), None
     probs = probs_from_logits(logits, params)
     return sample(probs, gen), probs
 
@@ -105,7 +115,7 @@ def verify_drafts(
     drafts go through rejection sampling (the module docstring)."""
     D = len(drafts)
     if params.greedy:
-        model_tokens = target_logits.argmax(-1).tolist()  # [D+1]
+        model_tokens = argmax(target_logits).tolist()  # [D+1]
         a = 0
         while a < D and drafts[a] == model_tokens[a]:
             a += 1

@@ -89,23 +89,26 @@ def ancestors(parents: list[int], j: int) -> list[int]:
 def apply_layout(positions: torch.Tensor, attn: torch.Tensor, row: int, c: int, P: int, parents: list[int]) -> None:
     """Write one row's tree layout into positions [B, T] and attn [B, T, S] (bool, True = attend):
     node j at block index P + j, RoPE position c + P - 1 + depth(j), seeing slots 0..c+P-1 and the
-    slots c+P+i of its ancestors i and itself."""
+    slots c+P+i of its ancestors i and itself. The tree's own [n, n] part is built in Python lists (a
+    node sees what its parent sees, and itself) and written with one copy: a few tensor calls a row,
+    whatever the tree's depth."""
     n = len(parents)
     if not n:
         return
-    positions[row, P : P + n] = c + P - 1 + torch.tensor(depths(parents))
-    par = torch.tensor(parents)  # [n]
-    everyone = torch.arange(n)
-    seen = torch.zeros(n, n, dtype=torch.bool)  # [n, n]: node r sees node j
-    node = everyone.clone()  # every node walks up to the root at once, marking what it passes
-    while bool((node >= 0).any()):
-        live = node >= 0
-        seen[everyone[live], node[live]] = True
-        node = torch.where(live, par[node.clamp(min=0)], node)
+    depth: list[int] = []
+    seen: list[list[bool]] = []  # seen[r][j]: node r sees node j
+    for j, p in enumerate(parents):
+        if not -1 <= p < j:
+            raise ValueError(f"tree node {j} has parent {p}: parents must precede their children")
+        depth.append(1 if p < 0 else depth[p] + 1)
+        line = [False] * n if p < 0 else seen[p].copy()
+        line[j] = True
+        seen.append(line)
+    positions[row, P : P + n] = torch.tensor(depth) + (c + P - 1)
     rows = attn[row, P : P + n]  # [n, S] view
-    rows[:] = False
     rows[:, : c + P] = True
-    rows[:, c + P : c + P + n] = seen
+    rows[:, c + P :] = False
+    rows[:, c + P : c + P + n] = torch.tensor(seen)
 
 
 def with_groups(parents: list[int], anchors: list[int], g: int) -> list[int]:
