@@ -18,6 +18,7 @@ from mtp.eval.bench.rows import (
     Row,
     decode_tokens_per_s_by_repeat,
     guess_seconds,
+    outside_ms_by_phase,
     outside_seconds,
     tokens_per_s_by_repeat,
 )
@@ -49,6 +50,8 @@ FIGURES = (  # every record's figures, None until measured (results.jsonl keeps 
     "steady_tokens_per_forward",
     "predicted_tokens_per_forward",
     "predicted_tokens_per_s",
+    "outside_ms_per_pass",  # engine rows: ms per pass outside the forward pass (the loop's bookkeeping)
+    "outside_ms_by_phase",  # the same by phase (metrics.PHASES: layout, accept, draft, commit)
 )
 
 
@@ -133,6 +136,8 @@ def _passes(rec: dict, row: Row, ref: Row, items: list[dict], idx: list[int], co
     if cats:  # prompts files with a 'category' field: the row's numbers per category
         rec["by_category"] = {c: _category(row, ref, items, idx, common, c) for c in cats}
     rec["proposing_ms_per_guess"] = guess_seconds(row) * 1e3
+    rec["outside_ms_per_pass"] = round(outside_seconds(row) * 1e3, 4)  # the loop around the forward pass
+    rec["outside_ms_by_phase"] = outside_ms_by_phase(row)
     if row.strategy.thresholded and common:
         rec["oracle_tokens_per_forward"] = _oracle(ref, common, row.strategy)
     if row.strategy.verifies:  # which proposer (a merge's part) drafted the accepted tokens

@@ -45,6 +45,7 @@ class Row:
     guesses: int = 0  # guesses it made there
     outside_s: float = 0.0  # seconds its decoding steps spent outside the forward pass there (DecodeStats.outside_s)
     timed_passes: int = 0  # the passes those times cover
+    phase_s: list[float] = field(default_factory=list)  # outside_s split by metrics.PHASES (DecodeStats.phase_s)
     masks: bool = False  # its passes feed mask tokens the adapters act on (priced by the masked t(q))
     error: str | None = None
     skipped: str | None = None
@@ -121,6 +122,13 @@ def decode_tokens_per_s_by_repeat(runs: list[Run], repeats: int) -> list[float]:
 def outside_seconds(row: Row) -> float:
     """Seconds per pass the row's decoding steps spent outside the forward pass (0 when none was timed)."""
     return row.outside_s / row.timed_passes if row.timed_passes else 0.0
+
+
+def outside_ms_by_phase(row: Row) -> dict[str, float]:
+    """Milliseconds per pass outside the forward pass, by phase (`metrics.PHASES`); {} when none was timed."""
+    if not row.timed_passes or not row.phase_s:
+        return {}
+    return {k: round(1e3 * v / row.timed_passes, 4) for k, v in zip(metrics.PHASES, row.phase_s)}
 
 
 def guess_seconds(row: Row) -> float:

@@ -94,6 +94,8 @@ def decode_one(engine, row: Row, ids: list[int], max_new: int) -> Run:
     row.guesses += sum(seq.stats.guesses)
     row.outside_s += sum(seq.stats.outside_s)
     row.timed_passes += len(seq.stats.outside_s)
+    for parts in seq.stats.phase_s:
+        row.phase_s = [a + b for a, b in zip(row.phase_s or [0.0] * len(parts), parts)]
     res = engine.result(seq)
     return Run(
         res.text,
@@ -119,7 +121,7 @@ def _warm_up(engine, rows: list[Row], prompts: list[list[int]], cfg: BenchConfig
             except Exception as e:
                 row.error = f"{type(e).__name__}: {e}"
             row.proposing_s, row.guesses = 0.0, 0  # proposing is timed on measured runs only
-            row.outside_s, row.timed_passes = 0.0, 0
+            row.outside_s, row.timed_passes, row.phase_s = 0.0, 0, []
 
 
 def _interleave(engine, rows: list[Row], prompts: list[list[int]], cfg: BenchConfig, tick) -> None:
