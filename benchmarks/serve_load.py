@@ -77,6 +77,8 @@ def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
         str(args.max_tokens),
         "--log-level",
         "warning",
+        "--weights",
+        args.weights,
     ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -296,7 +298,9 @@ def check_identical(args, prompts: list[str], strategies: list[str], table: dict
     from mtp.core.engine import Engine, EngineConfig
 
     engine = Engine.load(
-        EngineConfig(model=args.model, adapter=args.adapter, proposer=args.proposer, threads=args.threads)
+        EngineConfig(
+            model=args.model, adapter=args.adapter, proposer=args.proposer, threads=args.threads, weights=args.weights
+        )
     )
     out = {}
     for s in strategies:
@@ -332,6 +336,11 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[str], str]:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--cell-timeout", type=float, default=300.0, help="stop issuing requests in a cell after this")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--weights",
+        default="native",
+        help="mtp serve's --weights (native: its default; native-int8: as llama.cpp's Q4_1 path)",
+    )
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--cost-model", default=None, help="cost-model JSON for the server (default: it measures)")
     p.add_argument("--check", type=int, default=2, help="prompts per strategy compared with Engine.generate alone")
