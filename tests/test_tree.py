@@ -182,7 +182,7 @@ def test_auto_tree_prices_the_bookkeeping_of_a_pass():
     cost = lambda q: 1.0 + q  # noqa: E731  plain 1 / 2, one node 1.5 / 3: a tie that bookkeeping breaks
     seq = Sequence(list(PROMPT), Strategy.parse("tree:auto"), params(12), StubTree(want, len(PROMPT)), pass_time=cost)
     assert seq.bookkeeping_s() == 0.0  # nothing measured yet
-    seq.stats.outside_s = [0.5] * 3  # as if its passes had spent half a second each outside the forward
+    seq.stats.phase_s = [(0.1, 0.1, 0.2, 0.1)] * 3  # as if its passes had spent half a second each outside
     assert seq.bookkeeping_s() == 0.5
     cache = KVCache.for_model(model, 1, len(PROMPT) + 12 + block_slack(seq.strategy.k))
     with torch.inference_mode():

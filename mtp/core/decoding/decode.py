@@ -141,11 +141,11 @@ class Sequence:
         return self.n_appended() // g if g else 0
 
     def bookkeeping_s(self, recent: int = 8) -> float:
-        """Seconds a pass of this row spends outside its forward pass (`DecodeStats.outside_s`), the mean
-        of its last `recent` passes (0 before its first): what `tree:auto` adds to t(q) when it prices a
-        tree, since every pass pays it whatever the tree's size."""
-        last = self.stats.outside_s[-recent:]
-        return sum(last) / len(last) if last else 0.0
+        """Seconds a pass of this row spends outside its forward pass (`DecodeStats.phase_s`, summed), the
+        mean of its last `recent` passes (0 before its first): what `tree:auto` adds to t(q) when it prices
+        a tree, since every pass pays it whatever the tree's size."""
+        last = self.stats.phase_s[-recent:]
+        return sum(map(sum, last)) / len(last) if last else 0.0
 
     def mask_anchors(self) -> list[int]:
         """The draft after which each of this pass's mask groups sits, in block order (-1: the root,
@@ -196,7 +196,6 @@ def decode_step(model, cache: KVCache, seqs: list[Sequence], mask_id: int | None
     t5 = time.perf_counter()
     phases = (t1 - t0, t3 - t2, t4 - t3, t5 - t4)  # layout, accept, draft, commit (metrics.PHASES)
     for s in seqs:
-        s.stats.outside_s.append(sum(phases))
         s.stats.phase_s.append(phases)
     return emitted
 

@@ -53,10 +53,9 @@ class DecodeStats:
     expected: list[float] = field(default_factory=list)  # tree rows, per pass: tree_expected_tokens of its drafts
     proposing_s: list[float] = field(default_factory=list)  # per pass: seconds the proposer spent drafting after it
     guesses: list[int] = field(default_factory=list)  # per pass: guesses the proposer returned
-    # per pass: seconds of its decoding step outside the forward pass (laying out the block, accepting, drafting,
-    # committing), the whole batch's step for a batched row
-    outside_s: list[float] = field(default_factory=list)
-    phase_s: list[tuple[float, ...]] = field(default_factory=list)  # per pass: outside_s split by PHASES
+    # per pass: seconds of its decoding step outside the forward pass by phase (PHASES: laying out the block,
+    # accepting, drafting, committing), the whole batch's step for a batched row; `outside_s` sums them
+    phase_s: list[tuple[float, ...]] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_end: float | None = None
@@ -84,6 +83,11 @@ class DecodeStats:
         if self.t_first is None:
             self.t_first = now
         self.t_end = now
+
+    @property
+    def outside_s(self) -> list[float]:
+        """Per pass: seconds of its decoding step outside the forward pass (its phases summed)."""
+        return [sum(p) for p in self.phase_s]
 
     @property
     def forward_passes(self) -> int:

@@ -93,9 +93,10 @@ def decode_one(engine, row: Row, ids: list[int], max_new: int) -> Run:
     row.proposing_s += sum(seq.stats.proposing_s)
     row.guesses += sum(seq.stats.guesses)
     row.outside_s += sum(seq.stats.outside_s)
-    row.timed_passes += len(seq.stats.outside_s)
-    for parts in seq.stats.phase_s:
-        row.phase_s = [a + b for a, b in zip(row.phase_s or [0.0] * len(parts), parts)]
+    row.timed_passes += len(seq.stats.phase_s)
+    if seq.stats.phase_s:  # each phase's seconds over this decoding's passes, added to the row's
+        totals = [sum(col) for col in zip(*seq.stats.phase_s)]
+        row.phase_s = [a + b for a, b in zip(row.phase_s or [0.0] * len(totals), totals)]
     res = engine.result(seq)
     return Run(
         res.text,
